@@ -1,0 +1,180 @@
+"""The public entry points: autopar.plan (offline) and autopar.parallelize (on every rank)."""
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+import cost_models as cm
+
+from .capture import INPUT, OUTPUT, PARAM, Captured, capture
+from .classics import axis_roles
+from .collectives import AxisGroup, Comm
+from .cost import first_meta, needs_grad, saved_outputs
+from .errors import AutoparError, InfeasiblePlanError, MeshError, PlanError, ShardingError
+from .mesh import MeshSpec, mesh_spec
+from .plan_result import CollectiveRecord, Plan
+from .predict import predict
+from .rewrite import rewrite
+from .runtime import ParallelModule
+from .search import Problem, build_edges, solve
+from .strategies import all_strategies
+
+
+def _hardware(hardware, mesh):
+    default = "h100"
+    if hasattr(mesh, "device_type") and mesh.device_type == "cpu":
+        default = "cpu"
+    try:
+        return cm.get_hardware(hardware, default=default)
+    except cm.CostModelError as e:
+        raise AutoparError(str(e)) from e
+
+
+def _memory_limit(value):
+    if value is None:
+        return None
+    try:
+        return cm.parse_bytes(value)
+    except cm.CostModelError as e:
+        raise AutoparError(f"memory_limit: {e}") from e
+
+
+def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
+    """A named classic that splits the batch needs every input's batch dim to divide."""
+    pinned = [a for a, split in roles.batch_axes().items() if split]
+    if not pinned:
+        return
+    n = 1
+    for a in pinned:
+        n *= spec.axis_sizes[a]
+    for name in cap.input_names:
+        meta = first_meta(cap.info[name].meta)
+        if meta is not None and meta.ndim > 0 and meta.hint[0] % n:
+            axes = ", ".join(f"{spec.axis_names[a]}={spec.axis_sizes[a]}" for a in pinned)
+            raise ShardingError(
+                f"input {name!r} has batch size {meta.hint[0]} (dim 0), which the batch-splitting mesh axes "
+                f"({axes}) cannot divide into {n} equal shards; use a global batch that is a multiple of {n}")
+
+
+def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_limit=None,
+         strategy: str = "auto", precision=None, dynamic_shapes=None, links=None,
+         time_limit: float = 60.0, **options) -> Plan:
+    """Plan how to split `model` over `mesh`, without running it or touching a process group.
+
+    `mesh` is a DeviceMesh with named axes or a mapping {axis_name: size}; the
+    model may live on the meta device. See docs/ARCHITECTURE.md.
+    """
+    if options:
+        raise AutoparError(f"unknown option(s) {sorted(options)} for autopar.plan")
+    if precision is not None:
+        raise AutoparError("precision policies are not supported yet; plan in the model's own dtype "
+                           "(precision=None)")
+    t0 = time.perf_counter()
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    cap = capture(model, example_inputs, dynamic_shapes)
+    t_capture = time.perf_counter() - t0
+    return _plan_captured(cap, mesh, hardware=hardware, memory_limit=memory_limit, strategy=strategy,
+                          links=links, time_limit=time_limit, t_capture=t_capture)
+
+
+def _plan_captured(cap: Captured, mesh, *, hardware, memory_limit, strategy, links, time_limit,
+                   t_capture=0.0) -> Plan:
+    spec = mesh_spec(mesh)
+    hw = _hardware(hardware, mesh)
+    try:
+        axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, links)
+    except cm.CostModelError as e:
+        raise MeshError(str(e)) from e
+    limit = _memory_limit(memory_limit)
+    roles = axis_roles(strategy, spec)
+    _check_batch_divisible(cap, spec, roles)
+    t0 = time.perf_counter()
+    strategies = all_strategies(cap, spec)
+    prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
+                   needs_grad(cap), saved_outputs(cap))
+    t_rules = time.perf_counter() - t0
+    sol = solve(prob, roles, limit, time_limit)
+    if not sol.choice:
+        free = solve(prob, roles, None, time_limit) if limit is not None else sol
+        if not free.choice:
+            raise ShardingError(
+                f"strategy {strategy!r} cannot be laid out on mesh {spec}: some tensor dim does not divide by "
+                "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree); "
+                "use strategy='auto', another mesh, or sizes divisible by the axis sizes")
+        least = solve(prob, roles, None, time_limit, minimize_memory=True)
+        raise InfeasiblePlanError(
+            f"no {strategy!r} plan on mesh {spec} fits memory_limit={cm.format_bytes(limit)} per device: "
+            f"the smallest any such plan needs is {cm.format_bytes(least.objective)} "
+            f"({least.objective:.0f} bytes). Raise the limit, add devices, or try another strategy.",
+            min_memory_bytes=least.objective)
+    pred, colls = predict(prob, sol.choice, symbolic=False)
+    sym, _ = predict(prob, sol.choice, symbolic=True)
+    node_strategies = {n: ns.strategies[sol.choice[n]] for n, ns in strategies.items()}
+    param_placements = {cap.info[n].target_name: s.output for n, s in node_strategies.items()
+                        if cap.info[n].kind == PARAM}
+    input_placements = tuple(node_strategies[n].output if n in node_strategies else (("R",) * spec.num_axes)
+                             for n in cap.input_names)
+    output_placements = tuple(node_strategies["output"].inputs)
+    records = tuple(CollectiveRecord(c.kind, spec.axis_names[c.axis], c.phase, float(c.full_bytes), c.where,
+                                     cap.info[c.where].module_path if c.where in cap.info else "")
+                    for c in colls)
+    stats = {"capture_seconds": t_capture, "rules_seconds": t_rules, "solve_seconds": sol.solve_seconds,
+             "status": sol.status, "objective_seconds": sol.objective,
+             "num_nodes": len(strategies), "num_edges": len(prob.edges)}
+    return Plan(mesh=spec, strategy=strategy, hardware=hw.name,
+                batch_axes=tuple(spec.axis_names[a] for a in sol.batch_axes),
+                node_strategies=node_strategies, param_placements=param_placements,
+                input_placements=input_placements, output_placements=output_placements,
+                module_paths={n: cap.info[n].module_path for n in strategies},
+                collectives=records, predicted=pred, symbolic=sym,
+                symbols={str(s): v for s, v in cap.hints.items()}, stats=stats)
+
+
+def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | None = None,
+                dynamic_shapes=None, record_comm: bool = False, **plan_kwargs) -> ParallelModule:
+    """Run on every rank: returns this rank's module, holding only its shards.
+
+    `example_inputs` are global (whole-batch) example inputs; the returned
+    module takes this rank's shard of the inputs (`model.plan.local_inputs`).
+    `record_comm=True` logs every collective (model.comm.log) for audits.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError("parallelize needs a torch DeviceMesh (e.g. init_device_mesh('cpu', (2, 2), "
+                        "mesh_dim_names=('dp', 'tp'))); for planning without devices use autopar.plan")
+    if not dist.is_initialized():
+        raise MeshError("torch.distributed is not initialized; run under torchrun and call "
+                        "init_device_mesh first")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    spec = mesh_spec(mesh)
+    cap = capture(model, example_inputs, dynamic_shapes)
+    if plan is None:
+        plan = _plan_captured(cap, mesh, hardware=plan_kwargs.pop("hardware", None),
+                              memory_limit=plan_kwargs.pop("memory_limit", None),
+                              strategy=plan_kwargs.pop("strategy", "auto"), links=plan_kwargs.pop("links", None),
+                              time_limit=plan_kwargs.pop("time_limit", 60.0))
+        if plan_kwargs:
+            raise AutoparError(f"unknown option(s) {sorted(plan_kwargs)} for autopar.parallelize")
+    _check_plan_matches(plan, cap, spec)
+    coords = mesh.get_coordinate()
+    axes = [AxisGroup(mesh.get_group(name), size, coords[i])
+            for i, (name, size) in enumerate(zip(spec.axis_names, spec.axis_sizes))]
+    from .collectives import CommLog
+    comm = Comm(axes, CommLog() if record_comm else None)
+    gm, gathered = rewrite(cap, plan, comm, needs_grad(cap))
+    return ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh)
+
+
+def _check_plan_matches(plan: Plan, cap: Captured, spec: MeshSpec) -> None:
+    if plan.mesh != spec:
+        raise PlanError(f"the plan was made for mesh {plan.mesh}, not {spec}")
+    missing = [n for n in plan.node_strategies if n not in cap.info]
+    if missing:
+        raise PlanError(f"the plan names graph nodes this model does not have ({missing[:5]}...): "
+                        "it was made for another model or other example inputs")

@@ -1,0 +1,118 @@
+"""Named classic strategies as restrictions of the same search space.
+
+"ddp", "fsdp", "tp", "fsdp+tp" (and "auto", which restricts nothing) pin the
+role of each mesh axis, taken in mesh order; the ILP then finds the cheapest
+plan that plays those roles. So a classic is a baseline priced by the same
+cost model, not a separate code path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .capture import INPUT, PARAM, OP, NodeInfo
+from .errors import AutoparError
+from .mesh import MeshSpec
+from .placement import P, R, is_shard, shard_dim
+from .redistribute import UnsupportedRedistribution, plan_steps
+
+DP, FSDP, TP = "dp", "fsdp", "tp"
+STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp")
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Role of each mesh axis (None: free for the search)."""
+    roles: tuple
+
+    def batch_axes(self) -> dict[int, bool]:
+        """Axes whose batch split is pinned: True = the batch is split there."""
+        return {a: r in (DP, FSDP) for a, r in enumerate(self.roles) if r is not None}
+
+
+def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
+    n = mesh.num_axes
+    if strategy == "auto":
+        return Roles((None,) * n)
+    if strategy == "ddp":
+        return Roles((DP,) * n)
+    if strategy == "fsdp":
+        return Roles((FSDP,) * n)
+    if strategy == "tp":
+        return Roles((TP,) * n)
+    if strategy == "fsdp+tp":
+        if n < 2:
+            raise AutoparError(
+                f"strategy 'fsdp+tp' needs a mesh of at least 2 axes (fsdp on the first, tp on the last); "
+                f"this mesh has one: {mesh}. Use 'fsdp' or 'tp', or a 2-axis mesh.")
+        return Roles((FSDP,) + (DP,) * (n - 2) + (TP,))
+    raise AutoparError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool]:
+    """Which storage layouts a parameter may take under the roles.
+
+    dp axes keep it whole; tp axes split every matrix that can be split;
+    fsdp axes split it wherever the split can still be gathered back to the
+    layout the op uses (a dim a tp axis already splits cannot be split again
+    by an outer fsdp axis and gathered alone), else keep it whole.
+    """
+    def use_of(storage):
+        return tuple(R if role in (DP, FSDP) else p for role, p in zip(roles.roles, storage))
+
+    def gatherable(storage):
+        try:
+            plan_steps(storage, use_of(storage))
+            return True
+        except UnsupportedRedistribution:
+            return False
+
+    ok = []
+    for s in strategies:
+        good = True
+        for a, role in enumerate(roles.roles):
+            p = s.output[a]
+            if role == DP and p != R:
+                good = False
+            if role == TP and info.meta is not None and info.meta.ndim >= 2 and not is_shard(p) and any(
+                    is_shard(t.output[a]) for t in strategies):
+                good = False
+        ok.append(good and gatherable(s.output))
+    for a, role in enumerate(roles.roles):
+        if role != FSDP:
+            continue
+        # among layouts that agree on every other axis, split on this one if any can
+        def others(s):
+            return s.output[:a] + s.output[a + 1:]
+        can_split = {others(s) for o, s in zip(ok, strategies) if o and is_shard(s.output[a])}
+        ok = [o and (is_shard(s.output[a]) or others(s) not in can_split) for o, s in zip(ok, strategies)]
+    return ok
+
+
+def allow_op_strategy(roles: Roles, strategy) -> bool:
+    """Ops split only the batch (dim 0) on data-parallel axes, and never the batch on tp axes."""
+    for a, role in enumerate(roles.roles):
+        if role is None:
+            continue
+        pls = list(strategy.inputs) + [strategy.output]
+        if role in (DP, FSDP) and any(pl[a] not in (R, "S(0)") for pl in pls):
+            return False
+        if role == TP and strategy.output[a] == "S(0)":
+            return False
+    return True
+
+
+def allow_edge(roles: Roles, producer: NodeInfo, src, dst) -> bool:
+    """Parameters are used whole on data-parallel axes and as stored on tensor-parallel ones."""
+    if producer.kind != PARAM:
+        # activations keep their batch split on data-parallel axes (else the "data-parallel"
+        # axis would quietly compute replicated)
+        return all(src[a] == dst[a] or (src[a] == R and dst[a] == "S(0)")
+                   for a, role in enumerate(roles.roles) if role in (DP, FSDP))
+    for a, role in enumerate(roles.roles):
+        if role in (DP, FSDP) and dst[a] != R:
+            return False
+        # tensor-parallel weights are used as stored; a replicated bias may be added once
+        # into partial sums (R -> P), as Megatron's row-parallel linear does
+        if role == TP and dst[a] != src[a] and not (src[a] == R and dst[a] == P):
+            return False
+    return True

@@ -1,0 +1,197 @@
+"""Plan: the immutable result of a search, with its predictions.
+
+It names placements by graph node and parameter, so the rewriter on any rank
+applies the same plan to its own capture of the same model; it prints as a
+table a person can check, and round-trips through JSON.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, asdict
+from typing import Any
+
+import sympy
+import torch
+
+from cost_models import format_bytes
+
+from .errors import PlanError
+from .mesh import MeshSpec
+from .placement import format_placements, shard_full_tensor
+from .predict import Memory, Predicted
+from .strategies import Strategy
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    kind: str
+    axis: str
+    phase: str
+    bytes: float      # bytes of the whole tensor along the axis
+    where: str        # node it serves
+    module_path: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: MeshSpec
+    strategy: str
+    hardware: str
+    batch_axes: tuple                 # axis names that split the batch
+    node_strategies: dict             # node name -> Strategy
+    param_placements: dict            # parameter FQN -> storage placements
+    input_placements: tuple           # per user input
+    output_placements: tuple          # per output
+    module_paths: dict                # node name -> module path
+    collectives: tuple                # CollectiveRecord, numeric
+    predicted: Predicted
+    symbolic: Predicted
+    symbols: dict = field(default_factory=dict)  # Dim name -> example value
+    stats: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------ inputs
+    def local_inputs(self, *global_inputs, rank: int | None = None):
+        """Cut this rank's shard of a global batch (the module takes local inputs)."""
+        if len(global_inputs) != len(self.input_placements):
+            raise PlanError(f"the plan was made for {len(self.input_placements)} inputs, got {len(global_inputs)}")
+        coords = self._coords(rank)
+        out = []
+        for t, pl in zip(global_inputs, self.input_placements):
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                for d, n in _split_sizes(pl, t, self.mesh):
+                    if t.shape[d] % n:
+                        raise PlanError(f"input of shape {tuple(t.shape)}: dim {d} ({t.shape[d]}) does not divide "
+                                        f"into {n} shards for placements {pl}; use a batch divisible by {n}")
+                out.append(shard_full_tensor(t, pl, coords, self.mesh.axis_sizes).contiguous())
+            else:
+                out.append(t)
+        return tuple(out) if len(out) != 1 else out[0]
+
+    def local_targets(self, *global_targets, rank: int | None = None):
+        """Cut this rank's shard of whole-batch targets: split like the outputs, along the batch dim."""
+        coords = self._coords(rank)
+        out = []
+        names = self.mesh.axis_names
+        for t in global_targets:
+            pl = tuple("S(0)" if a in self.batch_axes else "R" for a in names)
+            out.append(shard_full_tensor(t, pl, coords, self.mesh.axis_sizes).contiguous()
+                       if isinstance(t, torch.Tensor) and t.dim() > 0 else t)
+        return tuple(out) if len(out) != 1 else out[0]
+
+    def _coords(self, rank):
+        import torch.distributed as dist
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        coords, r = [], rank
+        for n in reversed(self.mesh.axis_sizes):
+            coords.append(r % n)
+            r //= n
+        return tuple(reversed(coords))
+
+    # ------------------------------------------------------------ text
+    def __str__(self) -> str:
+        names = self.mesh.axis_names
+        lines = [f"autopar plan  strategy={self.strategy}  mesh: {self.mesh}  hardware={self.hardware}  "
+                 f"batch split over: {', '.join(self.batch_axes) or 'none'}"]
+        rows = []
+        by_module: dict[str, dict] = {}
+        for fqn, pl in self.param_placements.items():
+            mod = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+            by_module.setdefault(mod, {"params": [], "acts": [], "colls": {}})["params"].append(
+                f"{fqn.rsplit('.', 1)[-1]} {format_placements(pl, names)}")
+        for node, s in self.node_strategies.items():
+            mod = self.module_paths.get(node)
+            if mod is None or node.startswith("p_") or node == "output":
+                continue
+            by_module.setdefault(mod, {"params": [], "acts": [], "colls": {}})["acts"].append(
+                format_placements(s.output, names))
+        for c in self.collectives:
+            d = by_module.setdefault(c.module_path, {"params": [], "acts": [], "colls": {}})["colls"]
+            key = f"{c.kind}@{c.axis}"
+            d[key] = d.get(key, 0) + 1
+        header = ("module", "parameters (storage)", "activations out", "collectives per step")
+        for mod, d in by_module.items():
+            acts = d["acts"][-1] if d["acts"] else "-"
+            colls = ", ".join(f"{k} x{n}" for k, n in d["colls"].items()) or "-"
+            params = "; ".join(d["params"]) or "-"
+            rows.append((mod or "<root>", params, acts, colls))
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+        widths = [min(w, 60) for w in widths]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines.append(fmt.format(*header))
+        lines.append(fmt.format(*("-" * w for w in widths)))
+        for r in rows:
+            lines.append(fmt.format(*r))
+        m = self.predicted.memory
+        lines.append("")
+        lines.append("predicted per device: " + ", ".join(
+            f"{k} {format_bytes(getattr(m, k))}" for k in ("params", "grads", "optimizer", "activations", "transient", "total")))
+        lines.append("communication per step: " + ", ".join(
+            f"{a} {format_bytes(self.predicted.comm_bytes[a])} ({self.predicted.comm_time[a] * 1e3:.3f} ms)"
+            for a in names))
+        lines.append(f"compute {self.predicted.compute_time * 1e3:.3f} ms, step {self.predicted.step_time * 1e3:.3f} ms"
+                     + (f"  (ILP {self.stats.get('status', '')}, solved in {self.stats['solve_seconds']:.2f} s)"
+                        if "solve_seconds" in self.stats else ""))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ json
+    def to_json(self) -> str:
+        def pred(p: Predicted, sym: bool):
+            f = (lambda v: str(v)) if sym else float
+            return {"memory": {k: f(v) for k, v in asdict(p.memory).items()},
+                    "comm_bytes": {k: f(v) for k, v in p.comm_bytes.items()},
+                    "comm_time": {k: f(v) for k, v in p.comm_time.items()},
+                    "compute_time": f(p.compute_time), "step_time": f(p.step_time),
+                    "comm_bytes_by_kind": {k: f(v) for k, v in p.comm_bytes_by_kind.items()}}
+        d = {
+            "format_version": FORMAT_VERSION,
+            "mesh": {"axis_names": list(self.mesh.axis_names), "axis_sizes": list(self.mesh.axis_sizes)},
+            "strategy": self.strategy, "hardware": self.hardware, "batch_axes": list(self.batch_axes),
+            "node_strategies": {n: {"inputs": [list(p) for p in s.inputs], "output": list(s.output)}
+                                for n, s in self.node_strategies.items()},
+            "param_placements": {k: list(v) for k, v in self.param_placements.items()},
+            "input_placements": [list(p) for p in self.input_placements],
+            "output_placements": [list(p) for p in self.output_placements],
+            "module_paths": self.module_paths,
+            "collectives": [asdict(c) for c in self.collectives],
+            "predicted": pred(self.predicted, False), "symbolic": pred(self.symbolic, True),
+            "symbols": self.symbols, "stats": {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str))},
+        }
+        return json.dumps(d, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        d = json.loads(text)
+        if d.get("format_version") != FORMAT_VERSION:
+            raise PlanError(f"plan JSON has format_version {d.get('format_version')}, this autopar reads {FORMAT_VERSION}")
+        syms = {name: sympy.Symbol(name, integer=True, positive=True) for name in d.get("symbols", {})}
+
+        def pred(p, sym):
+            f = (lambda v: sympy.sympify(v, locals=syms)) if sym else float
+            return Predicted(Memory(**{k: f(v) for k, v in p["memory"].items()}),
+                             {k: f(v) for k, v in p["comm_bytes"].items()},
+                             {k: f(v) for k, v in p["comm_time"].items()},
+                             f(p["compute_time"]), f(p["step_time"]),
+                             {k: f(v) for k, v in p["comm_bytes_by_kind"].items()})
+        return Plan(
+            mesh=MeshSpec(tuple(d["mesh"]["axis_names"]), tuple(d["mesh"]["axis_sizes"])),
+            strategy=d["strategy"], hardware=d["hardware"], batch_axes=tuple(d["batch_axes"]),
+            node_strategies={n: Strategy(tuple(tuple(p) for p in s["inputs"]), tuple(s["output"]))
+                             for n, s in d["node_strategies"].items()},
+            param_placements={k: tuple(v) for k, v in d["param_placements"].items()},
+            input_placements=tuple(tuple(p) for p in d["input_placements"]),
+            output_placements=tuple(tuple(p) for p in d["output_placements"]),
+            module_paths=d["module_paths"],
+            collectives=tuple(CollectiveRecord(**c) for c in d["collectives"]),
+            predicted=pred(d["predicted"], False), symbolic=pred(d["symbolic"], True),
+            symbols=d.get("symbols", {}), stats=d.get("stats", {}))
+
+
+def _split_sizes(pl, t, mesh: MeshSpec):
+    from .placement import dim_factor
+    for d in range(t.dim()):
+        f = dim_factor(pl, d, mesh.axis_sizes)
+        if f > 1:
+            yield d, f

@@ -1,0 +1,120 @@
+"""Predictions for a chosen set of strategies: numbers and sympy expressions.
+
+The redistributions listed here are grouped exactly as the rewriter inserts
+them (one per producer, target layout and gradient layout), so the bytes a
+plan predicts are the bytes the module moves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+
+from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
+from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
+                   node_compute_time, param_memory)
+from .mesh import MeshSpec
+from .placement import local_shape, numel
+from .redistribute import ALL_GATHER, Collective, plan_steps
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """One redistribution the rewriter inserts: producer -> layout for some consumers."""
+    producer: str
+    src: tuple
+    dst: tuple
+    grad_partial: tuple
+    consumers: tuple       # (consumer node, tensor input index) pairs it feeds
+    regather_count: int    # consumers that gather the (FSDP) weight again in backward
+
+
+def group_redistributions(prob, choice) -> list[Redistribution]:
+    from .search import regathers  # shared rule: which parameter edges gather again
+    groups: dict = {}
+    for e in prob.edges:
+        u = prob.strategies[e.producer].strategies[choice[e.producer]]
+        v = prob.strategies[e.consumer].strategies[choice[e.consumer]]
+        src, dst = u.output, v.inputs[e.index]
+        gp = v.grad_partial(e.index) if e.producer in prob.grad_nodes else ()
+        if src == dst and not gp:
+            continue
+        key = (e.producer, dst, gp)
+        g = groups.setdefault(key, [src, [], 0])
+        g[1].append((e.consumer, e.index))
+        g[2] += int(regathers(prob.cap, e, prob.grad_nodes))
+    return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]), g[2])
+            for (p, d, gp), g in groups.items()]
+
+
+def redistribution_collectives(prob, r: Redistribution, symbolic=False) -> list[Collective]:
+    where = r.consumers[0][0]
+    colls = edge_collectives(r.producer, r.src, r.dst, r.grad_partial, prob.cap, prob.mesh,
+                             r.producer in prob.grad_nodes, False, where, symbolic)
+    regather = [c for c in colls if c.phase == "forward" and c.kind == ALL_GATHER
+                and prob.cap.info[r.producer].kind == PARAM]
+    for _ in range(r.regather_count):
+        colls += [Collective(ALL_GATHER, c.axis, c.full_bytes, "backward", where) for c in regather]
+    return colls
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: object
+    grads: object
+    optimizer: object
+    activations: object
+    transient: object
+    total: object
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """Per device, per training step. Numbers (bytes, seconds) or sympy expressions."""
+    memory: Memory
+    comm_bytes: dict      # axis name -> bytes sent per device per step
+    comm_time: dict       # axis name -> seconds
+    compute_time: object
+    step_time: object
+    comm_bytes_by_kind: dict = field(default_factory=dict)  # collective kind -> bytes
+
+
+def predict(prob, choice, symbolic: bool) -> tuple[Predicted, list[Collective]]:
+    cap, mesh = prob.cap, prob.mesh
+    num = (lambda x: x) if symbolic else (lambda x: float(x))
+    params = grads = opt = acts = 0
+    transient = 0
+    compute = 0
+    for name, ns in prob.strategies.items():
+        s = ns.strategies[choice[name]]
+        info = cap.info[name]
+        if info.kind == PARAM:
+            m = param_memory(first_meta(info.meta), s.output, mesh, symbolic=symbolic)
+            params, grads, opt = params + m.params, grads + m.grads, opt + m.optimizer
+        elif info.kind == BUFFER and info.meta is not None:
+            meta = first_meta(info.meta)
+            params = params + numel(meta.shape if symbolic else meta.hint) * meta.itemsize
+        elif info.kind == OP:
+            acts = acts + activation_bytes(name, cap, s.output, mesh, prob.saved, symbolic)
+            compute = compute + node_compute_time(cap.node(name), cap, s, mesh, prob.hardware, symbolic)
+    colls = []
+    for r in group_redistributions(prob, choice):
+        cs = redistribution_collectives(prob, r, symbolic)
+        colls += cs
+        if cap.info[r.producer].kind == PARAM:  # a gathered weight lives while its op runs
+            meta = first_meta(cap.info[r.producer].meta)
+            whole = numel(local_shape(meta.shape if symbolic else meta.hint, r.dst, mesh.axis_sizes)) * meta.itemsize
+            transient = sympy.Max(transient, whole) if symbolic else max(transient, whole)
+    comm_bytes = collectives_bytes(colls, mesh)
+    comm_time = {a: 0 for a in mesh.axis_names}
+    by_kind: dict = {}
+    for c in colls:
+        a = mesh.axis_names[c.axis]
+        comm_time[a] = comm_time[a] + collectives_time([c], mesh, prob.links)
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + collectives_bytes([c], mesh)[a]
+    total_comm = sum(comm_time.values())
+    total_mem = params + grads + opt + acts + transient
+    mem = Memory(*(num(v) for v in (params, grads, opt, acts, transient, total_mem)))
+    pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
+                     num(compute), num(compute + total_comm), {k: num(v) for k, v in by_kind.items()})
+    return pred, colls

@@ -1,0 +1,141 @@
+"""Which collectives turn one placement into another, forward and backward.
+
+This is pure bookkeeping over placements: the cost model prices the steps,
+the plan lists them, and the rewriter inserts them, so the three cannot
+disagree about what a plan communicates.
+
+Backward is the conjugate of forward. The gradient of a tensor has the same
+placement as the tensor on an axis that splits it, and is replicated
+otherwise; the only exception is where the tensor enters an op that is split
+over an axis on which the tensor is replicated: each rank then contributes
+part of the gradient, so it arrives as partial sums ("grad_partial" axes).
+Each step's backward turns the gradient's placement at its output into the
+one its input expects, with the same table as the forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .placement import P, R, Placements, is_shard, local_shape, numel, shard_dim
+
+# kinds of one-axis transition; "chunk" and "zero" need no communication
+NONE, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, CHUNK, ZERO = (
+    "none", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "chunk", "zero_nonroot")
+COMMUNICATING = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
+
+
+class UnsupportedRedistribution(ValueError):
+    """The transition cannot be done one axis at a time (nested splits out of order)."""
+
+
+def transition(src: str, dst: str) -> str:
+    """The one-axis collective that turns `src` into `dst`."""
+    if src == dst:
+        return NONE
+    if is_shard(src) and dst == R:
+        return ALL_GATHER
+    if src == R and is_shard(dst):
+        return CHUNK
+    if src == P and dst == R:
+        return ALL_REDUCE
+    if src == P and is_shard(dst):
+        return REDUCE_SCATTER
+    if is_shard(src) and is_shard(dst):
+        return ALL_TO_ALL
+    if src == R and dst == P:
+        return ZERO
+    raise UnsupportedRedistribution(f"no collective turns {src} into {dst}")
+
+
+def grad_placement(p: str, partial: bool) -> str:
+    """Placement of the gradient of a tensor laid out as `p` on one axis."""
+    if is_shard(p):
+        return p
+    if p == R and partial:
+        return P
+    return R
+
+
+@dataclass(frozen=True)
+class Step:
+    """One axis of a redistribution, as one autograd function in the rewritten graph."""
+    axis: int
+    src: str          # placement on `axis` before the step
+    dst: str          # after
+    grad_src: str     # gradient placement expected at the step's input
+    grad_dst: str     # gradient placement arriving at its output
+    before: Placements  # whole placement tuple before the step (for shapes)
+    after: Placements
+
+    @property
+    def forward_kind(self) -> str:
+        return transition(self.src, self.dst)
+
+    @property
+    def backward_kind(self) -> str:
+        return transition(self.grad_dst, self.grad_src)
+
+
+def _check_nesting(placements: Placements, axis: int, dim: int | None) -> None:
+    """A split on `axis` may change only if no later axis splits the same dim."""
+    if dim is None:
+        return
+    for later in range(axis + 1, len(placements)):
+        if shard_dim(placements[later]) == dim:
+            raise UnsupportedRedistribution(
+                f"axis {axis} splits dim {dim} inside a split on axis {later}")
+
+
+def plan_steps(src: Placements, dst: Placements, grad_partial: Sequence[int] = ()) -> list[Step]:
+    """One Step per axis whose forward or backward does something.
+
+    Splits are undone innermost axis first and made outermost axis first,
+    which keeps nested splits of one dim in mesh order.
+    """
+    n = len(src)
+    grad_dst_all = tuple(grad_placement(d, a in grad_partial) for a, d in enumerate(dst))
+    grad_src_all = tuple(grad_placement(s, False) for s in src)
+    unsplit = [a for a in reversed(range(n)) if is_shard(src[a]) and src[a] != dst[a]]
+    rest = [a for a in range(n) if a not in unsplit]
+    steps, cur = [], tuple(src)
+    for a in unsplit + rest:
+        if cur[a] == dst[a] and grad_src_all[a] == grad_dst_all[a]:
+            continue
+        _check_nesting(cur, a, shard_dim(cur[a]))
+        after = cur[:a] + (dst[a],) + cur[a + 1:]
+        _check_nesting(after, a, shard_dim(dst[a]))
+        if is_shard(src[a]) and dst[a] == P:
+            raise UnsupportedRedistribution(f"cannot turn split {src[a]} into partial on axis {a}")
+        steps.append(Step(a, cur[a], dst[a], grad_src_all[a], grad_dst_all[a], cur, after))
+        cur = after
+    return steps
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a plan launches per step: what, on which axis, how many bytes."""
+    kind: str
+    axis: int
+    full_bytes: object   # bytes of the tensor whole along `axis` (int or sympy)
+    phase: str           # "forward" | "backward"
+    where: str           # node or parameter it serves
+
+
+def step_collectives(step: Step, shape: Sequence, itemsize: int, axis_sizes: Sequence[int],
+                     where: str, regather: bool = False) -> list[Collective]:
+    """The collectives one step launches. `regather`: gathered again in backward (FSDP)."""
+    out = []
+
+    def full_bytes(placements: Placements):
+        whole = placements[:step.axis] + (R,) + placements[step.axis + 1:]
+        return numel(local_shape(shape, whole, axis_sizes)) * itemsize
+
+    if step.forward_kind in COMMUNICATING:
+        fb = full_bytes(step.before)
+        out.append(Collective(step.forward_kind, step.axis, fb, "forward", where))
+        if regather and step.forward_kind == ALL_GATHER:
+            out.append(Collective(ALL_GATHER, step.axis, fb, "backward", where))
+    if step.backward_kind in COMMUNICATING:
+        out.append(Collective(step.backward_kind, step.axis, full_bytes(step.after), "backward", where))
+    return out

@@ -1,0 +1,202 @@
+"""Rewrite: the captured graph -> this rank's local fx.GraphModule.
+
+Every tensor edge whose producer layout differs from what the consumer's
+strategy needs gets a `RedistributeModule` (a call_module node, so it shows
+up by name in `print(gm.code)`); shape arguments of views are divided by the
+split of the output dim; `sym_size` reads of a local tensor are multiplied
+back to the global size, so all integer arithmetic in the graph stays in
+global terms, as it was traced.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+
+import torch
+import torch.fx as fx
+
+from .capture import PARAM, Captured
+from .collectives import Comm, Redistribute, scale_grad, transform
+from .errors import PlanError
+from .placement import R, dim_factor
+from .redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
+from .rules import op_name, tensor_args
+
+SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+                 "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
+                 "aten.new_empty.default", "aten.new_full.default"}
+DROPPED_OPS = {"aten._assert_tensor_metadata.default"}  # checks global metadata a local shard fails
+
+
+class GatheredParams:
+    """FSDP: weights gathered in forward are not kept for backward.
+
+    Autograd would save the gathered weight (e.g. for a linear's input
+    gradient) and keep it alive until backward. The pack hook instead saves
+    the local shard and the steps, and the unpack hook gathers again.
+    """
+
+    def __init__(self):
+        self._entries = {}
+
+    def register(self, full: torch.Tensor, local: torch.Tensor, module: "RedistributeModule"):
+        self._entries[id(full)] = (weakref.ref(full), local, module)
+
+    def clear(self):
+        self._entries.clear()
+
+    def pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        entry = self._entries.get(id(base))
+        if entry is not None and entry[0]() is base:
+            return ("regather", entry[1], entry[2], t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(self, packed):
+        if isinstance(packed, tuple) and packed and packed[0] == "regather":
+            _, local, module, size, stride, offset = packed
+            full = module.gather_again(local)
+            return full.as_strided(size, stride, offset)
+        return packed
+
+
+class RedistributeModule(torch.nn.Module):
+    def __init__(self, steps, comm: Comm, label: str, gathered: GatheredParams | None = None):
+        super().__init__()
+        self.steps, self.comm, self.label, self.gathered = steps, comm, label, gathered
+
+    def forward(self, x):
+        local = x
+        for s in self.steps:
+            x = Redistribute.apply(x, s, self.comm)
+        if self.gathered is not None:
+            self.gathered.register(x, local.detach(), self)
+        return x
+
+    @torch.no_grad()
+    def gather_again(self, local):
+        x = local
+        for s in self.steps:
+            x = transform(x, s.src, s.dst, s.axis, self.comm, "backward")
+        return x
+
+    def extra_repr(self) -> str:
+        return self.label
+
+
+def _describe(steps, axis_names) -> str:
+    parts = []
+    for s in steps:
+        f, b = s.forward_kind, s.backward_kind
+        parts.append(f"{axis_names[s.axis]}: {s.src}->{s.dst} (fwd {f}, bwd {b})")
+    return "; ".join(parts)
+
+
+def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphModule, GatheredParams]:
+    strategies = plan.node_strategies
+    names = plan.mesh.axis_names
+    sizes = plan.mesh.axis_sizes
+    root = torch.nn.Module()
+    gathered = GatheredParams()
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    cache: dict = {}
+    counter = [0]
+
+    def out_placement(name: str):
+        s = strategies.get(name)
+        return s.output if s is not None else (R,) * len(sizes)
+
+    def redistribute(producer: fx.Node, dst, gp) -> fx.Node:
+        src = out_placement(producer.name)
+        gp = tuple(gp) if producer.name in grad_nodes else ()
+        if tuple(src) == tuple(dst) and not gp:
+            return env[producer.name]
+        key = (producer.name, tuple(dst), gp)
+        if key not in cache:
+            try:
+                steps = plan_steps(tuple(src), tuple(dst), gp)
+            except UnsupportedRedistribution as e:
+                raise PlanError(f"plan asks for an unsupported layout change at {producer.name}: {e}") from e
+            is_param_gather = cap.info[producer.name].kind == PARAM and any(
+                s.forward_kind == ALL_GATHER for s in steps)
+            counter[0] += 1
+            mod_name = f"redist_{counter[0]}_{producer.name}"
+            label = f"{producer.name}: {_describe(steps, names)}"
+            root.add_module(mod_name, RedistributeModule(steps, comm, label, gathered if is_param_gather else None))
+            cache[key] = g.call_module(mod_name, (env[producer.name],))
+        return cache[key]
+
+    def map_args(node, s):
+        count = [0]
+
+        def visit(a):
+            if isinstance(a, fx.Node):
+                if a.name in cap.info and _is_tensor(a):
+                    i = count[0]
+                    count[0] += 1
+                    if s is None:
+                        return env[a.name]
+                    return redistribute(a, s.inputs[i], s.grad_partial(i))
+                return env[a.name]
+            if isinstance(a, (list, tuple)):
+                return type(a)(visit(x) for x in a)
+            if isinstance(a, dict):
+                return {k: visit(v) for k, v in a.items()}
+            return a
+        return visit(node.args), visit(node.kwargs)
+
+    for node in cap.graph.nodes:
+        if node.op == "placeholder":
+            env[node.name] = g.placeholder(node.name)
+            continue
+        if node.op == "output":
+            s = strategies["output"]
+            flat = tensor_args(node)
+            scale = 1.0
+            for a in plan.batch_axes:
+                scale /= sizes[names.index(a)]
+            outs = []
+            for i, a in enumerate(flat):
+                x = redistribute(a, s.inputs[i], ())
+                if scale != 1.0 and a.name in grad_nodes:
+                    x = g.call_function(scale_grad, (x, scale))
+                outs.append(x)
+            g.output(tuple(outs))
+            continue
+        name = op_name(node)
+        if name in DROPPED_OPS:
+            continue
+        s = strategies.get(node.name)
+        if name == "aten.sym_size.int":
+            t, d = node.args[0], node.args[1]
+            x = g.call_function(node.target, (env[t.name], d))
+            f = dim_factor(out_placement(t.name), d, sizes)
+            env[node.name] = g.call_function(operator.mul, (x, f)) if f > 1 else x
+            continue
+        args, kwargs = map_args(node, s)
+        if name in SHAPE_ARG_OPS and s is not None:
+            args = (args[0], _localize_shape(g, args[1], s.output, sizes)) + tuple(args[2:])
+        new = g.call_function(node.target, args, kwargs)
+        new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        env[node.name] = new
+    g.lint()
+    return fx.GraphModule(root, g, class_name="LocalGraph"), gathered
+
+
+def _is_tensor(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and bool(v) and isinstance(v[0], torch.Tensor))
+
+
+def _localize_shape(g: fx.Graph, shape, placements, sizes):
+    out = []
+    for d, v in enumerate(shape):
+        f = dim_factor(placements, d, sizes)
+        if f == 1 or (isinstance(v, int) and v == -1):
+            out.append(v)
+        elif isinstance(v, int):
+            out.append(v // f)
+        else:
+            out.append(g.call_function(operator.floordiv, (v, f)))
+    return type(shape)(out)

@@ -1,0 +1,165 @@
+"""Runtime: the module each rank trains.
+
+ParallelModule holds only this rank's shards of the parameters, under the
+original parameter names, so `model.parameters()` feeds any torch.optim
+optimizer and a parameter's gradient lands in the same layout as the
+parameter. `state_dict()` returns DTensors (or full tensors on request), so a
+checkpoint does not depend on the layout it was saved from.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+
+import torch
+import torch.fx as fx
+
+from ._private import unflatten_outputs
+from .capture import BUFFER, CONSTANT, INPUT, PARAM, Captured
+from .collectives import Comm
+from .errors import PlanError
+from .placement import R, is_shard, shard_dim, shard_full_tensor
+from .rewrite import GatheredParams
+
+
+LoadResult = namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
+
+
+def _set_by_path(root: torch.nn.Module, fqn: str, value, as_param: bool):
+    *path, leaf = fqn.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, torch.nn.Module())
+        mod = getattr(mod, p)
+    if as_param:
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+class _Store(torch.nn.Module):
+    """The original module tree, holding local shards of parameters and buffers."""
+
+
+class ParallelModule(torch.nn.Module):
+    def __init__(self, gm: fx.GraphModule, gathered: GatheredParams, cap: Captured, plan, comm: Comm,
+                 model: torch.nn.Module, device_mesh=None):
+        super().__init__()
+        self.plan = plan
+        self.graph_module = gm
+        self.comm = comm
+        self.device_mesh = device_mesh
+        self._gathered = gathered
+        self._exported = cap.exported
+        self._coords = tuple(a.coord for a in comm.axes)
+        self.store = _Store()
+        ep = cap.exported
+        full_params = dict(model.named_parameters(remove_duplicate=False))
+        full_buffers = dict(model.named_buffers(remove_duplicate=False))
+        self._placeholder_sources = []  # (kind, fqn) per graph placeholder, in order
+        for node in cap.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            info = cap.info[node.name]
+            if info.kind == PARAM:
+                fqn = info.target_name
+                if fqn not in self._param_names():
+                    full = full_params[fqn]
+                    local = shard_full_tensor(full.detach(), plan.param_placements[fqn], self._coords,
+                                              plan.mesh.axis_sizes)
+                    _set_by_path(self.store, fqn, torch.nn.Parameter(local.clone(), full.requires_grad), True)
+                self._placeholder_sources.append((PARAM, fqn))
+            elif info.kind == BUFFER:
+                fqn = info.target_name
+                if fqn not in dict(self.store.named_buffers()):
+                    _set_by_path(self.store, fqn, full_buffers[fqn].detach().clone(), False)
+                self._placeholder_sources.append((BUFFER, fqn))
+            elif info.kind == CONSTANT:
+                self._placeholder_sources.append((CONSTANT, info.target_name))
+                self._constants = getattr(self, "_constants", {})
+                self._constants[info.target_name] = ep.constants[info.target_name]
+            else:
+                self._placeholder_sources.append((INPUT, None))
+        self._num_inputs = sum(1 for k, _ in self._placeholder_sources if k == INPUT)
+
+    def _param_names(self):
+        return {n for n, _ in self.store.named_parameters()}
+
+    def forward(self, *local_inputs):
+        if len(local_inputs) != self._num_inputs:
+            raise PlanError(f"the parallel module takes {self._num_inputs} inputs (this rank's shard of each, "
+                            f"from plan.local_inputs), got {len(local_inputs)}")
+        params = dict(self.store.named_parameters())
+        buffers = dict(self.store.named_buffers())
+        it = iter(local_inputs)
+        args = []
+        for kind, fqn in self._placeholder_sources:
+            if kind == PARAM:
+                args.append(params[fqn])
+            elif kind == BUFFER:
+                args.append(buffers[fqn])
+            elif kind == CONSTANT:
+                args.append(self._constants[fqn])
+            else:
+                args.append(next(it))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._gathered.pack, self._gathered.unpack):
+                flat = self.graph_module(*args)
+        finally:
+            self._gathered.clear()
+        return unflatten_outputs(self._exported, flat)
+
+    # ------------------------------------------------------------ checkpoints
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """Parameters under their original names (no 'store.' prefix)."""
+        yield from self.store.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args, full: bool = False, **kwargs):
+        """Original names -> DTensors on the device mesh (or whole tensors with full=True).
+
+        full=True gathers every parameter, which costs one all-gather per split axis.
+        """
+        out = OrderedDict()
+        for fqn, p in self.store.named_parameters():
+            out[fqn] = self._export_tensor(p.detach(), self.plan.param_placements[fqn], full)
+        for fqn, b in self.store.named_buffers():
+            out[fqn] = self._export_tensor(b.detach(), (R,) * self.plan.mesh.num_axes, full)
+        return out
+
+    def full_grads(self) -> dict:
+        """Whole gradients by original parameter name (gathers split ones): for checks and debugging."""
+        return {fqn: self._export_tensor(p.grad.detach(), self.plan.param_placements[fqn], True)
+                for fqn, p in self.store.named_parameters() if p.grad is not None}
+
+    def _export_tensor(self, local, placements, full):
+        from .collectives import transform
+        if full:
+            x = local
+            for a in reversed(range(len(placements))):
+                if is_shard(placements[a]):
+                    x = transform(x, placements[a], R, a, self.comm, "checkpoint")
+            return x
+        if self.device_mesh is None:
+            raise PlanError("state_dict() as DTensors needs the DeviceMesh given to parallelize; "
+                            "use state_dict(full=True) for whole tensors")
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        pls = [Shard(shard_dim(p)) if is_shard(p) else Replicate() for p in placements]
+        return DTensor.from_local(local, self.device_mesh, pls, run_check=False)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Accepts DTensors or whole tensors, in any layout; keeps this module's layout."""
+        own = dict(self.store.named_parameters())
+        own.update(dict(self.store.named_buffers()))
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise PlanError(f"state_dict does not match the model: missing {missing}, unexpected {unexpected}")
+        with torch.no_grad():
+            for fqn, value in state_dict.items():
+                if fqn not in own:
+                    continue
+                if hasattr(value, "full_tensor"):
+                    value = value.full_tensor()
+                placements = self.plan.param_placements.get(fqn, (R,) * self.plan.mesh.num_axes)
+                own[fqn].copy_(shard_full_tensor(value, placements, self._coords, self.plan.mesh.axis_sizes))
+        return LoadResult(missing, unexpected)

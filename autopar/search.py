@@ -1,0 +1,225 @@
+"""Search: one strategy per node by integer linear programming (HiGHS via scipy).
+
+Variables: x[v, s] = 1 if node v takes strategy s; for every edge u -> v, a
+continuous y[e, p, k] that is 1 when u outputs placement p and v wants key k
+(its input placement and which axes its gradient comes back partial on) --
+with 0/1 marginals the only feasible y is their product, so y needs no
+integrality. b[a] = 1 if mesh axis a splits the batch: every user input and
+the output follow it. Objective: compute time of the chosen strategies plus
+the time of the collectives on every edge. Constraint: memory per device.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from .capture import INPUT, OP, OUTPUT, PARAM, Captured
+from .classics import Roles, allow_edge, allow_op_strategy, allowed_param_storage
+from .cost import (USES_WEIGHT_IN_BACKWARD, activation_bytes, collectives_time, edge_collectives,
+                   first_meta, node_compute_time, param_memory, saved_outputs)
+from .errors import InfeasiblePlanError
+from .mesh import MeshSpec
+from .placement import is_shard, local_shape, numel
+from .redistribute import UnsupportedRedistribution
+from .rules import op_name, tensor_args
+from .strategies import NodeStrategies
+
+TIME_SCALE = 1e6      # seconds -> microseconds keeps HiGHS's tolerances meaningful
+MEM_SCALE = 2.0 ** -20  # bytes -> MiB
+
+
+@dataclass
+class Edge:
+    producer: str
+    consumer: str
+    index: int          # which tensor input of the consumer
+
+
+@dataclass
+class Problem:
+    cap: Captured
+    mesh: MeshSpec
+    links: dict
+    hardware: object
+    strategies: dict[str, NodeStrategies]
+    edges: list[Edge]
+    grad_nodes: set
+    saved: set
+
+
+@dataclass
+class Solution:
+    choice: dict[str, int]          # node -> index into its strategies
+    batch_axes: tuple               # axes that split the batch
+    objective: float                # predicted seconds (search's cost model)
+    solve_seconds: float
+    status: str
+
+
+def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
+    edges = []
+    for node in cap.graph.nodes:
+        if node.name not in strategies or node.op == "placeholder":
+            continue
+        for i, a in enumerate(tensor_args(node)):
+            if a.name in strategies:
+                edges.append(Edge(a.name, node.name, i))
+    return edges
+
+
+def regathers(cap: Captured, edge: Edge, grad_nodes: set) -> bool:
+    """Does this parameter edge gather again in backward (its consumer keeps the weight)?"""
+    if cap.info[edge.producer].kind != PARAM:
+        return False
+    node = cap.node(edge.consumer)
+    if op_name(node) not in USES_WEIGHT_IN_BACKWARD:
+        return False
+    return any(a.name in grad_nodes for j, a in enumerate(tensor_args(node)) if j != edge.index)
+
+
+def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial) -> float:
+    colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
+                             e.producer in prob.grad_nodes, regathers(prob.cap, e, prob.grad_nodes), e.consumer)
+    return float(collectives_time(colls, prob.mesh, prob.links))
+
+
+def node_memory(prob: Problem, name: str, s) -> float:
+    info = prob.cap.info[name]
+    if info.kind == PARAM:
+        m = param_memory(first_meta(info.meta), s.output, prob.mesh)
+        return float(m.params + m.grads + m.optimizer)
+    if info.kind == INPUT and info.meta is not None:
+        meta = first_meta(info.meta)
+        return float(numel(local_shape(meta.hint, s.output, prob.mesh.axis_sizes)) * meta.itemsize)
+    if info.kind == OP:
+        return float(activation_bytes(name, prob.cap, s.output, prob.mesh, prob.saved))
+    return 0.0
+
+
+def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
+          minimize_memory: bool = False) -> Solution:
+    cap, mesh = prob.cap, prob.mesh
+    cols_cost, cols_mem, integrality = [], [], []
+    rows, row_lb, row_ub = [], [], []   # each row: dict col -> coef
+
+    def new_var(cost, mem=0.0, integer=True):
+        cols_cost.append(cost)
+        cols_mem.append(mem)
+        integrality.append(1 if integer else 0)
+        return len(cols_cost) - 1
+
+    xvars: dict[str, list] = {}
+    for name, ns in prob.strategies.items():
+        info = cap.info[name]
+        node = cap.node(name)
+        if info.kind == PARAM:
+            allowed = allowed_param_storage(roles, info, ns.strategies)
+        elif info.kind == OP:
+            allowed = [allow_op_strategy(roles, s) for s in ns.strategies]
+        else:
+            allowed = [True] * len(ns.strategies)
+        vs = []
+        for s, ok in zip(ns.strategies, allowed):
+            if not ok:
+                vs.append(None)
+                continue
+            t = node_compute_time(node, cap, s, mesh, prob.hardware)
+            vs.append(new_var(float(t) * TIME_SCALE, node_memory(prob, name, s) * MEM_SCALE))
+        if all(v is None for v in vs):
+            raise InfeasiblePlanError(
+                f"no strategy of node {name!r} (module {info.module_path or '<root>'}) fits the requested "
+                f"roles {roles.roles} on mesh {mesh}: its shape {first_meta(info.meta).hint if info.meta else ''} "
+                "may not divide by the axis sizes. Use strategy='auto' or another mesh.")
+        xvars[name] = vs
+        rows.append({v: 1.0 for v in vs if v is not None}); row_lb.append(1); row_ub.append(1)
+
+    # batch axes: every user input and the output split their batch dim on exactly these axes
+    bvars = []
+    pinned = roles.batch_axes()
+    for a in range(mesh.num_axes):
+        b = new_var(0.0)
+        bvars.append(b)
+        if a in pinned:
+            rows.append({b: 1.0}); v = 1.0 if pinned[a] else 0.0; row_lb.append(v); row_ub.append(v)
+    for name, ns in prob.strategies.items():
+        info = cap.info[name]
+        if info.kind not in (INPUT, OUTPUT):
+            continue
+        meta = first_meta(info.meta) if info.kind == INPUT else None
+        if info.kind == INPUT and (meta is None or meta.ndim == 0):
+            continue
+        for a in range(mesh.num_axes):
+            row = {v: 1.0 for v, s in zip(xvars[name], ns.strategies) if v is not None and s.output[a] == "S(0)"}
+            row[bvars[a]] = -1.0
+            rows.append(row); row_lb.append(0); row_ub.append(0)
+
+    # edges
+    for e in prob.edges:
+        u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
+        src_groups: dict = {}
+        for s, var in zip(u.strategies, xvars[e.producer]):
+            if var is not None:
+                src_groups.setdefault(s.output, []).append(var)
+        dst_groups: dict = {}
+        for s, var in zip(v.strategies, xvars[e.consumer]):
+            if var is not None:
+                key = (s.inputs[e.index], s.grad_partial(e.index))
+                dst_groups.setdefault(key, []).append(var)
+        yrow_src = {p: {} for p in src_groups}
+        yrow_dst = {k: {} for k in dst_groups}
+        for p in src_groups:
+            for k in dst_groups:
+                dst, gp = k
+                if not allow_edge(roles, cap.info[e.producer], p, dst):
+                    continue
+                if isinstance(cap.info[e.producer].meta, list) and (p != dst or gp):
+                    continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
+                try:
+                    c = edge_cost(prob, e, p, dst, gp)
+                except UnsupportedRedistribution:
+                    continue
+                y = new_var(c * TIME_SCALE, integer=False)
+                yrow_src[p][y] = 1.0
+                yrow_dst[k][y] = 1.0
+        for p, vars_ in src_groups.items():
+            row = dict(yrow_src[p])
+            for var in vars_:
+                row[var] = -1.0
+            rows.append(row); row_lb.append(0); row_ub.append(0)
+        for k, vars_ in dst_groups.items():
+            row = dict(yrow_dst[k])
+            for var in vars_:
+                row[var] = -1.0
+            rows.append(row); row_lb.append(0); row_ub.append(0)
+
+    nvar = len(cols_cost)
+    cost = np.array(cols_mem if minimize_memory else cols_cost, dtype=float)
+    mem = np.array(cols_mem, dtype=float)
+    if memory_limit is not None and not minimize_memory:
+        rows.append({i: m for i, m in enumerate(mem) if m}); row_lb.append(-np.inf)
+        row_ub.append(memory_limit * MEM_SCALE)
+    data, ri, ci = [], [], []
+    for r, row in enumerate(rows):
+        for c, val in row.items():
+            ri.append(r); ci.append(c); data.append(val)
+    A = sp.csr_array((data, (ri, ci)), shape=(len(rows), nvar))
+    ub = np.array([1.0] * nvar)
+    t0 = time.perf_counter()
+    res = milp(cost, integrality=np.array(integrality), bounds=Bounds(np.zeros(nvar), ub),
+               constraints=[LinearConstraint(A, np.array(row_lb, float), np.array(row_ub, float))],
+               options={"time_limit": time_limit, "mip_rel_gap": 1e-6})
+    elapsed = time.perf_counter() - t0
+    if res.x is None:
+        return Solution({}, (), float("inf"), elapsed, "infeasible" if res.status == 2 else res.message)
+    x = res.x
+    choice = {}
+    for name, vs in xvars.items():
+        best = max((i for i, v in enumerate(vs) if v is not None), key=lambda i: x[vs[i]])
+        choice[name] = best
+    batch_axes = tuple(a for a, b in enumerate(bvars) if x[b] > 0.5)
+    objective = float(res.fun) / (MEM_SCALE if minimize_memory else TIME_SCALE)
+    return Solution(choice, batch_axes, objective, elapsed, "optimal" if res.status == 0 else res.message)

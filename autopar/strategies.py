@@ -1,0 +1,189 @@
+"""Sharding: every candidate strategy of every node on a given mesh.
+
+A Strategy says which placement each tensor input must have and which
+placement the output gets. Ops get theirs from their OpSpec (rules.py), one
+mesh axis at a time, combined over axes and filtered by divisibility.
+Placeholders (parameters, inputs) get "storage" placements: where the tensor
+lives between steps.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import warnings
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from .capture import BUFFER, CONSTANT, INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
+from .errors import UnsupportedOpWarning
+from .mesh import MeshSpec
+from .placement import P, R, Placements, S, dim_factor, is_shard, shard_dim
+from .rules import OpSpec, op_name, rule_for, tensor_args
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple       # required Placements of each tensor input (tensor_args order)
+    output: Placements  # placement of the output (of every element of a tuple output)
+
+    def split_axes(self) -> frozenset:
+        """Axes over which this op runs split: the axes where some operand is not R."""
+        axes = set()
+        for pl in self.inputs + (self.output,):
+            for a, p in enumerate(pl):
+                if p != R:
+                    axes.add(a)
+        return frozenset(axes)
+
+    def grad_partial(self, i: int) -> tuple:
+        """Axes on which the gradient of input i arrives as partial sums (see redistribute.py)."""
+        return tuple(sorted(a for a in self.split_axes() if self.inputs[i][a] == R))
+
+
+@dataclass
+class NodeStrategies:
+    node: str
+    kind: str
+    strategies: list
+    replicated_fallback: bool = False   # no rule: replicated, with a warning
+
+
+def _axis_options(spec: OpSpec, num_in: int):
+    """Per-axis (input placements, output placement) options of one OpSpec."""
+    opts = [((R,) * num_in, R)]
+    if spec.replicate_only:
+        return opts
+    letters = []
+    for s in spec.inputs + (spec.output,):
+        for c in s:
+            if c not in spec.no_shard and c not in letters:
+                letters.append(c)
+    for c in letters:
+        out = S(spec.output.index(c)) if c in spec.output else P
+        ins = []
+        for i, s in enumerate(spec.inputs):
+            if c in s:
+                ins.append(S(s.index(c)))
+            elif out == P and i in spec.additive:
+                ins.append(P)
+            else:
+                ins.append(R)
+        opts.append((tuple(ins), out))
+    partial_sources = [(i,) for i in spec.linear] or ([tuple(spec.additive)] if spec.additive else [])
+    for src in partial_sources:
+        ins = tuple(P if (i in src or i in spec.additive) else R for i in range(num_in))
+        opts.append((ins, P))
+    return list(dict.fromkeys(opts))
+
+
+def _divides(meta: TensorMeta, placements: Placements, axis_sizes) -> bool:
+    for d, size in enumerate(meta.hint):
+        f = dim_factor(placements, d, axis_sizes)
+        if f > 1 and size % f:
+            return False
+    return True
+
+
+def _combine(per_axis: list, num_in: int) -> list:
+    out = []
+    for combo in itertools.product(*per_axis):
+        ins = tuple(tuple(c[0][i] for c in combo) for i in range(num_in))
+        outp = tuple(c[1] for c in combo)
+        out.append(Strategy(ins, outp))
+    return out
+
+
+def _metas(meta) -> list:
+    return meta if isinstance(meta, list) else [meta]
+
+
+def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategies:
+    info = cap.info[node.name]
+    args = tensor_args(node)
+    in_metas = [_metas(cap.info[a.name].meta)[0] if cap.info[a.name].meta is not None else None for a in args]
+    out_meta = _metas(info.meta)[0]
+    n = mesh.num_axes
+    rule = rule_for(node)
+    fallback = False
+    spec = None
+    if rule is not None and all(m is not None for m in in_metas):
+        if node.target is operator.getitem:
+            in_metas = [_metas(cap.info[args[0].name].meta)[node.args[1]]]
+        try:
+            spec = rule(node, in_metas, out_meta)
+        except Exception:  # a rule that cannot read this call's arguments: stay correct, replicate
+            spec = None
+    if spec is None:
+        fallback = rule is None
+        spec = OpSpec(tuple("" for _ in args), "", replicate_only=True)
+    per_axis = [_axis_options(spec, len(args)) for _ in range(n)]
+    strategies = []
+    for s in _combine(per_axis, len(args)):
+        if not _divides(out_meta, s.output, mesh.axis_sizes):
+            continue
+        if not all(_divides(m, pl, mesh.axis_sizes) for m, pl in zip(in_metas, s.inputs)):
+            continue
+        strategies.append(s)
+    return NodeStrategies(node.name, OP, strategies, fallback)
+
+
+def placeholder_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_dim: int = 0) -> NodeStrategies:
+    """Storage placements. Parameters may split any dim; user inputs only their batch dim."""
+    info = cap.info[node.name]
+    meta = info.meta
+    n = mesh.num_axes
+    if not isinstance(meta, TensorMeta):
+        return NodeStrategies(node.name, info.kind, [Strategy((), (R,) * n)])
+    if info.kind == PARAM:
+        choices = [R] + [S(d) for d in range(meta.ndim)]
+    elif info.kind == INPUT and meta.ndim > 0:
+        choices = [R, S(batch_dim)]
+    else:
+        choices = [R]
+    out = []
+    for combo in itertools.product(choices, repeat=n):
+        if _divides(meta, combo, mesh.axis_sizes):
+            out.append(Strategy((), tuple(combo)))
+    return NodeStrategies(node.name, info.kind, out)
+
+
+def output_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_dim: int = 0) -> NodeStrategies:
+    """What the module returns: split along the batch dim over the batch axes, whole otherwise."""
+    args = tensor_args(node)
+    n = mesh.num_axes
+    out = []
+    for combo in itertools.product([R, S(batch_dim)], repeat=n):
+        ins = []
+        ok = True
+        for a in args:
+            m = _metas(cap.info[a.name].meta)[0]
+            pl = tuple(p if m.ndim > 0 else R for p in combo)
+            if not _divides(m, pl, mesh.axis_sizes):
+                ok = False
+            ins.append(pl)
+        if ok:
+            out.append(Strategy(tuple(ins), tuple(combo)))
+    return NodeStrategies(node.name, OUTPUT, out)
+
+
+def all_strategies(cap: Captured, mesh: MeshSpec) -> dict[str, NodeStrategies]:
+    """Strategies of every node that carries tensors; warns once per op without a rule."""
+    result, unknown = {}, {}
+    for node in cap.graph.nodes:
+        info = cap.info[node.name]
+        if node.op == "placeholder":
+            result[node.name] = placeholder_strategies(node, cap, mesh)
+        elif node.op == "output":
+            result[node.name] = output_strategies(node, cap, mesh)
+        elif info.meta is not None:
+            ns = op_strategies(node, cap, mesh)
+            result[node.name] = ns
+            if ns.replicated_fallback:
+                unknown.setdefault(op_name(node), []).append(info.module_path or "<root>")
+    for op, paths in unknown.items():
+        warnings.warn(
+            f"autopar has no sharding rule for {op} (used in {', '.join(sorted(set(paths)))}); "
+            "it runs replicated, which is correct but may cost communication. "
+            "Add a rule in autopar/rules.py to let it be split.", UnsupportedOpWarning, stacklevel=3)
+    return result

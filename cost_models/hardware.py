@@ -1,0 +1,132 @@
+"""Hardware and topology specs: how fast a device computes, how much it holds,
+and how fast each mesh axis talks.
+
+Which mesh axis lives inside a node matters: NVLink is ~10x faster than
+InfiniBand, so the same collective costs very differently on the two.
+"""
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .errors import CostModelError
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class, alpha-beta model: time = latency + bytes / bandwidth."""
+    bandwidth: float  # bytes/s, one direction, per device
+    latency: float    # seconds per hop / ring step (alpha)
+
+    def __post_init__(self):
+        if not self.bandwidth > 0 or not self.latency > 0:
+            raise CostModelError(f"Link needs positive bandwidth and latency, got "
+                                 f"bandwidth={self.bandwidth!r}, latency={self.latency!r}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and the links between accelerators."""
+    name: str
+    peak_flops: Mapping[str, float]  # dtype name -> FLOP/s; stored as a sorted tuple of pairs
+    memory_bytes: int
+    memory_bandwidth: float          # bytes/s
+    intra_node_link: Link
+    inter_node_link: Link
+    devices_per_node: int = 8
+
+    def __post_init__(self):
+        # a dict is not hashable; store a sorted tuple so Hardware stays frozen and hashable
+        pairs = tuple(sorted(dict(self.peak_flops).items()))
+        if not pairs or any(not v > 0 for _, v in pairs):
+            raise CostModelError(f"Hardware {self.name!r}: peak_flops needs positive "
+                                 f"entries, e.g. {{'float32': 1e12}}, got {self.peak_flops!r}")
+        if not self.memory_bytes > 0 or not self.memory_bandwidth > 0 or not self.devices_per_node > 0:
+            raise CostModelError(f"Hardware {self.name!r}: memory_bytes, memory_bandwidth "
+                                 f"and devices_per_node must be positive")
+        object.__setattr__(self, "peak_flops", pairs)
+
+    def flops_per_second(self, dtype: str) -> float:
+        """Peak FLOP/s for a dtype; unknown dtypes fall back to float32, then to the best."""
+        table = dict(self.peak_flops)
+        dtype = str(dtype).removeprefix("torch.")  # accept torch.bfloat16 as well as "bfloat16"
+        if dtype in table:
+            return table[dtype]
+        if "float32" in table:
+            return table["float32"]
+        return max(table.values())
+
+
+GiB = 2**30
+
+PRESETS = {
+    # NVIDIA H100 SXM5 80GB datasheet: dense (no sparsity) tensor-core peaks.
+    # float32 uses the TF32 tensor-core figure (494.5 TF), which is what matmuls run
+    # at with torch.backends.cuda.matmul.allow_tf32; plain FP32 is only 67 TF.
+    # HBM3 3.35 TB/s; NVLink 4 900 GB/s total = 450 GB/s per direction;
+    # ConnectX-7 InfiniBand NDR 400 Gb/s = 50 GB/s per GPU.
+    "h100": Hardware(
+        name="h100",
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},
+        memory_bytes=80 * GiB,
+        memory_bandwidth=3.35e12,
+        intra_node_link=Link(bandwidth=450e9, latency=3e-6),
+        inter_node_link=Link(bandwidth=50e9, latency=10e-6),
+    ),
+    # NVIDIA A100 80GB SXM datasheet: BF16/FP16 312 TF, TF32 156 TF (used for float32);
+    # HBM2e 2,039 GB/s; NVLink 3 600 GB/s total = 300 GB/s per direction;
+    # InfiniBand HDR 200 Gb/s = 25 GB/s per GPU.
+    "a100": Hardware(
+        name="a100",
+        peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+        memory_bytes=80 * GiB,
+        memory_bandwidth=2.039e12,
+        intra_node_link=Link(bandwidth=300e9, latency=3e-6),
+        inter_node_link=Link(bandwidth=25e9, latency=10e-6),
+    ),
+    # A generic CPU host for gloo test runs (order-of-magnitude figures, not a
+    # datasheet): ranks are processes on one machine talking over loopback TCP,
+    # so intra and inter "node" links are the same.
+    "cpu": Hardware(
+        name="cpu",
+        peak_flops={"float32": 1e11, "bfloat16": 1e11},
+        memory_bytes=16 * GiB,
+        memory_bandwidth=20e9,
+        intra_node_link=Link(bandwidth=5e9, latency=20e-6),
+        inter_node_link=Link(bandwidth=5e9, latency=20e-6),
+        devices_per_node=8,
+    ),
+}
+
+
+def get_hardware(spec: "str | Hardware | None", default: str = "h100") -> Hardware:
+    """Resolve a preset name (case-insensitive), pass a Hardware through, None -> default."""
+    if isinstance(spec, Hardware):
+        return spec
+    if spec is None:
+        spec = default
+    if isinstance(spec, str) and spec.strip().lower() in PRESETS:
+        return PRESETS[spec.strip().lower()]
+    raise CostModelError(f"unknown hardware {spec!r}; known names: {', '.join(sorted(PRESETS))} "
+                         f"(or pass a cost_models.Hardware)")
+
+
+def axis_links(axes: Sequence[tuple[str, int]], hardware: Hardware,
+               links: "Mapping[str, Link] | None" = None) -> dict[str, Link]:
+    """Link class per mesh axis.
+
+    Default topology: ranks are laid out row-major, so the innermost (last) axis
+    holds consecutive ranks. Walking from it outwards, an axis is intra-node while
+    the product of the sizes so far (itself included) fits in one node; every axis
+    after that crosses nodes. `links` overrides individual axes.
+    """
+    names = [name for name, _ in axes]
+    links = dict(links or {})
+    unknown = [name for name in links if name not in names]
+    if unknown:
+        raise CostModelError(f"links given for unknown mesh axes {unknown}; mesh axes are {names}")
+    result, span = {}, 1
+    for name, size in reversed(list(axes)):
+        span *= size
+        result[name] = hardware.intra_node_link if span <= hardware.devices_per_node else hardware.inter_node_link
+    result.update(links)
+    return {name: result[name] for name in names}  # keep mesh order

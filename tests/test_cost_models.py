@@ -1,0 +1,228 @@
+"""cost_models: formulas on ints and on sympy symbols, topology defaults, byte parsing."""
+
+import math
+
+import pytest
+import sympy
+from hypothesis import given, strategies as st
+
+import cost_models as cm
+from cost_models import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND_RECV,
+                         CostModelError, Hardware, Link)
+
+H100 = cm.PRESETS["h100"]
+RING_KINDS = [ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL]
+
+
+# --- comm -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,factor", [(ALL_GATHER, 7 / 8), (REDUCE_SCATTER, 7 / 8),
+                                         (ALL_REDUCE, 14 / 8), (ALL_TO_ALL, 7 / 64),
+                                         (SEND_RECV, 1.0)])
+def test_bytes_moved_values(kind, factor):
+    assert cm.bytes_moved(kind, 1024, 8) == pytest.approx(1024 * factor)
+
+
+@pytest.mark.parametrize("kind", [ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, SEND_RECV])
+def test_single_device_is_free(kind):
+    assert cm.bytes_moved(kind, 10**9, 1) == 0
+    assert cm.collective_time(kind, 10**9, 1, H100.inter_node_link) == 0
+
+
+def test_collective_time_alpha_beta():
+    link = Link(bandwidth=100.0, latency=0.5)
+    assert cm.collective_time(ALL_GATHER, 800, 4, link) == pytest.approx(0.5 * 3 + 600 / 100)
+    assert cm.collective_time(ALL_REDUCE, 800, 4, link) == pytest.approx(0.5 * 3 + 1200 / 100)
+    assert cm.collective_time(SEND_RECV, 800, 4, link) == pytest.approx(0.5 + 800 / 100)
+
+
+def test_intra_node_faster_than_inter_node():
+    intra = cm.collective_time(ALL_REDUCE, 2**30, 8, H100.intra_node_link)
+    inter = cm.collective_time(ALL_REDUCE, 2**30, 8, H100.inter_node_link)
+    assert inter > 5 * intra
+
+
+def test_unknown_kind():
+    with pytest.raises(CostModelError, match="broadcast"):
+        cm.bytes_moved("broadcast", 10, 2)
+    with pytest.raises(CostModelError, match="all_gather"):  # message lists known kinds
+        cm.collective_time("broadcast", 10, 2, H100.intra_node_link)
+
+
+@given(kind=st.sampled_from(RING_KINDS + [SEND_RECV]), n=st.integers(1, 1024),
+       batch=st.integers(1, 4096), seq=st.integers(1, 8192), width=st.integers(1, 16384))
+def test_comm_symbolic_matches_numeric(kind, n, batch, seq, width):
+    b, s = sympy.symbols("batch seq", positive=True, integer=True)
+    link = H100.inter_node_link
+    values = {b: batch, s: seq}
+    for fn in (lambda B: cm.bytes_moved(kind, B, n), lambda B: cm.collective_time(kind, B, n, link)):
+        symbolic = sympy.sympify(fn(2 * b * s * width))
+        assert symbolic.free_symbols <= {b, s}
+        numeric = fn(2 * batch * seq * width)
+        assert float(symbolic.subs(values)) == pytest.approx(numeric, rel=1e-12, abs=1e-30)
+
+
+def test_comm_symbolic_is_exact():
+    b = sympy.Symbol("batch", positive=True)
+    assert cm.bytes_moved(ALL_GATHER, 8 * b, 4) == 6 * b
+    assert cm.bytes_moved(ALL_TO_ALL, 16 * b, 4) == 3 * b
+
+
+@given(kind=st.sampled_from(RING_KINDS), n=st.integers(2, 512), B=st.integers(1, 2**40))
+def test_ring_bytes_bounds(kind, n, B):
+    moved = cm.bytes_moved(kind, B, n)
+    assert 0 < moved < (2 * B if kind == ALL_REDUCE else B)
+    assert cm.bytes_moved(ALL_REDUCE, B, n) == pytest.approx(2 * cm.bytes_moved(ALL_GATHER, B, n))
+
+
+# --- compute ----------------------------------------------------------------
+
+def test_compute_terms():
+    assert cm.matmul_flops(2, 3, 4) == 48
+    assert cm.TRAIN_FLOPS_FACTOR == 3
+    assert cm.compute_time(989e12, "bfloat16", H100) == pytest.approx(1.0)
+    assert cm.compute_time(494.5e12, "float32", H100) == pytest.approx(1.0)
+    assert cm.memory_time(3.35e12, H100) == pytest.approx(1.0)
+
+
+def test_compute_symbolic():
+    m, n = sympy.symbols("m n", positive=True)
+    flops = cm.matmul_flops(m, n, 1024)
+    t = cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, "bfloat16", H100)
+    assert t.subs({m: 512, n: 256}) == pytest.approx(3 * 2 * 512 * 256 * 1024 / 989e12)
+    assert cm.memory_time(4 * m, H100).subs(m, 10) == pytest.approx(40 / 3.35e12)
+
+
+def test_flops_per_second_fallbacks():
+    assert H100.flops_per_second("bfloat16") == 989e12
+    assert H100.flops_per_second("torch.bfloat16") == 989e12
+    assert H100.flops_per_second("float64") == 494.5e12  # unknown -> float32
+    hw = Hardware("x", {"bfloat16": 2e12, "float16": 3e12}, 2**30, 1e9, Link(1e9, 1e-6), Link(1e8, 1e-5))
+    assert hw.flops_per_second("int8") == 3e12  # no float32 -> best
+
+
+# --- hardware ---------------------------------------------------------------
+
+def test_presets_figures():
+    assert H100.memory_bytes == 80 * 2**30
+    assert H100.intra_node_link.bandwidth == 450e9 and H100.inter_node_link.bandwidth == 50e9
+    a100 = cm.PRESETS["a100"]
+    assert a100.flops_per_second("float32") == 156e12 and a100.memory_bandwidth == 2.039e12
+    cpu = cm.PRESETS["cpu"]
+    assert cpu.intra_node_link == cpu.inter_node_link == Link(5e9, 20e-6)
+    for hw in cm.PRESETS.values():
+        assert hw.intra_node_link.bandwidth >= hw.inter_node_link.bandwidth
+        hash(hw)  # frozen and hashable, so plans can key caches on it
+
+
+def test_get_hardware():
+    assert cm.get_hardware("H100") is H100
+    assert cm.get_hardware(None) is H100
+    assert cm.get_hardware(None, default="a100") is cm.PRESETS["a100"]
+    custom = Hardware("mine", {"float32": 1e12}, 2**30, 1e10, Link(1e9, 1e-6), Link(1e8, 1e-5))
+    assert cm.get_hardware(custom) is custom
+    with pytest.raises(CostModelError, match="a100, cpu, h100"):
+        cm.get_hardware("h200")
+
+
+def test_peak_flops_stored_frozen():
+    flops = {"float32": 1e12}
+    hw = Hardware("mine", flops, 2**30, 1e10, Link(1e9, 1e-6), Link(1e8, 1e-5))
+    flops["float32"] = 5.0  # mutating the caller's dict must not change the spec
+    assert hw.flops_per_second("float32") == 1e12
+    assert hw == Hardware("mine", {"float32": 1e12}, 2**30, 1e10, Link(1e9, 1e-6), Link(1e8, 1e-5))
+
+
+@pytest.mark.parametrize("bandwidth,latency", [(0, 1e-6), (-1e9, 1e-6), (1e9, 0), (1e9, -1.0)])
+def test_link_validation(bandwidth, latency):
+    with pytest.raises(CostModelError):
+        Link(bandwidth, latency)
+
+
+def test_hardware_validation():
+    with pytest.raises(CostModelError, match="peak_flops"):
+        Hardware("bad", {}, 2**30, 1e10, Link(1e9, 1e-6), Link(1e8, 1e-5))
+    with pytest.raises(CostModelError):
+        Hardware("bad", {"float32": 1e12}, 0, 1e10, Link(1e9, 1e-6), Link(1e8, 1e-5))
+
+
+def _kinds(links, hw=H100):
+    return {axis: ("intra" if link == hw.intra_node_link else "inter") for axis, link in links.items()}
+
+
+@pytest.mark.parametrize("axes,expected", [
+    ([("dp", 16), ("tp", 8)], {"dp": "inter", "tp": "intra"}),
+    ([("a", 2), ("b", 2)], {"a": "intra", "b": "intra"}),
+    ([("pp", 4), ("dp", 32), ("tp", 8)], {"pp": "inter", "dp": "inter", "tp": "intra"}),
+    ([("dp", 4), ("tp", 2)], {"dp": "intra", "tp": "intra"}),
+    ([("dp", 8), ("tp", 2)], {"dp": "inter", "tp": "intra"}),
+    ([("dp", 64)], {"dp": "inter"}),
+    ([("dp", 8)], {"dp": "intra"}),
+])
+def test_axis_links_default_topology(axes, expected):
+    links = cm.axis_links(axes, H100)
+    assert list(links) == [name for name, _ in axes]
+    assert _kinds(links) == expected
+
+
+def test_axis_links_overrides():
+    fast = Link(1e12, 1e-7)
+    links = cm.axis_links([("dp", 16), ("tp", 8)], H100, links={"dp": fast})
+    assert links == {"dp": fast, "tp": H100.intra_node_link}
+    with pytest.raises(CostModelError, match=r"'pq'.*\['dp', 'tp'\]"):
+        cm.axis_links([("dp", 16), ("tp", 8)], H100, links={"pq": fast})
+
+
+@given(sizes=st.lists(st.integers(1, 16), min_size=1, max_size=4))
+def test_axis_links_property(sizes):
+    axes = [(f"ax{i}", size) for i, size in enumerate(sizes)]
+    kinds = _kinds(cm.axis_links(axes, H100))
+    for i in range(len(sizes)):  # intra exactly when this axis and all inner ones fit a node
+        inner = math.prod(sizes[i:])
+        assert kinds[f"ax{i}"] == ("intra" if inner <= H100.devices_per_node else "inter")
+
+
+# --- memory -----------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    ("70GiB", 70 * 2**30), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20),
+    ("1.5TiB", 3 * 2**39), ("100kB", 100_000), ("12345", 12345), ("7 b", 7),
+    (" 2 gib ", 2 * 2**30), ("1.1GB", 1_100_000_000), ("4KiB", 4096), ("3TB", 3 * 10**12),
+    (2048, 2048), (1.5e9, 1_500_000_000),
+])
+def test_parse_bytes(text, expected):
+    got = cm.parse_bytes(text)
+    assert got == expected and type(got) is int
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "70 GiBs", "seventy", "1.2.3GB", "-5GB", "5 XB", None, True, -1, float("nan")])
+def test_parse_bytes_errors(bad):
+    with pytest.raises(CostModelError, match="e.g."):
+        cm.parse_bytes(bad)
+
+
+@given(n=st.integers(0, 2**50), unit=st.sampled_from(sorted(cm.memory.UNITS)))
+def test_parse_bytes_round_trip(n, unit):
+    written = f"{n}{unit.upper()}"
+    assert cm.parse_bytes(written) == n * cm.memory.UNITS[unit]
+
+
+@pytest.mark.parametrize("n,text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"),
+                                    (1.5 * 2**30, "1.50 GiB"), (80 * 2**30, "80.00 GiB"),
+                                    (3 * 2**40, "3.00 TiB"), (-2048, "-2.00 KiB")])
+def test_format_bytes(n, text):
+    assert cm.format_bytes(n) == text
+
+
+@given(n=st.integers(1024, 2**50))
+def test_format_then_parse_close(n):
+    assert cm.parse_bytes(cm.format_bytes(n).replace(" ", "")) == pytest.approx(n, rel=0.01)
+
+
+def test_no_torch_or_autopar_imports():
+    import pathlib
+    import re
+    src = pathlib.Path(cm.__file__).parent
+    for path in src.glob("*.py"):
+        imports = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", path.read_text(), re.M)
+        assert not [m for m in imports if m.split(".")[0] in ("torch", "autopar")], path
