@@ -42,6 +42,11 @@ class Comm:
     log: CommLog | None = None
 
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -67,15 +72,15 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         xs = x.movedim(d, 0).contiguous()
         out = xs.new_empty((n * xs.shape[0],) + tuple(xs.shape[1:]))
         _log(comm, ALL_GATHER, axis, _bytes(out), phase)
-        dist.all_gather_into_tensor(out, xs, group=g)
-        return out.movedim(0, d).contiguous()
+        _all_gather(out, xs, group=g)
+        return out if d == 0 else out.movedim(0, d).contiguous()
     if kind == REDUCE_SCATTER:
         d = shard_dim(dst)
         xs = x.movedim(d, 0).contiguous()
         out = xs.new_empty((xs.shape[0] // n,) + tuple(xs.shape[1:]))
         _log(comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
-        dist.reduce_scatter_tensor(out, xs, group=g)
-        return out.movedim(0, d).contiguous()
+        _reduce_scatter(out, xs, group=g)
+        return out if d == 0 else out.movedim(0, d).contiguous()
     if kind == ALL_TO_ALL:
         d_in, d_out = shard_dim(src), shard_dim(dst)
         send = torch.stack(x.chunk(n, dim=d_out)).contiguous()   # piece j goes to rank j

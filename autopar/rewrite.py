@@ -28,6 +28,10 @@ SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view
 DROPPED_OPS = {"aten._assert_tensor_metadata.default"}  # checks global metadata a local shard fails
 
 
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
 class GatheredParams:
     """FSDP: weights gathered in forward are not kept for backward.
 
@@ -40,13 +44,14 @@ class GatheredParams:
         self._entries = {}
 
     def register(self, full: torch.Tensor, local: torch.Tensor, module: "RedistributeModule"):
+        full = _root(full)
         self._entries[id(full)] = (weakref.ref(full), local, module)
 
     def clear(self):
         self._entries.clear()
 
     def pack(self, t: torch.Tensor):
-        base = t._base if t._base is not None else t
+        base = _root(t)
         entry = self._entries.get(id(base))
         if entry is not None and entry[0]() is base:
             return ("regather", entry[1], entry[2], t.size(), t.stride(), t.storage_offset())

@@ -76,7 +76,7 @@ def regathers(cap: Captured, edge: Edge, grad_nodes: set) -> bool:
     if cap.info[edge.producer].kind != PARAM:
         return False
     node = cap.node(edge.consumer)
-    if op_name(node) not in USES_WEIGHT_IN_BACKWARD:
+    if edge.index not in USES_WEIGHT_IN_BACKWARD.get(op_name(node), ()):
         return False
     return any(a.name in grad_nodes for j, a in enumerate(tensor_args(node)) if j != edge.index)
 
