@@ -43,7 +43,7 @@ SAVES = {
 # the gathered weight is dropped after forward and gathered again when backward needs it
 USES_WEIGHT_IN_BACKWARD = {  # op -> tensor inputs it keeps for its other inputs' gradients
     "aten.linear.default": (1,), "aten.matmul.default": (0, 1), "aten.mm.default": (0, 1),
-    "aten.bmm.default": (0, 1), "aten.addmm.default": (1, 2), "aten.layer_norm.default": (2, 3),  # bias too: its backward takes it
+    "aten.bmm.default": (0, 1), "aten.addmm.default": (1, 2), "aten.layer_norm.default": (1, 2),  # weight and bias: its backward takes both
     "aten.mul.Tensor": (0, 1), "aten.div.Tensor": (1,),
 }
 OPTIMIZER_STATES_PER_PARAM = 2  # AdamW: exp_avg and exp_avg_sq
