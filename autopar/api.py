@@ -80,8 +80,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
                           links=links, time_limit=time_limit, t_capture=t_capture)
 
 
-def _plan_captured(cap: Captured, mesh, *, hardware, memory_limit, strategy, links, time_limit,
-                   t_capture=0.0) -> Plan:
+def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", links=None,
+                   time_limit=60.0, t_capture=0.0) -> Plan:
     spec = mesh_spec(mesh)
     hw = _hardware(hardware, mesh)
     try:
@@ -123,7 +123,8 @@ def _plan_captured(cap: Captured, mesh, *, hardware, memory_limit, strategy, lin
                     for c in colls)
     stats = {"capture_seconds": t_capture, "rules_seconds": t_rules, "solve_seconds": sol.solve_seconds,
              "status": sol.status, "objective_seconds": sol.objective,
-             "num_nodes": len(strategies), "num_edges": len(prob.edges)}
+             "num_nodes": len(strategies), "num_edges": len(prob.edges),
+             "num_variables": sol.num_variables, "num_constraints": sol.num_constraints}
     return Plan(mesh=spec, strategy=strategy, hardware=hw.name,
                 batch_axes=tuple(spec.axis_names[a] for a in sol.batch_axes),
                 node_strategies=node_strategies, param_placements=param_placements,
@@ -155,12 +156,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     spec = mesh_spec(mesh)
     cap = capture(model, example_inputs, dynamic_shapes)
     if plan is None:
-        plan = _plan_captured(cap, mesh, hardware=plan_kwargs.pop("hardware", None),
-                              memory_limit=plan_kwargs.pop("memory_limit", None),
-                              strategy=plan_kwargs.pop("strategy", "auto"), links=plan_kwargs.pop("links", None),
-                              time_limit=plan_kwargs.pop("time_limit", 60.0))
-        if plan_kwargs:
-            raise AutoparError(f"unknown option(s) {sorted(plan_kwargs)} for autopar.parallelize")
+        plan = _plan_on_rank0(cap, mesh, plan_kwargs)
     _check_plan_matches(plan, cap, spec)
     coords = mesh.get_coordinate()
     axes = [AxisGroup(mesh.get_group(name), size, coords[i])
@@ -169,6 +165,31 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     comm = Comm(axes, CommLog() if record_comm else None)
     gm, gathered = rewrite(cap, plan, comm, needs_grad(cap))
     return ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh)
+
+
+def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict) -> Plan:
+    """Rank 0 plans and broadcasts the plan, so ranks cannot disagree (and plan once, not N times).
+
+    An error on rank 0 is broadcast too and raised on every rank, so no rank
+    waits forever for a plan that will not come.
+    """
+    import torch.distributed as dist
+    known = {"hardware", "memory_limit", "strategy", "links", "time_limit"}
+    unknown = sorted(set(plan_kwargs) - known)
+    if unknown:
+        raise AutoparError(f"unknown option(s) {unknown} for autopar.parallelize; it takes plan=, "
+                           f"dynamic_shapes=, record_comm= and the planning options {sorted(known)}")
+    message = [None]
+    if dist.get_rank() == 0:
+        try:
+            message[0] = ("plan", _plan_captured(cap, mesh, **plan_kwargs).to_json())
+        except AutoparError as e:
+            message[0] = ("error", e)
+    dist.broadcast_object_list(message, src=0)
+    kind, payload = message[0]
+    if kind == "error":
+        raise payload
+    return Plan.from_json(payload)
 
 
 def _check_plan_matches(plan: Plan, cap: Captured, spec: MeshSpec) -> None:

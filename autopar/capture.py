@@ -168,26 +168,42 @@ def _owner_path(fqn: str) -> str:
 
 
 def _explain_export_failure(model: torch.nn.Module, err: Exception) -> str:
-    """Name the module where export failed: the innermost frame inside the model's code."""
-    frames = traceback.extract_tb(err.__traceback__)
+    """Name the cause and the module where export failed.
+
+    torch.export re-raises from deep inside its tracer, so the user's frame is
+    usually only in the message ("The following call raised this error: File
+    ..., line ..."); fall back to the traceback. The file is mapped back to the
+    model's module (class and path) defined there.
+    """
+    import inspect
+    import re
+
+    text = str(err)
     files = {}
     for name, mod in model.named_modules():
         try:
-            import inspect
-            files[inspect.getsourcefile(type(mod))] = (name or "<root>", type(mod).__name__)
+            files.setdefault(inspect.getsourcefile(type(mod)), []).append((name or "<root>", type(mod).__name__))
         except (TypeError, OSError):
             pass
+    candidates = [(f, int(l), c.strip()) for f, l, c in
+                  re.findall(r'File "([^"]+)", line (\d+), in \w+\n([^\n]*)', text)]
+    e = err
+    while e is not None:
+        candidates += [(fr.filename, fr.lineno, fr.line or "") for fr in reversed(traceback.extract_tb(e.__traceback__))]
+        e = e.__cause__ or e.__context__
     where = None
-    for fr in reversed(frames):
-        if fr.filename in files:
-            path, cls = files[fr.filename]
-            where = f"in {cls} (module {path!r}) at {fr.filename}:{fr.lineno}: {fr.line}"
+    for filename, lineno, line in candidates:
+        if filename in files:
+            mods = files[filename]
+            desc = ", ".join(f"{cls} (module {path!r})" for path, cls in mods[:3])
+            where = f"{filename}:{lineno}: {line}  -- in {desc}"
             break
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    msg = f"torch.export could not capture {type(model).__name__}: {type(err).__name__}: {first}"
+    cause = next((ln.strip() for ln in text.splitlines()
+                  if ln.strip() and not ln.startswith((" ", "\t", "def ", "#"))), type(err).__name__)
+    msg = f"torch.export could not capture {type(model).__name__}: {type(err).__name__}: {cause}"
     if where:
         msg += f"\n  where: {where}"
-    msg += ("\n  what to do: make forward traceable by torch.export (no data-dependent Python control "
-            "flow on tensor values, no unsupported Python side effects), or pass dynamic_shapes that "
-            "match how the inputs vary")
+    msg += ("\n  what to do: make forward traceable by torch.export (no Python control flow on tensor "
+            "values, no unsupported Python side effects), or pass dynamic_shapes that match how the "
+            "inputs vary")
     return msg

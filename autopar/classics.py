@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .capture import INPUT, PARAM, OP, NodeInfo
-from .errors import AutoparError
+from .errors import AutoparError, ShardingError
 from .mesh import MeshSpec
 from .placement import P, R, is_shard, shard_dim
 from .redistribute import UnsupportedRedistribution, plan_steps
@@ -23,6 +23,8 @@ STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp")
 class Roles:
     """Role of each mesh axis (None: free for the search)."""
     roles: tuple
+    axis_names: tuple = ()
+    axis_sizes: tuple = ()
 
     def batch_axes(self) -> dict[int, bool]:
         """Axes whose batch split is pinned: True = the batch is split there."""
@@ -32,19 +34,19 @@ class Roles:
 def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
     n = mesh.num_axes
     if strategy == "auto":
-        return Roles((None,) * n)
+        return Roles((None,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "ddp":
-        return Roles((DP,) * n)
+        return Roles((DP,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "fsdp":
-        return Roles((FSDP,) * n)
+        return Roles((FSDP,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "tp":
-        return Roles((TP,) * n)
+        return Roles((TP,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "fsdp+tp":
         if n < 2:
             raise AutoparError(
                 f"strategy 'fsdp+tp' needs a mesh of at least 2 axes (fsdp on the first, tp on the last); "
                 f"this mesh has one: {mesh}. Use 'fsdp' or 'tp', or a 2-axis mesh.")
-        return Roles((FSDP,) + (DP,) * (n - 2) + (TP,))
+        return Roles((FSDP,) + (DP,) * (n - 2) + (TP,), mesh.axis_names, mesh.axis_sizes)
     raise AutoparError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 
@@ -66,6 +68,13 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
         except UnsupportedRedistribution:
             return False
 
+    for a, role in enumerate(roles.roles):
+        if (role == TP and info.meta is not None and info.meta.ndim >= 2
+                and not any(is_shard(t.output[a]) for t in strategies)):
+            raise ShardingError(
+                f"parameter {info.target_name!r} of shape {tuple(info.meta.hint)}: tensor-parallel axis "
+                f"{roles.axis_names[a]!r} of size {roles.axis_sizes[a]} divides none of its dims, so it cannot "
+                f"be split; use a tp degree that divides {tuple(info.meta.hint)}, or strategy='auto'")
     ok = []
     for s in strategies:
         good = True
