@@ -110,11 +110,13 @@ def allow_op_strategy(roles: Roles, strategy) -> bool:
     return True
 
 
-def allow_edge(roles: Roles, producer: NodeInfo, src, dst) -> bool:
+def allow_edge(roles: Roles, producer: NodeInfo, src, dst, consumer_replicated_only: bool = False) -> bool:
     """Parameters are used whole on data-parallel axes and as stored on tensor-parallel ones."""
     if producer.kind != PARAM:
         # activations keep their batch split on data-parallel axes (else the "data-parallel"
-        # axis would quietly compute replicated)
+        # axis would quietly compute replicated), except into an op that can only run whole
+        if consumer_replicated_only:
+            return True
         return all(src[a] == dst[a] or (src[a] == R and dst[a] == "S(0)")
                    for a, role in enumerate(roles.roles) if role in (DP, FSDP))
     for a, role in enumerate(roles.roles):

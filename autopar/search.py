@@ -188,7 +188,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
         for p in src_groups:
             for k in dst_groups:
                 dst, gp = k
-                if not allow_edge(roles, cap.info[e.producer], p, dst):
+                if not allow_edge(roles, cap.info[e.producer], p, dst, len(v.strategies) == 1):
                     continue
                 if isinstance(cap.info[e.producer].meta, list) and (p != dst or gp):
                     continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is

@@ -1,0 +1,111 @@
+"""The Plan: text, JSON, symbolic predictions, and reuse of an offline plan on every rank."""
+import copy
+
+import sympy
+import torch
+
+import autopar
+import cost_models as cm
+from autopar.testing import GPT, MLP, GPTConfig, run_threaded
+
+BATCH = torch.export.Dim("batch")
+
+
+def _mlp_plan(strategy="ddp", mesh=None):
+    torch.manual_seed(0)
+    return autopar.plan(MLP([8, 16, 8]), (torch.randn(4, 8),), mesh or {"dp": 2}, strategy=strategy,
+                        dynamic_shapes={"x": {0: BATCH}})
+
+
+def test_symbolic_terms_match_hand_derivation_for_ddp_mlp():
+    plan = _mlp_plan("ddp")
+    b = sympy.Symbol("batch", integer=True, positive=True)
+    params = (8 * 16 + 16 + 16 * 8 + 8) * 4          # fp32 bytes
+    assert plan.symbolic.memory.params == params
+    assert plan.symbolic.memory.grads == params
+    assert plan.symbolic.memory.optimizer == 2 * params   # AdamW's two moments
+    # saved for backward: gelu keeps its input and the second linear keeps gelu's output,
+    # both [batch / 2, 16] fp32 on each of the 2 ranks
+    assert sympy.simplify(plan.symbolic.memory.activations - 2 * (b / 2) * 16 * 4) == 0
+    # DDP all-reduces every gradient once: a ring all-reduce on 2 ranks sends 2(n-1)/n = 1x the bytes
+    assert plan.symbolic.comm_bytes["dp"] == params
+    assert plan.predicted.comm_bytes["dp"] == params
+    # the numbers are the symbolic terms at the example batch (4)
+    assert float(plan.symbolic.memory.total.subs(b, 4)) == plan.predicted.memory.total
+    assert plan.symbols == {"batch": 4}
+
+
+def test_symbolic_comm_of_tensor_parallel_grows_with_batch():
+    torch.manual_seed(0)
+    plan = autopar.plan(GPT(GPTConfig()), (torch.randint(0, 64, (4, 16)),), {"tp": 2}, strategy="tp",
+                        dynamic_shapes={"idx": {0: BATCH}})
+    b = sympy.Symbol("batch", integer=True, positive=True)
+    expr = plan.symbolic.comm_bytes["tp"]
+    assert expr.free_symbols == {b}
+    assert float(expr.subs(b, 8)) == 2 * float(expr.subs(b, 4))  # activations only: linear in batch
+    assert float(expr.subs(b, 4)) == plan.predicted.comm_bytes["tp"]
+
+
+def test_json_round_trip_keeps_everything():
+    torch.manual_seed(0)
+    plan = autopar.plan(GPT(GPTConfig()), (torch.randint(0, 64, (4, 16)),), {"dp": 2, "tp": 2},
+                        strategy="fsdp+tp", dynamic_shapes={"idx": {0: BATCH}})
+    back = autopar.Plan.from_json(plan.to_json())
+    assert back.node_strategies == plan.node_strategies
+    assert back.param_placements == plan.param_placements
+    assert back.predicted == plan.predicted
+    assert back.symbolic.memory.total == plan.symbolic.memory.total
+    assert back.collectives == plan.collectives
+    assert str(back) == str(plan)
+
+
+def test_text_table_shows_layout_collectives_and_predictions():
+    text = str(_mlp_plan("fsdp"))
+    assert "strategy=fsdp" in text and "batch split over: dp" in text
+    assert "layers.0" in text and "weight S(" in text
+    assert "all_gather@dp" in text and "reduce_scatter@dp" in text
+    assert "predicted per device: params" in text and "communication per step: dp" in text
+
+
+def test_local_inputs_and_targets_cut_the_batch_over_batch_axes():
+    plan = _mlp_plan("ddp", {"dp": 2, "tp": 2})
+    assert set(plan.batch_axes) == {"dp", "tp"}
+    x = torch.arange(8.0).reshape(8, 1).expand(8, 8)
+    shards = [plan.local_inputs(x, rank=r) for r in range(4)]
+    assert torch.equal(torch.cat(shards), x)           # row-major over (dp, tp)
+    assert torch.equal(plan.local_targets(x, rank=3), x[6:])
+
+
+def _train_with_given_plan(rank, model, plan_json, x):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    plan = autopar.Plan.from_json(plan_json)
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), plan=plan)
+    out = pm(pm.plan.local_inputs(x))
+    out.square().mean().backward()
+    return pm.plan.param_placements, out.detach(), pm.full_grads()
+
+
+def test_offline_plan_is_applied_by_parallelize():
+    torch.manual_seed(0)
+    model, x = MLP([8, 16, 8]), torch.randn(4, 8)
+    plan = autopar.plan(model, (x,), {"dp": 2}, strategy="fsdp")
+    results = run_threaded(2, _train_with_given_plan, model, plan.to_json(), x)
+    ref = copy.deepcopy(model)
+    out = ref(x)
+    out.square().mean().backward()
+    for rank, (placements, local_out, grads) in enumerate(results):
+        assert placements == plan.param_placements
+        torch.testing.assert_close(local_out, out.detach()[rank * 2:(rank + 1) * 2], atol=1e-6, rtol=0)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=0)
+
+
+def test_hardware_and_links_change_predicted_time_not_bytes():
+    torch.manual_seed(0)
+    model, x = MLP([64, 256, 64]), torch.randn(8, 64)
+    fast = autopar.plan(model, (x,), {"dp": 2}, strategy="ddp", hardware="h100")
+    slow = autopar.plan(model, (x,), {"dp": 2}, strategy="ddp", hardware="h100",
+                        links={"dp": cm.Link(bandwidth=1e9, latency=1e-3)})
+    assert fast.predicted.comm_bytes == slow.predicted.comm_bytes
+    assert slow.predicted.comm_time["dp"] > 10 * fast.predicted.comm_time["dp"]
