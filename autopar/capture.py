@@ -42,6 +42,7 @@ class NodeInfo:
     module_path: str                # e.g. "blocks.0.attn.q" ("" for the root)
     target_name: str | None = None  # FQN of the parameter/buffer a placeholder is
     meta: Any = None                # TensorMeta, list of TensorMeta (tuple output), or None
+    params_read: tuple = ()         # FQNs of the parameters an op takes as direct inputs
 
 
 @dataclass
@@ -158,7 +159,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
         elif node.op == "output":
             info[node.name] = NodeInfo(OUTPUT, "", None, None)
         else:
-            info[node.name] = NodeInfo(OP, _module_path(node), None, to_meta(node.meta.get("val")))
+            reads = tuple(info[a.name].target_name for a in node.all_input_nodes
+                          if a.name in info and info[a.name].kind == PARAM)
+            info[node.name] = NodeInfo(OP, _module_path(node), None, to_meta(node.meta.get("val")), reads)
     symbols = {str(s): s for s in hints}
     return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes])
 
