@@ -101,7 +101,8 @@ def predict(prob, choice, symbolic: bool) -> tuple[Predicted, list[Collective]]:
     for r in group_redistributions(prob, choice):
         cs = redistribution_collectives(prob, r, symbolic)
         colls += cs
-        if cap.info[r.producer].kind == PARAM:  # a gathered weight lives while its op runs
+        gathers = any(st.forward_kind == ALL_GATHER for st in plan_steps(r.src, r.dst))
+        if cap.info[r.producer].kind == PARAM and gathers:  # a gathered weight lives while its op runs
             meta = first_meta(cap.info[r.producer].meta)
             whole = numel(local_shape(meta.shape if symbolic else meta.hint, r.dst, mesh.axis_sizes)) * meta.itemsize
             transient = sympy.Max(transient, whole) if symbolic else max(transient, whole)

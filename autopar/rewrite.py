@@ -25,6 +25,7 @@ from .rules import op_name, tensor_args
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                  "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
                  "aten.new_empty.default", "aten.new_full.default"}
+SQUEEZE_OPS = {"aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims"}
 DROPPED_OPS = {"aten._assert_tensor_metadata.default"}  # checks global metadata a local shard fails
 
 
@@ -180,6 +181,13 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
             env[node.name] = g.call_function(operator.mul, (x, f)) if f > 1 else x
             continue
         args, kwargs = map_args(node, s)
+        if name in SQUEEZE_OPS:
+            # a split dim may be size 1 on a rank; squeeze exactly the dims that are size 1 whole
+            whole = cap.info[node.args[0].name].meta
+            whole = whole[0] if isinstance(whole, list) else whole
+            dims = squeezed_dims(node, whole.hint)
+            env[node.name] = g.call_function(torch.ops.aten.squeeze.dims, (args[0], dims))
+            continue
         if name in SHAPE_ARG_OPS and s is not None:
             args = (args[0], _localize_shape(g, args[1], s.output, sizes)) + tuple(args[2:])
         new = g.call_function(node.target, args, kwargs)
@@ -187,6 +195,18 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
         env[node.name] = new
     g.lint()
     return fx.GraphModule(root, g, class_name="LocalGraph"), gathered
+
+
+def squeezed_dims(node: fx.Node, shape) -> list:
+    """The dims the traced squeeze removed: those it names (or all) that are size 1 in the whole tensor."""
+    nd = len(shape)
+    if len(node.args) < 2:
+        named = range(nd)
+    elif isinstance(node.args[1], int):
+        named = [node.args[1]]
+    else:
+        named = node.args[1]
+    return sorted({d % nd for d in named if shape[d % nd] == 1})
 
 
 def _is_tensor(n: fx.Node) -> bool:

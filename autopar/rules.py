@@ -106,6 +106,21 @@ def unary(linear: bool = False):
     return rule
 
 
+def cast_rule(node, ins, out):
+    """A cast is linear in its input only between floating types (rounding to ints is not)."""
+    linear = ins[0].dtype.is_floating_point and out.dtype.is_floating_point
+    spec = elementwise(node, ins[:1], out, linear=(0,) if linear else ())
+    if len(ins) > 1:  # type_as(x, other): `other` only lends its dtype; same letters if same shape
+        other = spec.inputs[0] if ins[1].hint == ins[0].hint else ""
+        if other == "":
+            new = _Letters()
+            new(26)
+            other = new(ins[1].ndim)
+            return OpSpec((spec.inputs[0], other), spec.output, spec.no_shard | frozenset(other), spec.linear)
+        return OpSpec((spec.inputs[0], other), spec.output, spec.no_shard, spec.linear)
+    return spec
+
+
 def binary(kind: str):
     """kind: 'add' (both additive), 'mul' (linear in either), 'div' (linear in the first)."""
     def rule(node, ins, out):
@@ -195,8 +210,12 @@ def sdpa_rule(node, ins, out):
     L, E, S, F = new(4)
     no_shard = {L, E, S, F}
     k_batch = ""
-    for j in range(nb):  # GQA: fewer key/value heads than query heads cannot share the letter
+    for j in range(nb):
         if k.hint[j] == q.hint[j] and v.hint[j] == q.hint[j]:
+            k_batch += batch[j]
+        elif j == nb - 1 and k.hint[j] == v.hint[j] and q.hint[j] % k.hint[j] == 0:
+            # GQA: splitting query heads and key/value heads alike keeps each query head with
+            # its group's key/value head (needs both counts divisible, which the filter checks)
             k_batch += batch[j]
         else:
             c = new()
@@ -398,8 +417,8 @@ Rule = Callable[[fx.Node, list, TensorMeta], OpSpec]
 
 _UNARY = ["gelu", "relu", "silu", "tanh", "sigmoid", "exp", "log", "rsqrt", "sqrt", "abs",
           "pow.Tensor_Scalar", "dropout", "erf", "sin", "cos", "reciprocal", "square", "logical_not"]
-_LINEAR_UNARY = ["neg", "clone", "contiguous", "alias", "detach", "_to_copy", "to.dtype",
-                 "to.dtype_layout", "to.device", "type_as", "lift_fresh_copy", "mul.Scalar", "div.Scalar"]
+_LINEAR_UNARY = ["neg", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "mul.Scalar", "div.Scalar"]
+_CASTS = ["_to_copy", "to.dtype", "to.dtype_layout", "to.device"]
 
 RULES: dict[str, Rule] = {}
 
@@ -415,6 +434,8 @@ def _register(names, rule, overloads=("default",)):
 
 _register(_UNARY, unary())
 _register(_LINEAR_UNARY, unary(linear=True))
+_register(_CASTS, cast_rule)
+RULES["aten.type_as.default"] = cast_rule
 _register(["gelu_", "relu_"], unary())
 RULES["aten.dropout.default"] = unary()
 RULES["aten.add.Tensor"] = binary("add")

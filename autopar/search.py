@@ -24,7 +24,7 @@ from .cost import (USES_WEIGHT_IN_BACKWARD, activation_bytes, collectives_time, 
 from .errors import InfeasiblePlanError
 from .mesh import MeshSpec
 from .placement import is_shard, local_shape, numel
-from .redistribute import UnsupportedRedistribution
+from .redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
 from .rules import op_name, tensor_args
 from .strategies import NodeStrategies
 
@@ -100,18 +100,23 @@ def node_memory(prob: Problem, name: str, s) -> float:
 
 
 def memory_reserve(prob: Problem) -> float:
-    """Memory outside the ILP's linear terms: buffers (kept whole) and, as an upper bound on the
-    transient of FSDP, the largest whole parameter (gathered weights live one op at a time)."""
-    buffers, largest = 0.0, 0.0
-    for name, info in prob.cap.info.items():
+    """Memory outside the ILP's terms: buffers, which stay whole on every rank."""
+    total = 0.0
+    for info in prob.cap.info.values():
         meta = first_meta(info.meta) if info.meta is not None else None
-        if meta is None:
-            continue
-        if info.kind == BUFFER:
-            buffers += numel(meta.hint) * meta.itemsize
-        elif info.kind == PARAM:
-            largest = max(largest, numel(meta.hint) * meta.itemsize)
-    return buffers + largest
+        if meta is not None and info.kind == BUFFER:
+            total += numel(meta.hint) * meta.itemsize
+    return total
+
+
+def gathered_bytes(prob: Problem, e: Edge, src, dst) -> float:
+    """Bytes of a parameter gathered on this edge (FSDP): it lives while its op runs."""
+    if prob.cap.info[e.producer].kind != PARAM:
+        return 0.0
+    if not any(st.forward_kind == ALL_GATHER for st in plan_steps(src, dst)):
+        return 0.0
+    meta = first_meta(prob.cap.info[e.producer].meta)
+    return float(numel(local_shape(meta.hint, dst, prob.mesh.axis_sizes)) * meta.itemsize)
 
 
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
@@ -171,6 +176,8 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
             row[bvars[a]] = -1.0
             rows.append(row); row_lb.append(0); row_ub.append(0)
 
+    # transient: the largest parameter gathered whole at any one time (max over gathering edges)
+    transient = new_var(0.0, 1.0, integer=False)  # in MiB, like every memory coefficient
     # edges
     for e in prob.edges:
         u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
@@ -184,6 +191,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
                 key = (s.inputs[e.index], s.grad_partial(e.index))
                 dst_groups.setdefault(key, []).append(var)
         yrow_src = {p: {} for p in src_groups}
+        transient_row = {}
         yrow_dst = {k: {} for k in dst_groups}
         for p in src_groups:
             for k in dst_groups:
@@ -198,7 +206,13 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
                     continue
                 y = new_var(c * TIME_SCALE, integer=False)
                 yrow_src[p][y] = 1.0
+                gb = gathered_bytes(prob, e, p, dst)
+                if gb:
+                    transient_row[y] = gb * MEM_SCALE
                 yrow_dst[k][y] = 1.0
+        if transient_row:
+            transient_row[transient] = -1.0
+            rows.append(transient_row); row_lb.append(-np.inf); row_ub.append(0)
         for p, vars_ in src_groups.items():
             row = dict(yrow_src[p])
             for var in vars_:
@@ -223,6 +237,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
             ri.append(r); ci.append(c); data.append(val)
     A = sp.csr_array((data, (ri, ci)), shape=(len(rows), nvar))
     ub = np.array([1.0] * nvar)
+    ub[transient] = np.inf
     t0 = time.perf_counter()
     res = milp(cost, integrality=np.array(integrality), bounds=Bounds(np.zeros(nvar), ub),
                constraints=[LinearConstraint(A, np.array(row_lb, float), np.array(row_ub, float))],

@@ -114,6 +114,8 @@ def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategie
             spec = rule(node, in_metas, out_meta)
         except Exception:  # a rule that cannot read this call's arguments: stay correct, replicate
             spec = None
+        if spec is not None and len(spec.inputs) != len(args):
+            spec = None  # a rule that does not describe every tensor input cannot be trusted
     if spec is None:
         fallback = rule is None
         spec = OpSpec(tuple("" for _ in args), "", replicate_only=True)

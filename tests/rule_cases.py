@@ -16,8 +16,6 @@ goes through `autopar.capture.capture` like a real model does.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -30,11 +28,11 @@ SIZES = st.sampled_from([1, 2, 3, 4, 6, 8])     # 4 and 8 reach nested splits on
 INT_MAX = 9223372036854775807
 
 
-@dataclass(frozen=True)
 class Case:
-    name: str
-    ops: frozenset            # RULES keys this case covers
-    program: st.SearchStrategy  # draws (module, example_inputs)
+    def __init__(self, name: str, ops: frozenset, program: st.SearchStrategy):
+        self.name = name
+        self.ops = ops            # RULES keys this case covers
+        self.program = program    # draws (module, example_inputs)
 
     def __repr__(self):
         return self.name
@@ -148,7 +146,7 @@ def unary(draw):
         return (F.gelu(x), F.relu(x), F.silu(x), torch.tanh(x), torch.sigmoid(x), torch.exp(x),
                 torch.log(pos), torch.rsqrt(pos), torch.sqrt(pos), pos ** exponent, torch.erf(x),
                 torch.sin(x), torch.cos(x), torch.reciprocal(pos), torch.square(x), -x, x.clone(),
-                x.contiguous(), aten.alias.default(x), x.detach())
+                aten.contiguous.default(x), aten.alias.default(x), x.detach())
     return Fn(f), (x,)
 
 
@@ -174,19 +172,37 @@ def dropout(draw):
 
 
 @case("aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
-      "aten.type_as.default", "aten.lift_fresh_copy.default")
+      "aten.lift_fresh_copy.default")
 def conversions(draw):
     seeded(draw)
-    shp = shape(draw, 0, 4)
-    x = randn(shp)
-    y = torch.randn(shape(draw, 0, 2), dtype=torch.float32)
+    x = randn(shape(draw, 0, 4))
 
-    def f(self, x, y):
+    def f(self, x):
         c = torch.tensor([1.5, 2.5], dtype=DT)          # constant: lift_fresh_copy
         return (aten._to_copy.default(x, dtype=torch.float32), x.to(torch.float32),
-                x.to(device="cpu", dtype=torch.float32), x.to("cpu", torch.float32),
-                x.type_as(y), c * 2)
-    return Fn(f), (x, y)
+                x.to(torch.float32, copy=True), x.to("cpu") * 1, x.to(device="cpu", dtype=torch.float32),
+                c * 2)
+    return Fn(f), (x,)
+
+
+@case("aten.type_as.default")
+def type_as(draw):
+    seeded(draw)
+    x = randn(shape(draw, 0, 4))
+    y = torch.zeros(shape(draw, 0, 2), dtype=draw(st.sampled_from([torch.float32, torch.float64])))
+    return Fn(lambda self, x, y: x.type_as(y)), (x, y)
+
+
+@case("aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device")
+def casts_to_integer(draw):
+    """Casts are declared linear; a cast to an integer or bool dtype is not (it rounds each summand)."""
+    seeded(draw)
+    x = randn(shape(draw, 0, 3)) * 3
+    dt = draw(st.sampled_from([torch.int64, torch.int32, torch.bool]))
+
+    def f(self, x):
+        return aten._to_copy.default(x, dtype=dt), x.to(dt), aten.to.dtype_layout(x, dtype=dt), x.to("cpu", dt)
+    return Fn(f), (x,)
 
 
 @case("aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
@@ -298,25 +314,32 @@ def embedding(draw):
 
 @case("aten.scaled_dot_product_attention.default")
 def sdpa(draw):
-    seeded(draw)
     nb = draw(st.integers(1, 2))
     batch = shape(draw, nb, nb)
+    return _sdpa(draw, batch, batch, False)
+
+
+@case("aten.scaled_dot_product_attention.default")
+def sdpa_gqa(draw):
+    """Grouped-query attention: fewer key/value heads than query heads."""
+    heads = draw(st.sampled_from([2, 4, 6, 8]))
+    kv_heads = draw(st.sampled_from([h for h in range(1, heads) if heads % h == 0]))
+    b = draw(SIZES)
+    return _sdpa(draw, (b, heads), (b, kv_heads), True)
+
+
+def _sdpa(draw, batch, kv_batch, gqa):
+    seeded(draw)
     L, S, E, Fv = draw(SIZES), draw(SIZES), draw(SIZES), draw(SIZES)
-    gqa = nb == 2 and draw(st.booleans())
-    kv_batch = batch
-    if gqa:
-        kv_batch = batch[:-1] + (draw(st.sampled_from([h for h in (1, 2, 3, 4) if batch[-1] % h == 0])),)
     q, k, v = randn(batch + (L, E)), randn(kv_batch + (S, E)), randn(kv_batch + (S, Fv))
     kind = draw(st.sampled_from(["none", "bool", "float", "causal"]))
     inputs = [q, k, v]
     if kind in ("bool", "float"):
         mshape = broadcast_operand(draw, batch + (L, S))
+        mshape = (L, S)[:2 - len(mshape)] + mshape if len(mshape) < 2 else mshape  # sdpa needs a 2-d mask
         if kind == "bool":
             mask = torch.rand(mshape) > 0.5
-            if mask.ndim:
-                mask[..., 0] = True      # every query sees a key: no NaN rows
-            else:
-                mask = torch.tensor(True)
+            mask[..., 0] = True      # every query sees a key: no NaN rows
         else:
             mask = randn(mshape)
         inputs.append(mask)
@@ -408,17 +431,24 @@ def transposes(draw):
     return Fn(f), (randn(shp), m)
 
 
-@case("aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default")
+@case("aten.unsqueeze.default")
+def unsqueeze(draw):
+    seeded(draw)
+    shp = shape(draw, 0, 4, sizes=st.sampled_from([1, 1, 2, 4, 6]))
+    u = draw(st.integers(-len(shp) - 1, len(shp)))
+    return Fn(lambda self, x: x.unsqueeze(u)), (randn(shp),)
+
+
+@case("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default")
 def squeezes(draw):
     seeded(draw)
     shp = shape(draw, 1, 4, sizes=st.sampled_from([1, 1, 2, 4, 6]))
     nd = len(shp)
-    u = draw(st.integers(-nd - 1, nd))
     d = dim_of(draw, nd)
     ds = tuple(draw(st.lists(st.integers(0, nd - 1), min_size=1, max_size=nd, unique=True)))
 
     def f(self, x):
-        return x.unsqueeze(u), x.squeeze(d), x.squeeze(ds), x.squeeze()
+        return x.squeeze(d), x.squeeze(ds), x.squeeze()
     return Fn(f), (randn(shp),)
 
 
@@ -444,7 +474,7 @@ def splits(draw):
     d = dim_of(draw, nd)
     size = shp[d]
     k = draw(st.integers(1, size))
-    cut = sorted(draw(st.lists(st.integers(0, size), max_size=3)))
+    cut = sorted(draw(st.lists(st.integers(1, size - 1), max_size=3, unique=True))) if size > 1 else []
     sizes = [b - a for a, b in zip([0] + cut, cut + [size])]
     n = draw(st.integers(1, 4))
 
