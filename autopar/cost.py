@@ -41,10 +41,14 @@ SAVES = {
 }
 # ops that keep a weight input to compute the gradient of their other inputs: under FSDP
 # the gathered weight is dropped after forward and gathered again when backward needs it
-USES_WEIGHT_IN_BACKWARD = {  # op -> tensor inputs it keeps for its other inputs' gradients
-    "aten.linear.default": (1,), "aten.matmul.default": (0, 1), "aten.mm.default": (0, 1),
-    "aten.bmm.default": (0, 1), "aten.addmm.default": (1, 2), "aten.layer_norm.default": (1, 2),  # weight and bias: its backward takes both
-    "aten.mul.Tensor": (0, 1), "aten.div.Tensor": (1,),
+# op -> {tensor input i: inputs whose gradient needs input i}: autograd keeps input i for
+# backward iff one of those needs a gradient (measured with saved_tensors_hooks on torch 2.13)
+SAVED_FOR_GRAD_OF = {
+    "aten.linear.default": {1: (0,)},
+    "aten.matmul.default": {0: (1,), 1: (0,)}, "aten.mm.default": {0: (1,), 1: (0,)},
+    "aten.bmm.default": {0: (1,), 1: (0,)}, "aten.addmm.default": {1: (2,), 2: (1,)},
+    "aten.layer_norm.default": {1: (0, 1, 2), 2: (0, 1, 2)},  # kept whenever anything needs grad
+    "aten.mul.Tensor": {0: (1,), 1: (0,)}, "aten.div.Tensor": {0: (1,), 1: (0, 1)},
 }
 OPTIMIZER_STATES_PER_PARAM = 2  # AdamW: exp_avg and exp_avg_sq
 

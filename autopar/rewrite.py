@@ -25,6 +25,7 @@ from .rules import op_name, tensor_args
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                  "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
                  "aten.new_empty.default", "aten.new_full.default"}
+VIEW_OPS = {"aten.view.default", "aten._unsafe_view.default"}
 SQUEEZE_OPS = {"aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims"}
 DROPPED_OPS = {"aten._assert_tensor_metadata.default"}  # checks global metadata a local shard fails
 
@@ -190,7 +191,10 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
             continue
         if name in SHAPE_ARG_OPS and s is not None:
             args = (args[0], _localize_shape(g, args[1], s.output, sizes)) + tuple(args[2:])
-        new = g.call_function(node.target, args, kwargs)
+        # a traced view may rely on strides the local tensor lacks (CPU SDPA returns a
+        # transposed layout, so `.contiguous()` vanished from the trace): reshape copies only then
+        target = torch.ops.aten.reshape.default if name in VIEW_OPS else node.target
+        new = g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         env[node.name] = new
     g.lint()

@@ -19,7 +19,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
 from .classics import Roles, allow_edge, allow_op_strategy, allowed_param_storage
-from .cost import (USES_WEIGHT_IN_BACKWARD, activation_bytes, collectives_time, edge_collectives,
+from .cost import (SAVED_FOR_GRAD_OF, activation_bytes, collectives_time, edge_collectives,
                    first_meta, node_compute_time, param_memory, saved_outputs)
 from .errors import InfeasiblePlanError
 from .mesh import MeshSpec
@@ -74,13 +74,15 @@ def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
 
 
 def regathers(cap: Captured, edge: Edge, grad_nodes: set) -> bool:
-    """Does this parameter edge gather again in backward (its consumer keeps the weight)?"""
+    """Does this parameter edge gather again in backward (autograd keeps the weight)?"""
     if cap.info[edge.producer].kind != PARAM:
         return False
     node = cap.node(edge.consumer)
-    if edge.index not in USES_WEIGHT_IN_BACKWARD.get(op_name(node), ()):
+    needed_by = SAVED_FOR_GRAD_OF.get(op_name(node), {}).get(edge.index)
+    if not needed_by:
         return False
-    return any(a.name in grad_nodes for j, a in enumerate(tensor_args(node)) if j != edge.index)
+    args = tensor_args(node)
+    return any(j < len(args) and args[j].name in grad_nodes for j in needed_by)
 
 
 def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial) -> float:
