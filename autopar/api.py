@@ -104,7 +104,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
                 f"strategy {strategy!r} cannot be laid out on mesh {spec}: some tensor dim does not divide by "
                 "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree); "
                 "use strategy='auto', another mesh, or sizes divisible by the axis sizes")
-        least = solve(prob, roles, None, time_limit, minimize_memory=True)
+        least = solve(prob, roles, None, time_limit, minimize_memory=True, gap=1e-6)
         raise InfeasiblePlanError(
             f"no {strategy!r} plan on mesh {spec} fits memory_limit={cm.format_bytes(limit)} per device: "
             f"the smallest any such plan needs is {cm.format_bytes(least.objective)} "
@@ -124,7 +124,8 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     stats = {"capture_seconds": t_capture, "rules_seconds": t_rules, "solve_seconds": sol.solve_seconds,
              "status": sol.status, "objective_seconds": sol.objective,
              "num_nodes": len(strategies), "num_edges": len(prob.edges),
-             "num_variables": sol.num_variables, "num_constraints": sol.num_constraints}
+             "num_variables": sol.num_variables, "num_constraints": sol.num_constraints,
+             "mip_gap": sol.mip_gap}
     return Plan(mesh=spec, strategy=strategy, hardware=hw.name,
                 batch_axes=tuple(spec.axis_names[a] for a in sol.batch_axes),
                 node_strategies=node_strategies, param_placements=param_placements,

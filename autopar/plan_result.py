@@ -132,8 +132,8 @@ class Plan:
             f"{a} {format_bytes(self.predicted.comm_bytes[a])} ({self.predicted.comm_time[a] * 1e3:.3f} ms)"
             for a in names))
         lines.append(f"compute {self.predicted.compute_time * 1e3:.3f} ms, step {self.predicted.step_time * 1e3:.3f} ms"
-                     + (f"  (ILP {self.stats.get('status', '')}, solved in {self.stats['solve_seconds']:.2f} s)"
-                        if "solve_seconds" in self.stats else ""))
+                     + (f"  (ILP {self.stats.get('status', '')} within {100 * self.stats.get('mip_gap', 0):.2g}%,"
+                        f" solved in {self.stats['solve_seconds']:.2f} s)" if "solve_seconds" in self.stats else ""))
         return "\n".join(lines)
 
     # ------------------------------------------------------------ json

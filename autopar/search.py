@@ -60,6 +60,7 @@ class Solution:
     status: str
     num_variables: int = 0
     num_constraints: int = 0
+    mip_gap: float = 0.0            # proven distance from the optimum when HiGHS stopped
 
 
 def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
@@ -121,19 +122,41 @@ def gathered_bytes(prob: Problem, e: Edge, src, dst) -> float:
     return float(numel(local_shape(meta.hint, dst, prob.mesh.axis_sizes)) * meta.itemsize)
 
 
-def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
-          minimize_memory: bool = False) -> Solution:
+class _ILP:
+    """Columns (variables) and sparse rows of a MILP, built up one piece at a time."""
+
+    def __init__(self):
+        self.cost, self.mem, self.integer = [], [], []
+        self.rows, self.lb, self.ub = [], [], []   # each row: {column: coefficient}
+
+    def var(self, cost=0.0, mem=0.0, integer=True) -> int:
+        self.cost.append(cost)
+        self.mem.append(mem)
+        self.integer.append(1 if integer else 0)
+        return len(self.cost) - 1
+
+    def row(self, coefs: dict, lb: float, ub: float):
+        self.rows.append(coefs)
+        self.lb.append(lb)
+        self.ub.append(ub)
+
+    def solve(self, objective, upper, time_limit, gap):
+        data, ri, ci = [], [], []
+        for r, row in enumerate(self.rows):
+            for c, val in row.items():
+                ri.append(r); ci.append(c); data.append(val)
+        n = len(self.cost)
+        A = sp.csr_array((data, (ri, ci)), shape=(len(self.rows), n))
+        return milp(np.array(objective, dtype=float), integrality=np.array(self.integer),
+                    bounds=Bounds(np.zeros(n), np.array(upper, dtype=float)),
+                    constraints=[LinearConstraint(A, np.array(self.lb, float), np.array(self.ub, float))],
+                    options={"time_limit": time_limit, "mip_rel_gap": gap})
+
+
+def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
+    """x[v, s]: one binary per allowed strategy (None where the roles forbid it); exactly one is 1."""
     cap, mesh = prob.cap, prob.mesh
-    cols_cost, cols_mem, integrality = [], [], []
-    rows, row_lb, row_ub = [], [], []   # each row: dict col -> coef
-
-    def new_var(cost, mem=0.0, integer=True):
-        cols_cost.append(cost)
-        cols_mem.append(mem)
-        integrality.append(1 if integer else 0)
-        return len(cols_cost) - 1
-
-    xvars: dict[str, list] = {}
+    xvars = {}
     for name, ns in prob.strategies.items():
         info = cap.info[name]
         node = cap.node(name)
@@ -145,115 +168,116 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
             allowed = [True] * len(ns.strategies)
         vs = []
         for s, ok in zip(ns.strategies, allowed):
-            if not ok:
-                vs.append(None)
-                continue
-            t = node_compute_time(node, cap, s, mesh, prob.hardware)
-            vs.append(new_var(float(t) * TIME_SCALE, node_memory(prob, name, s) * MEM_SCALE))
+            t = node_compute_time(node, cap, s, mesh, prob.hardware) if ok else None
+            vs.append(ilp.var(float(t) * TIME_SCALE, node_memory(prob, name, s) * MEM_SCALE) if ok else None)
         if all(v is None for v in vs):
             raise InfeasiblePlanError(
                 f"no strategy of node {name!r} (module {info.module_path or '<root>'}) fits the requested "
                 f"roles {roles.roles} on mesh {mesh}: its shape {first_meta(info.meta).hint if info.meta else ''} "
                 "may not divide by the axis sizes. Use strategy='auto' or another mesh.")
         xvars[name] = vs
-        rows.append({v: 1.0 for v in vs if v is not None}); row_lb.append(1); row_ub.append(1)
+        ilp.row({v: 1.0 for v in vs if v is not None}, 1, 1)
+    return xvars
 
-    # batch axes: every user input and the output split their batch dim on exactly these axes
-    bvars = []
-    pinned = roles.batch_axes()
-    for a in range(mesh.num_axes):
-        b = new_var(0.0)
+
+def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
+    """b[a]: every user input and the output split their batch dim on exactly the axes with b[a] = 1."""
+    bvars, pinned = [], roles.batch_axes()
+    for a in range(prob.mesh.num_axes):
+        b = ilp.var()
         bvars.append(b)
         if a in pinned:
-            rows.append({b: 1.0}); v = 1.0 if pinned[a] else 0.0; row_lb.append(v); row_ub.append(v)
+            ilp.row({b: 1.0}, float(pinned[a]), float(pinned[a]))
     for name, ns in prob.strategies.items():
-        info = cap.info[name]
-        if info.kind not in (INPUT, OUTPUT):
+        info = prob.cap.info[name]
+        if info.kind == INPUT:
+            meta = first_meta(info.meta)
+            if meta is None or meta.ndim == 0:
+                continue
+        elif info.kind != OUTPUT:
             continue
-        meta = first_meta(info.meta) if info.kind == INPUT else None
-        if info.kind == INPUT and (meta is None or meta.ndim == 0):
-            continue
-        for a in range(mesh.num_axes):
+        for a in range(prob.mesh.num_axes):
             row = {v: 1.0 for v, s in zip(xvars[name], ns.strategies) if v is not None and s.output[a] == "S(0)"}
             row[bvars[a]] = -1.0
-            rows.append(row); row_lb.append(0); row_ub.append(0)
+            ilp.row(row, 0, 0)
+    return bvars
 
-    # transient: the largest parameter gathered whole at any one time (max over gathering edges)
-    transient = new_var(0.0, 1.0, integer=False)  # in MiB, like every memory coefficient
-    # edges
+
+def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, e: Edge, transient: int) -> None:
+    """y[e, p, k] for producer layout p and consumer key k (input layout, partial-gradient axes).
+
+    Marginals tie y to x: sum_k y[p, k] = x-mass of the producer on p, and
+    sum_p y[p, k] = x-mass of the consumer on k. Pairs that cannot be
+    redistributed (or that the roles forbid) get no variable.
+    """
+    cap = prob.cap
+    u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
+    src_groups: dict = {}
+    for s, var in zip(u.strategies, xvars[e.producer]):
+        if var is not None:
+            src_groups.setdefault(s.output, []).append(var)
+    dst_groups: dict = {}
+    for s, var in zip(v.strategies, xvars[e.consumer]):
+        if var is not None:
+            dst_groups.setdefault((s.inputs[e.index], s.grad_partial(e.index)), []).append(var)
+    by_src = {p: {} for p in src_groups}
+    by_dst = {k: {} for k in dst_groups}
+    gathered = {}
+    is_tuple = isinstance(cap.info[e.producer].meta, list)
+    for p in src_groups:
+        for k in dst_groups:
+            dst, gp = k
+            if not allow_edge(roles, cap.info[e.producer], p, dst, len(v.strategies) == 1):
+                continue
+            if is_tuple and (p != dst or gp):
+                continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
+            try:
+                c = edge_cost(prob, e, p, dst, gp)
+            except UnsupportedRedistribution:
+                continue
+            y = ilp.var(c * TIME_SCALE, integer=False)
+            by_src[p][y] = by_dst[k][y] = 1.0
+            gb = gathered_bytes(prob, e, p, dst)
+            if gb:
+                gathered[y] = gb * MEM_SCALE
+    if gathered:  # transient >= bytes of the parameter this edge gathers whole
+        ilp.row({**gathered, transient: -1.0}, -np.inf, 0)
+    for groups, ys in ((src_groups, by_src), (dst_groups, by_dst)):
+        for key, vars_ in groups.items():
+            ilp.row({**ys[key], **{var: -1.0 for var in vars_}}, 0, 0)
+
+
+def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
+          minimize_memory: bool = False, gap: float = 1e-3) -> Solution:
+    """Cheapest plan under the roles and memory limit (or, with minimize_memory, the least memory).
+
+    `gap`: HiGHS stops once the plan is provably within this fraction of the
+    optimum; the plan reports the gap it reached.
+    """
+    ilp = _ILP()
+    xvars = _node_vars(prob, roles, ilp)
+    bvars = _batch_vars(prob, roles, ilp, xvars)
+    # the largest parameter gathered whole at any one time (FSDP), in MiB like all memory terms
+    transient = ilp.var(0.0, 1.0, integer=False)
     for e in prob.edges:
-        u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
-        src_groups: dict = {}
-        for s, var in zip(u.strategies, xvars[e.producer]):
-            if var is not None:
-                src_groups.setdefault(s.output, []).append(var)
-        dst_groups: dict = {}
-        for s, var in zip(v.strategies, xvars[e.consumer]):
-            if var is not None:
-                key = (s.inputs[e.index], s.grad_partial(e.index))
-                dst_groups.setdefault(key, []).append(var)
-        yrow_src = {p: {} for p in src_groups}
-        transient_row = {}
-        yrow_dst = {k: {} for k in dst_groups}
-        for p in src_groups:
-            for k in dst_groups:
-                dst, gp = k
-                if not allow_edge(roles, cap.info[e.producer], p, dst, len(v.strategies) == 1):
-                    continue
-                if isinstance(cap.info[e.producer].meta, list) and (p != dst or gp):
-                    continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
-                try:
-                    c = edge_cost(prob, e, p, dst, gp)
-                except UnsupportedRedistribution:
-                    continue
-                y = new_var(c * TIME_SCALE, integer=False)
-                yrow_src[p][y] = 1.0
-                gb = gathered_bytes(prob, e, p, dst)
-                if gb:
-                    transient_row[y] = gb * MEM_SCALE
-                yrow_dst[k][y] = 1.0
-        if transient_row:
-            transient_row[transient] = -1.0
-            rows.append(transient_row); row_lb.append(-np.inf); row_ub.append(0)
-        for p, vars_ in src_groups.items():
-            row = dict(yrow_src[p])
-            for var in vars_:
-                row[var] = -1.0
-            rows.append(row); row_lb.append(0); row_ub.append(0)
-        for k, vars_ in dst_groups.items():
-            row = dict(yrow_dst[k])
-            for var in vars_:
-                row[var] = -1.0
-            rows.append(row); row_lb.append(0); row_ub.append(0)
-
-    nvar = len(cols_cost)
-    cost = np.array(cols_mem if minimize_memory else cols_cost, dtype=float)
-    mem = np.array(cols_mem, dtype=float)
+        _edge_vars(prob, roles, ilp, xvars, e, transient)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
-        rows.append({i: m for i, m in enumerate(mem) if m}); row_lb.append(-np.inf)
-        row_ub.append((memory_limit - reserve) * MEM_SCALE)
-    data, ri, ci = [], [], []
-    for r, row in enumerate(rows):
-        for c, val in row.items():
-            ri.append(r); ci.append(c); data.append(val)
-    A = sp.csr_array((data, (ri, ci)), shape=(len(rows), nvar))
-    ub = np.array([1.0] * nvar)
-    ub[transient] = np.inf
+        ilp.row({i: m for i, m in enumerate(ilp.mem) if m}, -np.inf, (memory_limit - reserve) * MEM_SCALE)
+    upper = [1.0] * len(ilp.cost)
+    upper[transient] = np.inf
     t0 = time.perf_counter()
-    res = milp(cost, integrality=np.array(integrality), bounds=Bounds(np.zeros(nvar), ub),
-               constraints=[LinearConstraint(A, np.array(row_lb, float), np.array(row_ub, float))],
-               options={"time_limit": time_limit, "mip_rel_gap": 1e-2})
+    res = ilp.solve(ilp.mem if minimize_memory else ilp.cost, upper, time_limit, gap)
     elapsed = time.perf_counter() - t0
+    nvar, nrow = len(ilp.cost), len(ilp.rows)
     if res.x is None:
         return Solution({}, (), float("inf"), elapsed, "infeasible" if res.status == 2 else res.message,
-                        nvar, len(rows))
+                        nvar, nrow)
     x = res.x
-    choice = {}
-    for name, vs in xvars.items():
-        best = max((i for i, v in enumerate(vs) if v is not None), key=lambda i: x[vs[i]])
-        choice[name] = best
+    choice = {name: max((i for i, v in enumerate(vs) if v is not None), key=lambda i: x[vs[i]])
+              for name, vs in xvars.items()}
     batch_axes = tuple(a for a, b in enumerate(bvars) if x[b] > 0.5)
     objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
-    return Solution(choice, batch_axes, objective, elapsed, "optimal" if res.status == 0 else res.message,
-                    nvar, len(rows))
+    status = "optimal" if res.status == 0 else "time limit reached"
+    return Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
+                    float(getattr(res, "mip_gap", 0.0) or 0.0))
