@@ -119,7 +119,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
                              for n in cap.input_names)
     output_placements = tuple(node_strategies["output"].inputs)
     records = tuple(CollectiveRecord(c.kind, spec.axis_names[c.axis], c.phase, float(c.full_bytes), c.where,
-                                     cap.info[c.where].module_path if c.where in cap.info else "")
+                                     cap.info[c.where].module_path if c.where in cap.info else "", c.tensor)
                     for c in colls)
     stats = {"capture_seconds": t_capture, "rules_seconds": t_rules, "solve_seconds": sol.solve_seconds,
              "status": sol.status, "objective_seconds": sol.objective,

@@ -148,7 +148,8 @@ def edge_collectives(producer: str, src: Placements, dst: Placements, grad_parti
     steps = plan_steps(src, dst, grad_partial if grad_flows else ())
     out = []
     for st in steps:
-        for c in step_collectives(st, shape_of(meta, symbolic), meta.itemsize, mesh.axis_sizes, where, regather):
+        for c in step_collectives(st, shape_of(meta, symbolic), meta.itemsize, mesh.axis_sizes, where, regather,
+                                  producer):
             if c.phase == "backward" and not grad_flows and not (regather and c.kind == cm.ALL_GATHER):
                 continue
             out.append(c)

@@ -30,8 +30,9 @@ class CollectiveRecord:
     axis: str
     phase: str
     bytes: float      # bytes of the whole tensor along the axis
-    where: str        # node it serves
-    module_path: str
+    where: str        # node it feeds
+    module_path: str  # module of that node
+    tensor: str = ""  # node whose output it moves (p_* placeholders are parameters)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def redistribution_collectives(prob, r: Redistribution, symbolic=False) -> list[
     regather = [c for c in colls if c.phase == "forward" and c.kind == ALL_GATHER
                 and prob.cap.info[r.producer].kind == PARAM]
     for _ in range(r.regather_count):
-        colls += [Collective(ALL_GATHER, c.axis, c.full_bytes, "backward", where) for c in regather]
+        colls += [Collective(ALL_GATHER, c.axis, c.full_bytes, "backward", where, r.producer)
+                  for c in regather]
     return colls
 
 

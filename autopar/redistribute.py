@@ -119,11 +119,12 @@ class Collective:
     axis: int
     full_bytes: object   # bytes of the tensor whole along `axis` (int or sympy)
     phase: str           # "forward" | "backward"
-    where: str           # node or parameter it serves
+    where: str           # the node it feeds
+    tensor: str = ""     # the node whose output it moves (a parameter's placeholder for weights)
 
 
 def step_collectives(step: Step, shape: Sequence, itemsize: int, axis_sizes: Sequence[int],
-                     where: str, regather: bool = False) -> list[Collective]:
+                     where: str, regather: bool = False, tensor: str = "") -> list[Collective]:
     """The collectives one step launches. `regather`: gathered again in backward (FSDP)."""
     out = []
 
@@ -133,9 +134,9 @@ def step_collectives(step: Step, shape: Sequence, itemsize: int, axis_sizes: Seq
 
     if step.forward_kind in COMMUNICATING:
         fb = full_bytes(step.before)
-        out.append(Collective(step.forward_kind, step.axis, fb, "forward", where))
+        out.append(Collective(step.forward_kind, step.axis, fb, "forward", where, tensor))
         if regather and step.forward_kind == ALL_GATHER:
-            out.append(Collective(ALL_GATHER, step.axis, fb, "backward", where))
+            out.append(Collective(ALL_GATHER, step.axis, fb, "backward", where, tensor))
     if step.backward_kind in COMMUNICATING:
-        out.append(Collective(step.backward_kind, step.axis, full_bytes(step.after), "backward", where))
+        out.append(Collective(step.backward_kind, step.axis, full_bytes(step.after), "backward", where, tensor))
     return out

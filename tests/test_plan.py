@@ -109,3 +109,15 @@ def test_hardware_and_links_change_predicted_time_not_bytes():
                         links={"dp": cm.Link(bandwidth=1e9, latency=1e-3)})
     assert fast.predicted.comm_bytes == slow.predicted.comm_bytes
     assert slow.predicted.comm_time["dp"] > 10 * fast.predicted.comm_time["dp"]
+
+
+def test_collective_records_name_the_tensor_they_move():
+    torch.manual_seed(0)
+    model, idx = GPT(GPTConfig()), torch.randint(0, 64, (4, 16))
+    tp = autopar.plan(model, (idx,), {"tp": 2}, strategy="tp")
+    params = {n for n in tp.node_strategies if n.startswith("p_")}
+    # Megatron TP never gathers a weight: everything it moves is an activation (or its gradient)
+    assert tp.collectives and not [c for c in tp.collectives if c.tensor in params and c.kind == "all_gather"]
+    fsdp = autopar.plan(model, (idx,), {"dp": 2}, strategy="fsdp")
+    gathered = {c.tensor for c in fsdp.collectives if c.kind == "all_gather" and c.phase == "forward"}
+    assert "p_lm_head_weight" in gathered and gathered <= params | {n for n in fsdp.node_strategies}
