@@ -53,6 +53,7 @@ class Captured:
     symbols: dict[str, sympy.Symbol]        # Dim name -> symbol
     hints: dict[sympy.Symbol, int]          # symbol -> example size
     input_names: list[str] = field(default_factory=list)  # user-input placeholders, in order
+    aliases: dict[str, str] = field(default_factory=dict)   # tied parameter name -> canonical name
 
     def nodes(self):
         return self.graph.nodes
@@ -104,12 +105,13 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
         raise CaptureError(_explain_export_failure(model, e)) from e
 
     sig = ep.graph_signature
+    canonical = _canonical_names(model)
     kinds = {}
     for spec in sig.input_specs:
         name = spec.arg.name if hasattr(spec.arg, "name") else None
         kind = {"PARAMETER": PARAM, "BUFFER": BUFFER, "USER_INPUT": INPUT,
                 "CONSTANT_TENSOR": CONSTANT}.get(spec.kind.name, CONSTANT)
-        kinds[name] = (kind, spec.target)
+        kinds[name] = (kind, canonical.get(spec.target, spec.target))
     for spec in sig.output_specs:
         if spec.kind.name != "USER_OUTPUT":
             raise CaptureError(
@@ -163,7 +165,22 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
                           if a.name in info and info[a.name].kind == PARAM)
             info[node.name] = NodeInfo(OP, _module_path(node), None, to_meta(node.meta.get("val")), reads)
     symbols = {str(s): s for s in hints}
-    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes])
+    aliases = {a: c for a, c in canonical.items() if a != c}
+    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], aliases)
+
+
+def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter/buffer name -> the name torch lists first for that tensor.
+
+    Tied weights (GPT-2's embedding and output head) are one tensor under two
+    names; export names it by either. autopar uses the name `named_parameters()`
+    yields, so plans, optimizers and checkpoints agree with the original model.
+    """
+    first, out = {}, {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        out[name] = first.setdefault(id(t), name)
+    return out
 
 
 def _owner_path(fqn: str) -> str:

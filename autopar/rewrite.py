@@ -157,6 +157,14 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
         if node.op == "placeholder":
             env[node.name] = g.placeholder(node.name)
             continue
+        if node.op == "get_attr":  # e.g. the body of a no_grad region (a higher-order op's submodule)
+            attr = getattr(cap.exported.graph_module, node.target)
+            if isinstance(attr, torch.nn.Module):
+                root.add_module(node.target, attr)
+            else:
+                root.register_buffer(node.target, attr)
+            env[node.name] = g.get_attr(node.target)
+            continue
         if node.op == "output":
             s = strategies["output"]
             flat = tensor_args(node)

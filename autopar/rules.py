@@ -445,7 +445,9 @@ RULES["aten.mul.Tensor"] = binary("mul")
 RULES["aten.div.Tensor"] = binary("div")
 for name in ["where.self", "masked_fill.Scalar", "masked_fill.Tensor", "maximum.default", "minimum.default",
              "eq.Tensor", "eq.Scalar", "ne.Scalar", "lt.Scalar", "gt.Scalar", "ge.Scalar", "le.Scalar",
-             "pow.Tensor_Tensor"]:
+             "pow.Tensor_Tensor", "le.Tensor", "lt.Tensor", "gt.Tensor", "ge.Tensor", "ne.Tensor",
+             "__and__.Tensor", "__or__.Tensor", "bitwise_and.Tensor", "bitwise_or.Tensor",
+             "logical_and.default", "logical_or.default"]:
     RULES[f"aten.{name}"] = binary("other")
 RULES["aten.linear.default"] = linear_rule
 for name in ["matmul.default", "mm.default", "bmm.default"]:
@@ -480,7 +482,8 @@ RULES["aten.triu.default"] = last_two_whole
 RULES["aten.tril.default"] = last_two_whole
 for name in ["arange.default", "arange.start", "arange.start_step", "zeros.default", "ones.default",
              "full.default", "empty.memory_format", "scalar_tensor.default", "zeros_like.default",
-             "ones_like.default", "full_like.default", "empty_like.default", "randn.default", "rand.default"]:
+             "ones_like.default", "full_like.default", "empty_like.default", "randn.default", "rand.default",
+             "new_ones.default", "new_zeros.default", "new_full.default", "new_empty.default"]:
     RULES[f"aten.{name}"] = factory
 
 

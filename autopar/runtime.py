@@ -56,6 +56,7 @@ class ParallelModule(torch.nn.Module):
         ep = cap.exported
         full_params = dict(model.named_parameters(remove_duplicate=False))
         full_buffers = dict(model.named_buffers(remove_duplicate=False))
+        self._aliases = dict(cap.aliases)   # tied names -> canonical name (state_dict lists both)
         self._placeholder_sources = []  # (kind, fqn) per graph placeholder, in order
         for node in cap.graph.nodes:
             if node.op != "placeholder":
@@ -124,6 +125,9 @@ class ParallelModule(torch.nn.Module):
             out[fqn] = self._export_tensor(p.detach(), self.plan.param_placements[fqn], full)
         for fqn, b in self.store.named_buffers():
             out[fqn] = self._export_tensor(b.detach(), (R,) * self.plan.mesh.num_axes, full)
+        for alias, canonical in self._aliases.items():  # tied weights appear under every name, as in torch
+            if canonical in out:
+                out[alias] = out[canonical]
         return out
 
     def full_grads(self) -> dict:
@@ -150,6 +154,7 @@ class ParallelModule(torch.nn.Module):
         """Accepts DTensors or whole tensors, in any layout; keeps this module's layout."""
         own = dict(self.store.named_parameters())
         own.update(dict(self.store.named_buffers()))
+        own.update({a: own[c] for a, c in self._aliases.items() if c in own})
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
@@ -160,6 +165,7 @@ class ParallelModule(torch.nn.Module):
                     continue
                 if hasattr(value, "full_tensor"):
                     value = value.full_tensor()
-                placements = self.plan.param_placements.get(fqn, (R,) * self.plan.mesh.num_axes)
+                placements = self.plan.param_placements.get(self._aliases.get(fqn, fqn),
+                                                             (R,) * self.plan.mesh.num_axes)
                 own[fqn].copy_(shard_full_tensor(value, placements, self._coords, self.plan.mesh.axis_sizes))
         return LoadResult(missing, unexpected)

@@ -528,7 +528,8 @@ def triangles(draw):
 @case("aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.zeros.default",
       "aten.ones.default", "aten.full.default", "aten.empty.memory_format", "aten.scalar_tensor.default",
       "aten.zeros_like.default", "aten.ones_like.default", "aten.full_like.default",
-      "aten.empty_like.default", "aten.randn.default", "aten.rand.default")
+      "aten.empty_like.default", "aten.randn.default", "aten.rand.default", "aten.new_ones.default",
+      "aten.new_zeros.default", "aten.new_full.default", "aten.new_empty.default")
 def factories(draw):
     seeded(draw)
     shp = shape(draw, 1, 3)
@@ -540,5 +541,22 @@ def factories(draw):
                 torch.zeros(shp, dtype=DT), torch.ones(shp, dtype=DT), torch.full(shp, v, dtype=DT),
                 torch.empty(shp, dtype=DT), torch.scalar_tensor(v, dtype=DT), torch.zeros_like(x),
                 torch.ones_like(x), torch.full_like(x, v), torch.empty_like(x),
-                torch.randn(shp, dtype=DT), torch.rand(shp, dtype=DT))
+                torch.randn(shp, dtype=DT), torch.rand(shp, dtype=DT), x.new_ones(shp), x.new_zeros((n,)),
+                x.new_full(shp, v), x.new_empty((n, 2)))
     return Fn(f), (randn(shp),)
+
+
+@case("aten.le.Tensor", "aten.lt.Tensor", "aten.gt.Tensor", "aten.ge.Tensor", "aten.ne.Tensor",
+      "aten.__and__.Tensor", "aten.__or__.Tensor", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
+      "aten.logical_and.default", "aten.logical_or.default")
+def compare_and_logic(draw):
+    seeded(draw)
+    full = shape(draw, 0, 4)
+    a = ints_as_float(broadcast_operand(draw, full))
+    b = ints_as_float(broadcast_operand(draw, full))
+
+    def f(self, a, b):
+        le, gt = a <= b, a > b
+        return (le, a < b, gt, a >= b, a != b, le & gt, le | gt, torch.bitwise_and(le, gt),
+                torch.bitwise_or(le, gt), torch.logical_and(a, b), torch.logical_or(a, b))
+    return Fn(f), (a, b)

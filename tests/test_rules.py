@@ -35,7 +35,7 @@ from rule_cases import CASES
 
 MESHES = [MeshSpec(("a",), (2,)), MeshSpec(("a", "b"), (2, 2)), MeshSpec(("a",), (3,))]
 RANDOM_OPS = {"aten.dropout.default", "aten.randn.default", "aten.rand.default"}
-UNINITIALIZED_OPS = {"aten.empty.memory_format", "aten.empty_like.default"}  # only shape and dtype are defined
+UNINITIALIZED_OPS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default"}  # only shape and dtype are defined
 EXAMPLES = int(os.environ.get("AUTOPAR_RULE_EXAMPLES", "20"))
 
 

@@ -1,0 +1,97 @@
+"""Hugging Face Llama (GQA) and GPT-2 (tied embeddings, Conv1D), built from small random configs.
+
+Nothing is downloaded. The models train through autopar.parallelize on the
+threaded backend and must match the single-device run; ops autopar has no
+rule for (HF's mask construction, the rotary no_grad region) run replicated.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+import cost_models as cm
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import autopar
+from autopar.testing import gpt_loss, parallel_record, run_threaded, single_device_reference
+
+LR = 1e-4  # small enough that AdamW does not turn float noise into differences above atol
+
+
+class LogitsOnly(torch.nn.Module):
+    """HF models return a ModelOutput; the loss is computed outside, from the logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def llama():
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      use_cache=False, attn_implementation="sdpa")
+    return LogitsOnly(LlamaForCausalLM(cfg)).train()
+
+
+def gpt2():
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    return LogitsOnly(GPT2LMHeadModel(cfg)).train()
+
+
+CASES = [
+    ("llama", "tp", (2,)), ("llama", "fsdp+tp", (2, 2)), ("llama", "tp", (2, 2)), ("llama", "fsdp", (4,)),
+    ("gpt2", "tp", (2,)), ("gpt2", "fsdp+tp", (2, 2)), ("gpt2", "ddp", (2, 2)),
+]
+
+
+@pytest.mark.parametrize("kind, strategy, mesh_shape", CASES)
+def test_hf_model_trains_like_single_device(kind, strategy, mesh_shape):
+    torch.manual_seed(0)
+    model = {"llama": llama, "gpt2": gpt2}[kind]()
+    idx, targets = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    ref = single_device_reference(lambda: copy.deepcopy(model), idx, targets, gpt_loss, steps=3, lr=LR)
+    names = ("dp", "tp")[:len(mesh_shape)] if len(mesh_shape) == 2 else ("tp",)
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        records = run_threaded(world, parallel_record, model, mesh_shape, names, idx, targets, gpt_loss, 3, LR,
+                               {"strategy": strategy})
+    for rank, rec in enumerate(records):
+        plan = rec["plan"]
+        torch.testing.assert_close(rec["outputs"], plan.local_targets(ref["outputs"], rank=rank), atol=1e-5, rtol=0)
+        assert set(rec["grads"]) == set(ref["grads"])
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(rec["grads"][name], g, atol=1e-5, rtol=0, msg=name)
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, atol=1e-5, rtol=0, msg=name)
+        measured = {a: 0.0 for a in plan.mesh.axis_names}
+        for k, axis, nbytes, _ in rec["comm"]:
+            measured[plan.mesh.axis_names[axis]] += cm.bytes_moved(k, nbytes, plan.mesh.axis_sizes[axis])
+        assert measured == pytest.approx(plan.predicted.comm_bytes, rel=1e-12)
+    if strategy in ("tp", "fsdp+tp"):  # the matrices really are split over the tp axis
+        tp = plan.mesh.axis_names.index("tp")
+        split = [n for n, pl in plan.param_placements.items() if pl[tp].startswith("S(")]
+        assert any("mlp" in n for n in split) and any("attn" in n for n in split)
+
+
+def test_gpt2_tied_embedding_is_one_parameter_under_both_names():
+    torch.manual_seed(0)
+    model = gpt2()
+    plan = autopar.plan(model, (torch.randint(0, 64, (4, 16)),), {"tp": 2}, strategy="tp")
+    assert "model.transformer.wte.weight" in plan.param_placements
+    assert "model.lm_head.weight" not in plan.param_placements   # tied: the same tensor
+
+
+def test_llama_ops_without_rules_are_named_in_a_warning():
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autopar.plan(llama(), (torch.randint(0, 64, (4, 16)),), {"tp": 2}, strategy="tp")
+    msgs = [str(w.message) for w in caught if issubclass(w.category, autopar.UnsupportedOpWarning)]
+    assert msgs and all("model.model" in m for m in msgs)   # module path of the op
