@@ -16,7 +16,7 @@ from .placement import P, R, is_shard, shard_dim
 from .redistribute import UnsupportedRedistribution, plan_steps
 
 DP, FSDP, TP = "dp", "fsdp", "tp"
-STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp")
+STRATEGIES = ("auto", "ddp", "fsdp", "tp", "tp+sp", "fsdp+tp")
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Roles:
     roles: tuple
     axis_names: tuple = ()
     axis_sizes: tuple = ()
+    sequence_parallel: bool = False  # tp axes also split what lies between the matmuls
 
     def batch_axes(self) -> dict[int, bool]:
         """Axes whose batch split is pinned: True = the batch is split there."""
@@ -39,6 +40,8 @@ def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
         return Roles((DP,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "fsdp":
         return Roles((FSDP,) * n, mesh.axis_names, mesh.axis_sizes)
+    if strategy == "tp+sp":
+        return Roles((TP,) * n, mesh.axis_names, mesh.axis_sizes, sequence_parallel=True)
     if strategy == "tp":
         return Roles((TP,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "fsdp+tp":
@@ -97,17 +100,35 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
     return ok
 
 
-def allow_op_strategy(roles: Roles, strategy) -> bool:
-    """Ops split only the batch (dim 0) on data-parallel axes, and never the batch on tp axes."""
-    for a, role in enumerate(roles.roles):
-        if role is None:
-            continue
-        pls = list(strategy.inputs) + [strategy.output]
-        if role in (DP, FSDP) and any(pl[a] not in (R, "S(0)") for pl in pls):
-            return False
-        if role == TP and strategy.output[a] == "S(0)":
-            return False
-    return True
+def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False) -> list[bool]:
+    """Ops split only the batch (dim 0) on data-parallel axes, and never the batch on tp axes.
+
+    With sequence parallelism an op on a tp axis may not run replicated if it
+    can run split at all: norms, dropout and residual adds then split along
+    the sequence (their hidden dim being whole), and the all-reduce after a
+    row-parallel matmul becomes a reduce-scatter plus an all-gather before
+    the next column-parallel one. (`takes_tuple`: a getitem, which takes its
+    tuple's layout as it is, is exempt.)
+    """
+    def ok(strategy):
+        for a, role in enumerate(roles.roles):
+            if role is None:
+                continue
+            pls = list(strategy.inputs) + [strategy.output]
+            if role in (DP, FSDP) and any(pl[a] not in (R, "S(0)") for pl in pls):
+                return False
+            if role == TP and strategy.output[a] == "S(0)":
+                return False
+        return True
+
+    allowed = [ok(s) for s in strategies]
+    if roles.sequence_parallel and not takes_tuple:
+        for a, role in enumerate(roles.roles):
+            if role != TP:
+                continue
+            if any(o and s.output[a] != R for o, s in zip(allowed, strategies)):
+                allowed = [o and s.output[a] != R for o, s in zip(allowed, strategies)]
+    return allowed
 
 
 def allow_edge(roles: Roles, producer: NodeInfo, src, dst, consumer_replicated_only: bool = False) -> bool:

@@ -18,7 +18,7 @@ import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
-from .classics import Roles, allow_edge, allow_op_strategy, allowed_param_storage
+from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
 from .cost import (SAVED_FOR_GRAD_OF, activation_bytes, collectives_time, edge_collectives,
                    first_meta, node_compute_time, param_memory, saved_outputs)
 from .errors import InfeasiblePlanError
@@ -163,7 +163,8 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
         if info.kind == PARAM:
             allowed = allowed_param_storage(roles, info, ns.strategies)
         elif info.kind == OP:
-            allowed = [allow_op_strategy(roles, s) for s in ns.strategies]
+            takes_tuple = any(isinstance(cap.info[a.name].meta, list) for a in tensor_args(node))
+            allowed = allowed_op_strategies(roles, ns.strategies, takes_tuple)
         else:
             allowed = [True] * len(ns.strategies)
         vs = []

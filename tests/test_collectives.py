@@ -298,3 +298,20 @@ def test_predicted_collectives_equal_measured(kind, strategy, shape):
         pk = {k: v for k, v in plan.predicted.comm_bytes_by_kind.items() if v}
         assert pk == pytest.approx({k: v for k, v in by_kind.items() if v}, rel=1e-9), (
             f"rank {rank}: predicted bytes by kind {pk}, measured {dict(by_kind)}")
+
+
+def test_sequence_parallel_splits_norms_along_the_sequence_and_replaces_all_reduce():
+    """tp+sp: layer norms run sequence-split; the row-parallel output is reduce-scattered, not all-reduced."""
+    import autopar
+    from autopar.testing import GPT, GPTConfig
+    torch.manual_seed(0)
+    model, idx = GPT(GPTConfig()), torch.randint(0, 64, (4, 16))
+    sp = autopar.plan(model, (idx,), {"tp": 2}, strategy="tp+sp")
+    tp = autopar.plan(model, (idx,), {"tp": 2}, strategy="tp")
+    norms = [n for n in sp.node_strategies if n.startswith("layer_norm")]
+    assert norms and all(sp.node_strategies[n].output == ("S(1)",) for n in norms)   # (batch, seq, hidden)
+    assert all(tp.node_strategies[n].output == ("R",) for n in norms)
+    fwd = lambda plan, kind: sum(1 for c in plan.collectives if c.kind == kind and c.phase == "forward")
+    assert fwd(tp, "all_reduce") > 0 and fwd(sp, "all_reduce") == 0
+    assert fwd(sp, "reduce_scatter") > 0 and fwd(sp, "all_gather") > 0
+    assert sp.predicted.memory.activations < tp.predicted.memory.activations

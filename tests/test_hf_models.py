@@ -45,6 +45,7 @@ def gpt2():
 CASES = [
     ("llama", "tp", (2,)), ("llama", "fsdp+tp", (2, 2)), ("llama", "tp", (2, 2)), ("llama", "fsdp", (4,)),
     ("gpt2", "tp", (2,)), ("gpt2", "fsdp+tp", (2, 2)), ("gpt2", "ddp", (2, 2)),
+    ("llama", "tp+sp", (2,)), ("gpt2", "tp+sp", (2,)),
 ]
 
 
@@ -74,7 +75,7 @@ def test_hf_model_trains_like_single_device(kind, strategy, mesh_shape):
         for k, axis, nbytes, _ in rec["comm"]:
             measured[plan.mesh.axis_names[axis]] += cm.bytes_moved(k, nbytes, plan.mesh.axis_sizes[axis])
         assert measured == pytest.approx(plan.predicted.comm_bytes, rel=1e-12)
-    if strategy in ("tp", "fsdp+tp"):  # the matrices really are split over the tp axis
+    if strategy in ("tp", "tp+sp", "fsdp+tp"):  # the matrices really are split over the tp axis
         tp = plan.mesh.axis_names.index("tp")
         split = [n for n, pl in plan.param_placements.items() if pl[tp].startswith("S(")]
         assert any("mlp" in n for n in split) and any("attn" in n for n in split)
