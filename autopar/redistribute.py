@@ -91,8 +91,22 @@ def plan_steps(src: Placements, dst: Placements, grad_partial: Sequence[int] = (
     """One Step per axis whose forward or backward does something.
 
     Splits are undone innermost axis first and made outermost axis first,
-    which keeps nested splits of one dim in mesh order.
+    which keeps nested splits of one dim in mesh order. Where one axis at a
+    time cannot get there (an outer split of a dim must change while an inner
+    one of the same dim stays), every split is gathered first and the target
+    cut afterwards: more bytes, but always possible.
     """
+    try:
+        return _direct_steps(src, dst, grad_partial)
+    except UnsupportedRedistribution:
+        if any(is_shard(s) and d == P for s, d in zip(src, dst)):
+            raise
+        mid = tuple(R if is_shard(s) else s for s in src)
+        first = _direct_steps(src, mid, [a for a in grad_partial if mid[a] == dst[a]])
+        return first + _direct_steps(mid, dst, [a for a in grad_partial if mid[a] != dst[a]])
+
+
+def _direct_steps(src: Placements, dst: Placements, grad_partial: Sequence[int]) -> list[Step]:
     n = len(src)
     grad_dst_all = tuple(grad_placement(d, a in grad_partial) for a, d in enumerate(dst))
     grad_src_all = tuple(grad_placement(s, False) for s in src)

@@ -45,8 +45,23 @@ def gpt2():
 CASES = [
     ("llama", "tp", (2,)), ("llama", "fsdp+tp", (2, 2)), ("llama", "tp", (2, 2)), ("llama", "fsdp", (4,)),
     ("gpt2", "tp", (2,)), ("gpt2", "fsdp+tp", (2, 2)), ("gpt2", "ddp", (2, 2)),
-    ("llama", "tp+sp", (2,)), ("gpt2", "tp+sp", (2,)),
+    ("llama", "tp+sp", (2,)), ("gpt2", "tp+sp", (2,)), ("llama", "tp+sp", (2, 2)), ("gpt2", "tp+sp", (2, 2)),
+    ("llama", "auto", (2,)), ("gpt2", "auto", (2, 2)),
 ]
+
+
+def _auto_plan_under_pressure(model, idx, mesh):
+    """An 'auto' plan whose memory limit lies halfway between the least any plan needs and
+    what the unconstrained (latency-bound, mostly replicated) plan takes, so it must shard."""
+    free = autopar.plan(model, (idx,), mesh, hardware="cpu")
+    try:
+        autopar.plan(model, (idx,), mesh, hardware="cpu", memory_limit=1)
+    except autopar.InfeasiblePlanError as e:
+        least = e.min_memory_bytes
+    limit = int((least + free.predicted.memory.total) / 2)
+    plan = autopar.plan(model, (idx,), mesh, hardware="cpu", memory_limit=limit)
+    assert plan.predicted.memory.total <= limit < free.predicted.memory.total
+    return plan
 
 
 @pytest.mark.parametrize("kind, strategy, mesh_shape", CASES)
@@ -61,8 +76,12 @@ def test_hf_model_trains_like_single_device(kind, strategy, mesh_shape):
         world *= n
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        if strategy == "auto":  # planned once here (the search takes seconds), applied on every rank
+            kwargs = {"plan": _auto_plan_under_pressure(model, idx, dict(zip(names, mesh_shape)))}
+        else:
+            kwargs = {"strategy": strategy}
         records = run_threaded(world, parallel_record, model, mesh_shape, names, idx, targets, gpt_loss, 3, LR,
-                               {"strategy": strategy})
+                               kwargs)
     for rank, rec in enumerate(records):
         plan = rec["plan"]
         torch.testing.assert_close(rec["outputs"], plan.local_targets(ref["outputs"], rank=rank), atol=1e-5, rtol=0)
