@@ -66,7 +66,8 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
 
     def gatherable(storage):
         try:
-            plan_steps(storage, use_of(storage))
+            # directly: a gather-then-cut path would gather on the tp axes too
+            plan_steps(storage, use_of(storage), fallback=False)
             return True
         except UnsupportedRedistribution:
             return False

@@ -87,19 +87,20 @@ def _check_nesting(placements: Placements, axis: int, dim: int | None) -> None:
                 f"axis {axis} splits dim {dim} inside a split on axis {later}")
 
 
-def plan_steps(src: Placements, dst: Placements, grad_partial: Sequence[int] = ()) -> list[Step]:
+def plan_steps(src: Placements, dst: Placements, grad_partial: Sequence[int] = (),
+               fallback: bool = True) -> list[Step]:
     """One Step per axis whose forward or backward does something.
 
     Splits are undone innermost axis first and made outermost axis first,
     which keeps nested splits of one dim in mesh order. Where one axis at a
     time cannot get there (an outer split of a dim must change while an inner
     one of the same dim stays), every split is gathered first and the target
-    cut afterwards: more bytes, but always possible.
+    cut afterwards: more bytes, but always possible (`fallback=False` refuses).
     """
     try:
         return _direct_steps(src, dst, grad_partial)
     except UnsupportedRedistribution:
-        if any(is_shard(s) and d == P for s, d in zip(src, dst)):
+        if not fallback or any(is_shard(s) and d == P for s, d in zip(src, dst)):
             raise
         mid = tuple(R if is_shard(s) else s for s in src)
         first = _direct_steps(src, mid, [a for a in grad_partial if mid[a] == dst[a]])
