@@ -9,7 +9,7 @@ import torch
 import cost_models as cm
 
 from .capture import INPUT, OUTPUT, PARAM, Captured, capture
-from .classics import axis_roles
+from .classics import axis_roles, check_tensor_parallel_divisibility
 from .collectives import AxisGroup, Comm
 from .cost import first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PlanError, ShardingError
@@ -91,6 +91,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     limit = _memory_limit(memory_limit)
     roles = axis_roles(strategy, spec)
     _check_batch_divisible(cap, spec, roles)
+    check_tensor_parallel_divisibility(cap, roles)
     t0 = time.perf_counter()
     strategies = all_strategies(cap, spec)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),

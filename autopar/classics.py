@@ -149,3 +149,54 @@ def allow_edge(roles: Roles, producer: NodeInfo, src, dst, consumer_replicated_o
         if role == TP and dst[a] != src[a] and not (src[a] == R and dst[a] == P):
             return False
     return True
+
+
+def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
+    """Named tp strategies split attention by head: the tp degree must divide the head counts.
+
+    (A plan could instead keep some heads whole on every rank, and 'auto' may do
+    that, but a user who asks for tp means Megatron's layout and would rather
+    hear now than find replicated key/value projections in the plan.) With
+    sequence parallelism the sequence length must divide too.
+    """
+    from .rules import op_name, tensor_args
+    tp_axes = [a for a, r in enumerate(roles.roles) if r == TP]
+    if not tp_axes:
+        return
+    degree = 1
+    for a in tp_axes:
+        degree *= roles.axis_sizes[a]
+    axes = " x ".join(f"{roles.axis_names[a]}={roles.axis_sizes[a]}" for a in tp_axes)
+    for node in cap.graph.nodes:
+        if node.op != "call_function" or op_name(node) != "aten.scaled_dot_product_attention.default":
+            continue
+        q_node, k_node = tensor_args(node)[:2]
+        q = cap.info[q_node.name].meta
+        where = cap.info[node.name].module_path or "<root>"
+        for what, count in (("query heads", q.hint[1]), ("key/value heads", _kv_heads(cap, k_node))):
+            if count % degree:
+                raise ShardingError(
+                    f"tensor-parallel degree {degree} ({axes}) does not divide the {count} {what} of the "
+                    f"attention in module {where!r}; use a tp degree that divides {count}, or strategy='auto'")
+        if roles.sequence_parallel and q.hint[2] % degree:
+            raise ShardingError(
+                f"sequence parallelism over {axes} needs the sequence length ({q.hint[2]}, attention in "
+                f"module {where!r}) to divide by {degree}; use a sequence length that does, or strategy='tp'")
+
+
+_HEAD_REPEAT_OPS = {"aten.reshape.default", "aten.view.default", "aten._unsafe_view.default", "aten.expand.default",
+                    "aten.unsqueeze.default", "aten.clone.default", "aten.contiguous.default"}
+
+
+def _kv_heads(cap, k_node) -> int:
+    """Key/value heads before any GQA repeat: models that repeat keys to the query head count
+    (HF's repeat_kv: unsqueeze, expand, reshape) hide the true count from the attention op."""
+    from .rules import op_name
+    heads, node = None, k_node
+    while True:
+        meta = cap.info[node.name].meta
+        if getattr(meta, "ndim", 0) == 4:
+            heads = meta.hint[1] if heads is None else min(heads, meta.hint[1])
+        if node.op != "call_function" or op_name(node) not in _HEAD_REPEAT_OPS:
+            return heads
+        node = node.args[0]

@@ -29,9 +29,9 @@ class LogitsOnly(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def llama():
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+def llama(heads=4, kv_heads=2, hidden=32):
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
                       use_cache=False, attn_implementation="sdpa")
     return LogitsOnly(LlamaForCausalLM(cfg)).train()
 
@@ -43,9 +43,9 @@ def gpt2():
 
 
 CASES = [
-    ("llama", "tp", (2,)), ("llama", "fsdp+tp", (2, 2)), ("llama", "tp", (2, 2)), ("llama", "fsdp", (4,)),
+    ("llama", "tp", (2,)), ("llama", "fsdp+tp", (2, 2)), ("llama-8h", "tp", (2, 2)), ("llama", "fsdp", (4,)),
     ("gpt2", "tp", (2,)), ("gpt2", "fsdp+tp", (2, 2)), ("gpt2", "ddp", (2, 2)),
-    ("llama", "tp+sp", (2,)), ("gpt2", "tp+sp", (2,)), ("llama", "tp+sp", (2, 2)), ("gpt2", "tp+sp", (2, 2)),
+    ("llama", "tp+sp", (2,)), ("gpt2", "tp+sp", (2,)), ("llama-8h", "tp+sp", (2, 2)), ("gpt2", "tp+sp", (2, 2)),
     ("llama", "auto", (2,)), ("gpt2", "auto", (2, 2)),
 ]
 
@@ -67,7 +67,7 @@ def _auto_plan_under_pressure(model, idx, mesh):
 @pytest.mark.parametrize("kind, strategy, mesh_shape", CASES)
 def test_hf_model_trains_like_single_device(kind, strategy, mesh_shape):
     torch.manual_seed(0)
-    model = {"llama": llama, "gpt2": gpt2}[kind]()
+    model = {"llama": llama, "gpt2": gpt2, "llama-8h": lambda: llama(8, 4, 64)}[kind]()
     idx, targets = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
     ref = single_device_reference(lambda: copy.deepcopy(model), idx, targets, gpt_loss, steps=3, lr=LR)
     names = ("dp", "tp")[:len(mesh_shape)] if len(mesh_shape) == 2 else ("tp",)
@@ -115,3 +115,12 @@ def test_llama_ops_without_rules_are_named_in_a_warning():
         autopar.plan(llama(), (torch.randint(0, 64, (4, 16)),), {"tp": 2}, strategy="tp")
     msgs = [str(w.message) for w in caught if issubclass(w.category, autopar.UnsupportedOpWarning)]
     assert msgs and all("model.model" in m for m in msgs)   # module path of the op
+
+
+def test_tp_degree_that_does_not_divide_the_kv_heads_is_refused_up_front():
+    torch.manual_seed(0)
+    with pytest.raises(autopar.ShardingError, match=r"degree 4 \(a=2 x b=2\) does not divide the 2 key/value heads"
+                                                    r".*model.model.layers.0.self_attn"):
+        autopar.plan(llama(), (torch.randint(0, 64, (4, 16)),), {"a": 2, "b": 2}, strategy="tp")
+    with pytest.raises(autopar.ShardingError, match=r"sequence length \(6"):
+        autopar.plan(gpt2(), (torch.randint(0, 64, (4, 6)),), {"a": 4}, strategy="tp+sp")
