@@ -1,10 +1,10 @@
 """autopar: automatic DP / FSDP / TP plans for PyTorch training, planned by ILP over a symbolic cost model."""
 from .api import parallelize, plan
-from .errors import (AutoparError, CaptureError, InfeasiblePlanError, MeshError, PlanError, ShardingError,
+from .errors import (AutoparError, CaptureError, DivisibilityWarning, InfeasiblePlanError, MeshError, PlanError, ShardingError,
                      UnsupportedOpWarning)
 from .plan_result import Plan
 from .runtime import ParallelModule
 
 __all__ = ["plan", "parallelize", "Plan", "ParallelModule", "AutoparError", "CaptureError",
-           "InfeasiblePlanError", "MeshError", "PlanError", "ShardingError", "UnsupportedOpWarning"]
+           "InfeasiblePlanError", "DivisibilityWarning", "MeshError", "PlanError", "ShardingError", "UnsupportedOpWarning"]
 __version__ = "0.1.0"

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .capture import INPUT, PARAM, OP, NodeInfo
-from .errors import AutoparError, ShardingError
+import warnings
+
+from .errors import AutoparError, DivisibilityWarning, ShardingError
 from .mesh import MeshSpec
 from .placement import P, R, is_shard, shard_dim
 from .redistribute import UnsupportedRedistribution, plan_steps
@@ -152,12 +154,12 @@ def allow_edge(roles: Roles, producer: NodeInfo, src, dst, consumer_replicated_o
 
 
 def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
-    """Named tp strategies split attention by head: the tp degree must divide the head counts.
+    """Named tp strategies split attention by head: warn when the tp degree does not divide the heads.
 
-    (A plan could instead keep some heads whole on every rank, and 'auto' may do
-    that, but a user who asks for tp means Megatron's layout and would rather
-    hear now than find replicated key/value projections in the plan.) With
-    sequence parallelism the sequence length must divide too.
+    The plan stays correct (the search then splits attention another way or
+    gathers the heads it cannot split, paying for it in communication), but a
+    user who asks for tp expects Megatron's layout and should hear at once why
+    they will not get it. With sequence parallelism the sequence must divide too.
     """
     from .rules import op_name, tensor_args
     tp_axes = [a for a, r in enumerate(roles.roles) if r == TP]
@@ -175,13 +177,18 @@ def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
         where = cap.info[node.name].module_path or "<root>"
         for what, count in (("query heads", q.hint[1]), ("key/value heads", _kv_heads(cap, k_node))):
             if count % degree:
-                raise ShardingError(
+                warnings.warn(
                     f"tensor-parallel degree {degree} ({axes}) does not divide the {count} {what} of the "
-                    f"attention in module {where!r}; use a tp degree that divides {count}, or strategy='auto'")
+                    f"attention in module {where!r}, so attention cannot be split by head (the plan gathers "
+                    f"what it cannot split); use a tp degree that divides {count} for Megatron's layout",
+                    DivisibilityWarning, stacklevel=4)
+                return
         if roles.sequence_parallel and q.hint[2] % degree:
-            raise ShardingError(
+            warnings.warn(
                 f"sequence parallelism over {axes} needs the sequence length ({q.hint[2]}, attention in "
-                f"module {where!r}) to divide by {degree}; use a sequence length that does, or strategy='tp'")
+                f"module {where!r}) to divide by {degree}; norms there will not be split by sequence",
+                DivisibilityWarning, stacklevel=4)
+            return
 
 
 _HEAD_REPEAT_OPS = {"aten.reshape.default", "aten.view.default", "aten._unsafe_view.default", "aten.expand.default",

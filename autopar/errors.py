@@ -36,3 +36,7 @@ class PlanError(AutoparError):
 
 class UnsupportedOpWarning(UserWarning):
     """An op has no sharding rule, so autopar replicates it."""
+
+
+class DivisibilityWarning(UserWarning):
+    """A requested layout cannot split something evenly (e.g. tp degree vs heads), so the plan works around it."""
