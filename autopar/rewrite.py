@@ -18,7 +18,7 @@ import torch.fx as fx
 from .capture import PARAM, Captured
 from .collectives import Comm, Redistribute, scale_grad, transform
 from .errors import PlanError
-from .placement import R, dim_factor
+from .placement import R, chunk_index, dim_factor
 from .redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
 from .rules import op_name, tensor_args
 
@@ -102,6 +102,7 @@ def _describe(steps, axis_names) -> str:
 def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphModule, GatheredParams]:
     strategies = plan.node_strategies
     names = plan.mesh.axis_names
+    coords = tuple(a.coord for a in comm.axes)
     sizes = plan.mesh.axis_sizes
     root = torch.nn.Module()
     gathered = GatheredParams()
@@ -201,12 +202,44 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
             args = (args[0], _localize_shape(g, args[1], s.output, sizes)) + tuple(args[2:])
         # a traced view may rely on strides the local tensor lacks (CPU SDPA returns a
         # transposed layout, so `.contiguous()` vanished from the trace): reshape copies only then
-        target = torch.ops.aten.reshape.default if name in VIEW_OPS else node.target
+        if name in VIEW_OPS:
+            target = torch.ops.aten.reshape.default
+        else:
+            target, extra = local_target(node, s, coords, sizes)
+            if extra:  # vocab_parallel_embedding(weight, indices, start): drop padding_idx etc.
+                args, kwargs = (args[0], args[1]) + extra, {}
         new = g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         env[node.name] = new
     g.lint()
     return fx.GraphModule(root, g, class_name="LocalGraph"), gathered
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int) -> torch.Tensor:
+    """Embedding over rows [start, start + len(weight)) of the vocab; zeros for other tokens.
+
+    The ranks' outputs sum to the whole lookup (a partial-sum layout), and
+    gradients reach only the rows this rank holds.
+    """
+    local = indices - start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0))
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def local_target(node: fx.Node, strategy, coords, sizes):
+    """The callable and extra trailing args that run `node` on this rank's shards.
+
+    Almost always the op itself; an embedding whose table is split along the
+    vocab becomes a masked lookup of this rank's rows.
+    """
+    if op_name(node) == "aten.embedding.default" and strategy is not None:
+        weight_pl = strategy.inputs[0]
+        f = dim_factor(weight_pl, 0, sizes)
+        if f > 1:
+            vocab = node.args[0].meta["val"].shape[0]
+            return vocab_parallel_embedding, (chunk_index(weight_pl, 0, coords, sizes) * (vocab // f),)
+    return node.target, ()
 
 
 def squeezed_dims(node: fx.Node, shape) -> list:

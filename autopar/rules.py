@@ -177,11 +177,12 @@ def addmm_rule(node, ins, out):
 
 
 def embedding_rule(node, ins, out):
+    """A lookup is a one-hot matmul: splitting the vocab (v) leaves partial sums, as long as each
+    rank looks up only its own rows (rewrite.local_target swaps in vocab_parallel_embedding)."""
     new = _Letters()
     v, d = new(), new()
     batch = new(ins[1].ndim)
-    # splitting the vocab needs masked lookups (vocab-parallel embedding): not a plain einsum
-    return OpSpec((v + d, batch), batch + d, frozenset({v}))
+    return OpSpec((v + d, batch), batch + d)
 
 
 def layer_norm_rule(node, ins, out):

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from autopar.capture import capture
 from autopar.mesh import MeshSpec
 from autopar.placement import P, R, S, dim_factor, local_shape, shard_dim, shard_full_tensor
-from autopar.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, squeezed_dims
+from autopar.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, local_target, squeezed_dims
 from autopar.rules import RULES, op_name, tensor_args
 from autopar.strategies import op_strategies
 
@@ -75,7 +75,7 @@ def _clone(v):
     return v
 
 
-def call_node(node: fx.Node, tensors: list, out_placements=None, axis_sizes=None):
+def call_node(node: fx.Node, tensors: list, out_placements=None, axis_sizes=None, strategy=None, coords=None):
     """node.target on its args with the tensor args (tensor_args order) replaced by `tensors`.
 
     With `out_placements`, shape-list args of SHAPE_ARG_OPS are localized like the
@@ -96,6 +96,10 @@ def call_node(node: fx.Node, tensors: list, out_placements=None, axis_sizes=None
         shp = [v if v == -1 else v // dim_factor(out_placements, d, axis_sizes) for d, v in enumerate(args[1])]
         args = (args[0], shp) + tuple(args[2:])
     target = node.target
+    if strategy is not None:  # the rewriter's own choice of local op (e.g. vocab-parallel embedding)
+        target, extra = local_target(node, strategy, coords, axis_sizes)
+        if extra:
+            args, kwargs = (args[0], args[1]) + extra, {}
     if out_placements is not None and op_name(node) in SQUEEZE_OPS:
         # as the rewriter does: squeeze only the dims that are size 1 in the whole input
         target = torch.ops.aten.squeeze.dims
@@ -182,7 +186,7 @@ def run_strategy(node, strategy, globals_, mesh, gen) -> dict:
     """Run the op rank by rank under `strategy`: coords -> local output(s)."""
     sizes = mesh.axis_sizes
     locs = [local_inputs(t, pl, sizes, gen) for t, pl in zip(globals_, strategy.inputs)]
-    return {coords: call_node(node, [l[coords] for l in locs], strategy.output, sizes)
+    return {coords: call_node(node, [l[coords] for l in locs], strategy.output, sizes, strategy, coords)
             for coords in itertools.product(*(range(n) for n in sizes))}
 
 
