@@ -49,6 +49,7 @@ def _gloo_worker(rank, world_size, port, result_dir, fn, args):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = fn(rank, *args)
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     except BaseException:
         # A failing rank makes its peers fail too (connection closed), and
         # spawn may report a peer first; the time tells the parent the cause.

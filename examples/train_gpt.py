@@ -138,6 +138,9 @@ def main():
         print(f"\nmax abs loss difference over {args.steps} steps: {max_diff:.3e}")
         print(f"max abs parameter difference after training: {param_diff:.3e}")
         print(f"total {time.perf_counter() - t_start:.1f} s")
+    # every rank reaches this point before any tears gloo down: a rank that destroys its group
+    # while a peer still talks to it can abort the peer ("terminate called ...")
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -17,7 +17,7 @@ def _run(args, timeout=300):
 
 @pytest.mark.gloo
 def test_train_gpt_demo_matches_single_device():
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     proc = _run(torchrun + ["examples/train_gpt.py", "--steps", "3"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "autopar plan" in proc.stdout
