@@ -35,3 +35,9 @@ def test_plan_offline_example_runs():
     proc = _run([sys.executable, "examples/plan_offline.py"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "autopar plan" in proc.stdout and "batch" in proc.stdout
+
+
+def test_plan_llama3_8b_example_runs_on_a_few_layers():
+    proc = _run([sys.executable, "examples/plan_llama3_8b.py", "--layers", "1", "--batch", "8", "--seq", "512"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "autopar plan" in proc.stdout and "per GPU:" in proc.stdout
