@@ -401,6 +401,41 @@ def select_rule(node, ins, out):
     return OpSpec((x,), x[:d] + x[d + 1:], frozenset({x[d]}), linear=(0,))
 
 
+def index_rule(node, ins, out):
+    """x[i0, i1, ...] with index tensors for the leading dims (no None gaps).
+
+    The output is the index tensors' broadcast shape followed by x's other
+    dims. Index tensors split like elementwise operands of that broadcast;
+    x must be whole along the dims it is indexed on (any rank may need any
+    row), and its other dims pass through.
+    """
+    indices = node.args[1]
+    if any(i is None for i in indices) or len(ins) != 1 + len(indices):
+        return OpSpec(tuple("" for _ in ins), "", replicate_only=True)
+    new = _Letters()
+    x = ins[0]
+    nb = out.ndim - (x.ndim - len(indices))
+    out_l = new(out.ndim)
+    no_shard = set()
+    x_l = ""
+    for d in range(x.ndim):
+        if d < len(indices):
+            c = new(); no_shard.add(c); x_l += c
+        else:
+            x_l += out_l[nb + d - len(indices)]
+    idx_l = []
+    for m in ins[1:]:
+        s = ""
+        for j in range(m.ndim):
+            od = nb - m.ndim + j
+            if m.hint[j] == out.hint[od]:
+                s += out_l[od]
+            else:
+                c = new(); no_shard.add(c); s += c
+        idx_l.append(s)
+    return OpSpec((x_l,) + tuple(idx_l), out_l, frozenset(no_shard))
+
+
 def last_two_whole(node, ins, out):
     """triu/tril: the pattern depends on positions in the last two dims."""
     new = _Letters()
@@ -479,6 +514,7 @@ RULES["_operator.getitem"] = getitem_rule
 RULES["aten.cat.default"] = cat_rule
 RULES["aten.slice.Tensor"] = slice_rule
 RULES["aten.select.int"] = select_rule
+RULES["aten.index.Tensor"] = index_rule
 RULES["aten.triu.default"] = last_two_whole
 RULES["aten.tril.default"] = last_two_whole
 for name in ["arange.default", "arange.start", "arange.start_step", "zeros.default", "ones.default",

@@ -560,3 +560,15 @@ def compare_and_logic(draw):
         return (le, a < b, gt, a >= b, a != b, le & gt, le | gt, torch.bitwise_and(le, gt),
                 torch.bitwise_or(le, gt), torch.logical_and(a, b), torch.logical_or(a, b))
     return Fn(f), (a, b)
+
+
+@case("aten.index.Tensor")
+def advanced_index(draw):
+    """x[i, j] with broadcasting index tensors (HF builds its causal masks this way)."""
+    seeded(draw)
+    rows, cols, extra = draw(SIZES), draw(SIZES), shape(draw, 0, 2)
+    x = randn((rows, cols) + extra)
+    batch = draw(st.sampled_from([1, 2, 4]))
+    i = torch.randint(0, rows, (batch, 1))
+    j = torch.randint(0, cols, (draw(st.sampled_from([1, 4])),))
+    return Fn(lambda self, x, i, j: (x[i, j], x[i]), ), (x, i, j)
