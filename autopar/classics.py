@@ -170,6 +170,14 @@ def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
         degree *= roles.axis_sizes[a]
     axes = " x ".join(f"{roles.axis_names[a]}={roles.axis_sizes[a]}" for a in tp_axes)
     for node in cap.graph.nodes:
+        if node.op == "call_function" and op_name(node) == "aten.embedding.default":
+            vocab = cap.info[tensor_args(node)[0].name].meta.hint[0]
+            if vocab % degree:
+                warnings.warn(
+                    f"tensor-parallel degree {degree} ({axes}) does not divide the vocabulary ({vocab}) of the "
+                    f"embedding in module {cap.info[node.name].module_path or '<root>'!r}, so neither it nor a "
+                    f"tied output projection can be split by vocab; pad the vocabulary to a multiple of {degree}",
+                    DivisibilityWarning, stacklevel=4)
         if node.op != "call_function" or op_name(node) != "aten.scaled_dot_product_attention.default":
             continue
         q_node, k_node = tensor_args(node)[:2]

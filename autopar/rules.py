@@ -401,6 +401,15 @@ def select_rule(node, ins, out):
     return OpSpec((x,), x[:d] + x[d + 1:], frozenset({x[d]}), linear=(0,))
 
 
+def diff_rule(node, ins, out):
+    """diff(x, n, dim, prepend, append): neighbours along `dim`, so that dim stays whole."""
+    new = _Letters()
+    x = new(ins[0].ndim)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    d = _dim(dim, ins[0].ndim)
+    return OpSpec(tuple(x for _ in ins), x, frozenset({x[d]}))
+
+
 def index_rule(node, ins, out):
     """x[i0, i1, ...] with index tensors for the leading dims (no None gaps).
 
@@ -515,6 +524,7 @@ RULES["aten.cat.default"] = cat_rule
 RULES["aten.slice.Tensor"] = slice_rule
 RULES["aten.select.int"] = select_rule
 RULES["aten.index.Tensor"] = index_rule
+RULES["aten.diff.default"] = diff_rule
 RULES["aten.triu.default"] = last_two_whole
 RULES["aten.tril.default"] = last_two_whole
 for name in ["arange.default", "arange.start", "arange.start_step", "zeros.default", "ones.default",

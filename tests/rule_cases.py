@@ -572,3 +572,16 @@ def advanced_index(draw):
     i = torch.randint(0, rows, (batch, 1))
     j = torch.randint(0, cols, (draw(st.sampled_from([1, 4])),))
     return Fn(lambda self, x, i, j: (x[i, j], x[i]), ), (x, i, j)
+
+
+@case("aten.diff.default")
+def diff(draw):
+    """Differences of neighbours along a dim, with and without prepended / appended slices."""
+    seeded(draw)
+    shp = shape(draw, 1, 3)
+    d = draw(st.integers(0, len(shp) - 1))
+    pre = randn(shp[:d] + (1,) + shp[d + 1:])
+
+    def f(self, x, pre):
+        return torch.diff(x, dim=d), torch.diff(x, n=1, dim=d, prepend=pre), torch.diff(x, dim=d, append=pre)
+    return Fn(f), (randn(shp), pre)

@@ -115,3 +115,10 @@ def test_local_inputs_checks_count_and_divisibility():
         plan.local_inputs(torch.randn(4, 8), torch.randn(4, 8))
     with pytest.raises(autopar.PlanError, match="does not divide"):
         plan.local_inputs(torch.randn(5, 8), rank=0)
+
+
+def test_tp_degree_that_does_not_divide_the_vocab_is_named():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=62))
+    with pytest.warns(autopar.DivisibilityWarning, match=r"does not divide the vocabulary \(62\).*'wte'"):
+        autopar.plan(model, (torch.randint(0, 62, (4, 16)),), {"tp": 4}, strategy="tp")

@@ -46,7 +46,7 @@ CASES = [
     ("llama", "tp", (2,)), ("llama", "fsdp+tp", (2, 2)), ("llama-8h", "tp", (2, 2)), ("llama", "fsdp", (4,)),
     ("gpt2", "tp", (2,)), ("gpt2", "fsdp+tp", (2, 2)), ("gpt2", "ddp", (2, 2)),
     ("llama", "tp+sp", (2,)), ("gpt2", "tp+sp", (2,)), ("llama-8h", "tp+sp", (2, 2)), ("gpt2", "tp+sp", (2, 2)),
-    ("llama", "auto", (2,)), ("gpt2", "auto", (2, 2)),
+    ("llama", "auto", (2,)), ("gpt2", "auto", (2, 2)), ("gpt2", "auto", (2,)), ("gpt2", "tp", (2, 2)),
 ]
 
 
