@@ -110,15 +110,15 @@ def cast_rule(node, ins, out):
     """A cast is linear in its input only between floating types (rounding to ints is not)."""
     linear = ins[0].dtype.is_floating_point and out.dtype.is_floating_point
     spec = elementwise(node, ins[:1], out, linear=(0,) if linear else ())
-    if len(ins) > 1:  # type_as(x, other): `other` only lends its dtype; same letters if same shape
-        other = spec.inputs[0] if ins[1].hint == ins[0].hint else ""
-        if other == "":
-            new = _Letters()
-            new(26)
-            other = new(ins[1].ndim)
-            return OpSpec((spec.inputs[0], other), spec.output, spec.no_shard | frozenset(other), spec.linear)
-        return OpSpec((spec.inputs[0], other), spec.output, spec.no_shard, spec.linear)
-    return spec
+    if len(ins) == 1:
+        return spec
+    # type_as(x, other): `other` only lends its dtype. Same shape: split it like x (no data
+    # moves for it); otherwise keep it whole under letters of its own.
+    if ins[1].hint == ins[0].hint:
+        return OpSpec((spec.inputs[0], spec.inputs[0]), spec.output, spec.no_shard, spec.linear)
+    # elementwise() hands out letters from "a" on, and a cast has far fewer than 26 dims
+    own = "".join(chr(ord("A") + i) for i in range(ins[1].ndim))
+    return OpSpec((spec.inputs[0], own), spec.output, spec.no_shard | frozenset(own), spec.linear)
 
 
 def binary(kind: str):

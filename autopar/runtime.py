@@ -58,6 +58,7 @@ class ParallelModule(torch.nn.Module):
         full_buffers = dict(model.named_buffers(remove_duplicate=False))
         self._aliases = dict(cap.aliases)   # tied names -> canonical name (state_dict lists both)
         self._placeholder_sources = []  # (kind, fqn) per graph placeholder, in order
+        self._constants = {}
         for node in cap.graph.nodes:
             if node.op != "placeholder":
                 continue
@@ -75,9 +76,8 @@ class ParallelModule(torch.nn.Module):
                 if fqn not in dict(self.store.named_buffers()):
                     _set_by_path(self.store, fqn, full_buffers[fqn].detach().clone(), False)
                 self._placeholder_sources.append((BUFFER, fqn))
-            elif info.kind == CONSTANT:
+            elif info.kind == CONSTANT:  # tensors export lifted out of forward (kept whole)
                 self._placeholder_sources.append((CONSTANT, info.target_name))
-                self._constants = getattr(self, "_constants", {})
                 self._constants[info.target_name] = ep.constants[info.target_name]
             else:
                 self._placeholder_sources.append((INPUT, None))
