@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 
 import cost_models as cm
 
-from .capture import INPUT, OUTPUT, PARAM, Captured, capture
+from .capture import PARAM, Captured, capture
 from .classics import axis_roles, check_tensor_parallel_divisibility
 from .collectives import AxisGroup, Comm
 from .cost import first_meta, needs_grad, saved_outputs

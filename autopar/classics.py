@@ -7,14 +7,14 @@ cost model, not a separate code path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .capture import INPUT, PARAM, OP, NodeInfo
+from .capture import PARAM, NodeInfo
 import warnings
 
 from .errors import AutoparError, DivisibilityWarning, ShardingError
 from .mesh import MeshSpec
-from .placement import P, R, is_shard, shard_dim
+from .placement import P, R, is_shard
 from .redistribute import UnsupportedRedistribution, plan_steps
 
 DP, FSDP, TP = "dp", "fsdp", "tp"

@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
+from .capture import BUFFER, OP, PARAM
 from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
                    node_compute_time, param_memory)
-from .mesh import MeshSpec
 from .placement import local_shape, numel
 from .redistribute import ALL_GATHER, Collective, plan_steps
 

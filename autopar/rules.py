@@ -13,7 +13,7 @@ or two and makes them testable against the unsharded op.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch.fx as fx

@@ -11,7 +11,7 @@ the time of the collectives on every edge. Constraint: memory per device.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
@@ -20,10 +20,10 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
 from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
 from .cost import (SAVED_FOR_GRAD_OF, activation_bytes, collectives_time, edge_collectives,
-                   first_meta, node_compute_time, param_memory, saved_outputs)
+                   first_meta, node_compute_time, param_memory)
 from .errors import InfeasiblePlanError
 from .mesh import MeshSpec
-from .placement import is_shard, local_shape, numel
+from .placement import local_shape, numel
 from .redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
 from .rules import op_name, tensor_args
 from .strategies import NodeStrategies

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .capture import BUFFER, CONSTANT, INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
+from .capture import INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
 from .errors import UnsupportedOpWarning
 from .mesh import MeshSpec
-from .placement import P, R, Placements, S, dim_factor, is_shard, shard_dim
+from .placement import P, R, Placements, S, dim_factor
 from .rules import OpSpec, op_name, rule_for, tensor_args
 
 
