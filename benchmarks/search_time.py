@@ -1,0 +1,75 @@
+"""How long autopar.plan takes, by stage, against depth and mesh size (Llama-3 shapes, meta device).
+
+    python benchmarks/search_time.py                          # 8B shape, 2/4/8 layers, 8x8 mesh
+    python benchmarks/search_time.py --model 70b --layers 4,8 --mesh pp=16,dp=8,tp=8
+
+Prints one row per (model, layers, mesh): graph nodes, ILP variables, and
+seconds for capture, rule expansion, HiGHS, and the rest (building the ILP's
+edge costs and the numeric + symbolic predictions). The search does not yet
+merge repeated blocks, so every column grows with depth; this table is the
+baseline that work is measured against. Timings, so a benchmark, not a test.
+"""
+import argparse
+import time
+import warnings
+
+import torch
+
+import autopar
+
+SHAPES = {  # published Llama-3 shapes
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8),
+}
+
+
+def plan_once(model_name: str, layers: int, mesh: dict, batch: int, seq: int, hardware: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, num_hidden_layers=layers, max_position_embeddings=8192,
+                      rope_theta=500000.0, use_cache=False, attn_implementation="sdpa", **SHAPES[model_name])
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(cfg)
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = hf
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), device="meta")
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        plan = autopar.plan(Logits(), (tokens,), mesh, hardware=hardware, time_limit=1800)
+    return plan, time.perf_counter() - start
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--layers", default="2,4,8", help="comma-separated depths (default: 2,4,8)")
+    p.add_argument("--mesh", default="dp=8,tp=8", help="axes and sizes (default: dp=8,tp=8)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--hardware", default="h100")
+    args = p.parse_args()
+    mesh = {k: int(v) for k, v in (part.split("=") for part in args.mesh.split(","))}
+
+    header = f"{'model':>5} {'layers':>6} {'mesh':>14} {'nodes':>6} {'ILP vars':>9} " \
+             f"{'capture':>8} {'rules':>6} {'HiGHS':>7} {'other':>7} {'total s':>8}"
+    print(header)
+    print("-" * len(header))
+    for layers in (int(x) for x in args.layers.split(",")):
+        plan, total = plan_once(args.model, layers, mesh, args.batch, args.seq, args.hardware)
+        s = plan.stats
+        other = total - s["capture_seconds"] - s["rules_seconds"] - s["solve_seconds"]
+        print(f"{args.model:>5} {layers:>6} {args.mesh:>14} {s['num_nodes']:>6} {s['num_variables']:>9} "
+              f"{s['capture_seconds']:>8.1f} {s['rules_seconds']:>6.1f} {s['solve_seconds']:>7.1f} "
+              f"{other:>7.1f} {total:>8.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
