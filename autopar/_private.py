@@ -214,3 +214,13 @@ def unflatten_outputs(exported, flat_outputs):
     """Rebuild the model's own output structure (tensor, tuple, dict...) from the graph's flat outputs."""
     import torch.utils._pytree as pytree
     return pytree.tree_unflatten(list(flat_outputs), exported.call_spec.out_spec)
+
+
+def symint_expr(s):
+    """The sympy expression behind a torch.SymInt (export's symbolic dim), e.g. `s0` or `2*s0`."""
+    return s.node.expr
+
+
+def symint_hint(s) -> int:
+    """The example value export traced a SymInt with."""
+    return int(s.node.hint)

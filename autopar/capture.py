@@ -15,7 +15,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ._private import trace_lock
+from ._private import symint_expr, symint_hint, trace_lock
 from .errors import CaptureError
 
 PARAM, BUFFER, INPUT, CONSTANT, OP, OUTPUT = "param", "buffer", "input", "constant", "op", "output"
@@ -130,7 +130,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
             continue
         for d, s in enumerate(val.shape):
             if isinstance(s, torch.SymInt):
-                expr = s.node.expr
+                expr = symint_expr(s)
                 if isinstance(expr, sympy.Symbol) and expr not in rename:
                     name = dim_names.get((i, d), str(expr))
                     sym = sympy.Symbol(name, integer=True, positive=True)
@@ -142,9 +142,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
             shape, hint = [], []
             for s in val.shape:
                 if isinstance(s, torch.SymInt):
-                    e = s.node.expr.xreplace(rename)
+                    e = symint_expr(s).xreplace(rename)
                     shape.append(e)
-                    hint.append(int(e.xreplace(hints)) if e.free_symbols <= set(hints) else int(s.node.hint))
+                    hint.append(int(e.xreplace(hints)) if e.free_symbols <= set(hints) else symint_hint(s))
                 else:
                     shape.append(sympy.Integer(int(s)))
                     hint.append(int(s))
