@@ -23,7 +23,7 @@ import torch.fx as fx
 from .capture import BUFFER, INPUT, PARAM, Captured, TensorMeta
 from .mesh import MeshSpec
 from .placement import Placements, local_shape, numel
-from .redistribute import Collective, UnsupportedRedistribution, plan_steps, step_collectives
+from .redistribute import Collective, plan_steps, step_collectives
 from .rules import op_name, tensor_args
 
 MATMUL_OPS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default",
@@ -156,6 +156,18 @@ def edge_collectives(producer: str, src: Placements, dst: Placements, grad_parti
     return out
 
 
+def regathers(cap: Captured, producer: str, consumer: str, index: int, grad_nodes: set) -> bool:
+    """Does this parameter edge gather again in backward (autograd keeps the weight)?"""
+    if cap.info[producer].kind != PARAM:
+        return False
+    node = cap.node(consumer)
+    needed_by = SAVED_FOR_GRAD_OF.get(op_name(node), {}).get(index)
+    if not needed_by:
+        return False
+    args = tensor_args(node)
+    return any(j < len(args) and args[j].name in grad_nodes for j in needed_by)
+
+
 def collectives_time(colls, mesh: MeshSpec, links: dict):
     t = 0
     for c in colls:
@@ -172,5 +184,3 @@ def collectives_bytes(colls, mesh: MeshSpec) -> dict:
             c.kind, c.full_bytes, mesh.axis_sizes[c.axis])
     return out
 
-
-__all__ = ["UnsupportedRedistribution"]

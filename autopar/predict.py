@@ -12,7 +12,7 @@ import sympy
 
 from .capture import BUFFER, OP, PARAM
 from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
-                   node_compute_time, param_memory)
+                   node_compute_time, param_memory, regathers)
 from .placement import local_shape, numel
 from .redistribute import ALL_GATHER, Collective, plan_steps
 
@@ -29,7 +29,6 @@ class Redistribution:
 
 
 def group_redistributions(prob, choice) -> list[Redistribution]:
-    from .search import regathers  # shared rule: which parameter edges gather again
     groups: dict = {}
     for e in prob.edges:
         u = prob.strategies[e.producer].strategies[choice[e.producer]]
@@ -41,7 +40,7 @@ def group_redistributions(prob, choice) -> list[Redistribution]:
         key = (e.producer, dst, gp)
         g = groups.setdefault(key, [src, [], 0])
         g[1].append((e.consumer, e.index))
-        g[2] += int(regathers(prob.cap, e, prob.grad_nodes))
+        g[2] += int(regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes))
     return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]), g[2])
             for (p, d, gp), g in groups.items()]
 

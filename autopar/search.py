@@ -19,13 +19,13 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
 from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
-from .cost import (SAVED_FOR_GRAD_OF, activation_bytes, collectives_time, edge_collectives,
-                   first_meta, node_compute_time, param_memory)
+from .cost import (activation_bytes, collectives_time, edge_collectives,
+                   first_meta, node_compute_time, param_memory, regathers)
 from .errors import InfeasiblePlanError
 from .mesh import MeshSpec
 from .placement import local_shape, numel
 from .redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
-from .rules import op_name, tensor_args
+from .rules import tensor_args
 from .strategies import NodeStrategies
 
 TIME_SCALE = 1e6      # seconds -> microseconds keeps HiGHS's tolerances meaningful
@@ -74,21 +74,10 @@ def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
     return edges
 
 
-def regathers(cap: Captured, edge: Edge, grad_nodes: set) -> bool:
-    """Does this parameter edge gather again in backward (autograd keeps the weight)?"""
-    if cap.info[edge.producer].kind != PARAM:
-        return False
-    node = cap.node(edge.consumer)
-    needed_by = SAVED_FOR_GRAD_OF.get(op_name(node), {}).get(edge.index)
-    if not needed_by:
-        return False
-    args = tensor_args(node)
-    return any(j < len(args) and args[j].name in grad_nodes for j in needed_by)
-
-
 def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial) -> float:
     colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
-                             e.producer in prob.grad_nodes, regathers(prob.cap, e, prob.grad_nodes), e.consumer)
+                             e.producer in prob.grad_nodes,
+                             regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes), e.consumer)
     return float(collectives_time(colls, prob.mesh, prob.links))
 
 

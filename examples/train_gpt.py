@@ -33,8 +33,8 @@ BATCH = 32  # global batch (sequences); every rank builds all of it, plan.local_
 # correct but shows little. For this model and batch (float32, AdamW) the
 # planner predicts per rank:
 #   "auto" with no limit (batch not split)          ~1.39 MiB
-#   "ddp" (weights whole, batch split 4 ways)       ~1.04 MiB
-#   the smallest any plan can reach ("fsdp")        ~0.69 MiB
+#   "ddp" (weights whole, batch split 4 ways)       ~1.02 MiB
+#   the smallest any plan can reach                 ~0.68 MiB
 # (from autopar.plan(...).predicted.memory.total and, for the smallest,
 # autopar.InfeasiblePlanError.min_memory_bytes). A limit of 1 MiB rules out
 # the first two, so "auto" has to split the batch and shard weights: it mixes
