@@ -3,9 +3,14 @@ from .api import parallelize, plan
 from .audit import AuditReport, audit
 from .errors import (AutoparError, CaptureError, DivisibilityWarning, InfeasiblePlanError, MeshError, PlanError, ShardingError,
                      UnsupportedOpWarning)
+from .optim import ShardedOptimizer
 from .plan_result import Plan
+from .precision import BF16_MIXED, OptimizerSpec, Precision
 from .runtime import ParallelModule
+from .whatif import max_batch, min_compute_bound_batch
 
-__all__ = ["plan", "parallelize", "audit", "AuditReport", "Plan", "ParallelModule", "AutoparError", "CaptureError",
-           "InfeasiblePlanError", "DivisibilityWarning", "MeshError", "PlanError", "ShardingError", "UnsupportedOpWarning"]
+__all__ = ["plan", "parallelize", "audit", "AuditReport", "Plan", "ParallelModule", "ShardedOptimizer",
+           "Precision", "BF16_MIXED", "OptimizerSpec", "AutoparError", "CaptureError",
+           "InfeasiblePlanError", "DivisibilityWarning", "MeshError", "PlanError", "ShardingError", "UnsupportedOpWarning",
+           "max_batch", "min_compute_bound_batch"]
 __version__ = "0.1.0"

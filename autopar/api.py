@@ -14,6 +14,7 @@ from .cost import first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PlanError, ShardingError
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import CollectiveRecord, Plan
+from .precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
 from .predict import predict
 from .rewrite import rewrite
 from .runtime import ParallelModule
@@ -58,30 +59,37 @@ def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
 
 
 def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_limit=None,
-         strategy: str = "auto", precision=None, dynamic_shapes=None, links=None,
+         strategy: str = "auto", precision=None, optimizer="adamw", dynamic_shapes=None, links=None,
          time_limit: float = 60.0, **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
 
     `mesh` is a DeviceMesh with named axes or a mapping {axis_name: size}; the
-    model may live on the meta device. See docs/ARCHITECTURE.md.
+    model may live on the meta device. `precision` (an autopar.Precision, or
+    None for the model's own dtype) and `optimizer` ("adamw", "adam", "sgd",
+    "sgd-momentum" or a torch optimizer) set the bytes each parameter costs;
+    AdamW is the default because it is what large models train with.
+    See docs/ARCHITECTURE.md.
     """
     if options:
         raise AutoparError(f"unknown option(s) {sorted(options)} for autopar.plan")
-    if precision is not None:
-        raise AutoparError("precision policies are not supported yet; plan in the model's own dtype "
-                           "(precision=None)")
+    precision_of(precision), optimizer_spec(optimizer)  # bad values fail before the capture
     t0 = time.perf_counter()
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     cap = capture(model, example_inputs, dynamic_shapes)
     t_capture = time.perf_counter() - t0
     return _plan_captured(cap, mesh, hardware=hardware, memory_limit=memory_limit, strategy=strategy,
-                          links=links, time_limit=time_limit, t_capture=t_capture)
+                          precision=precision, optimizer=optimizer, links=links, time_limit=time_limit,
+                          t_capture=t_capture)
 
 
-def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", links=None,
-                   time_limit=60.0, t_capture=0.0) -> Plan:
+def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
+                   optimizer="adamw", links=None, time_limit=60.0, t_capture=0.0) -> Plan:
     spec = mesh_spec(mesh)
+    policy, opt = precision_of(precision), optimizer_spec(optimizer)
+    param_bytes = {n: param_bytes_of(policy, opt, first_meta(i.meta).dtype) for n, i in cap.info.items()
+                   if i.kind == PARAM}
+    cap = as_computed(cap, policy)  # the graph as it runs: floating tensors in the compute dtype
     hw = _hardware(hardware, mesh)
     try:
         axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, links)
@@ -94,7 +102,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     t0 = time.perf_counter()
     strategies = all_strategies(cap, spec)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
-                   needs_grad(cap), saved_outputs(cap))
+                   needs_grad(cap), saved_outputs(cap), param_bytes)
     t_rules = time.perf_counter() - t0
     sol = solve(prob, roles, limit, time_limit)
     if not sol.choice:
@@ -115,6 +123,8 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     node_strategies = {n: ns.strategies[sol.choice[n]] for n, ns in strategies.items()}
     param_placements = {cap.info[n].target_name: s.output for n, s in node_strategies.items()
                         if cap.info[n].kind == PARAM}
+    param_zero = {cap.info[n].target_name: (s.zero, tuple(spec.axis_names[a] for a in s.zero_axes))
+                  for n, s in node_strategies.items() if cap.info[n].kind == PARAM and s.zero}
     input_placements = tuple(node_strategies[n].output if n in node_strategies else (("R",) * spec.num_axes)
                              for n in cap.input_names)
     output_placements = tuple(node_strategies["output"].inputs)
@@ -132,7 +142,8 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
                 input_placements=input_placements, output_placements=output_placements,
                 module_paths={n: cap.info[n].module_path for n in strategies},
                 collectives=records, predicted=pred, symbolic=sym,
-                symbols={str(s): v for s, v in cap.hints.items()}, stats=stats)
+                symbols={str(s): v for s, v in cap.hints.items()}, stats=stats, param_zero=param_zero,
+                precision=policy.to_dict(), optimizer={"name": opt.name, "states_per_param": opt.states_per_param})
 
 
 def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | None = None,
@@ -159,6 +170,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     if plan is None:
         plan = _plan_on_rank0(cap, mesh, plan_kwargs)
     _check_plan_matches(plan, cap, spec)
+    _check_runtime_precision(plan, cap)
     coords = mesh.get_coordinate()
     axes = [AxisGroup(mesh.get_group(name), size, coords[i])
             for i, (name, size) in enumerate(zip(spec.axis_names, spec.axis_sizes))]
@@ -175,7 +187,7 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict) -> Plan:
     waits forever for a plan that will not come.
     """
     import torch.distributed as dist
-    known = {"hardware", "memory_limit", "strategy", "links", "time_limit"}
+    known = {"hardware", "memory_limit", "strategy", "links", "time_limit", "precision", "optimizer"}
     unknown = sorted(set(plan_kwargs) - known)
     if unknown:
         raise AutoparError(f"unknown option(s) {unknown} for autopar.parallelize; it takes plan=, "
@@ -200,3 +212,15 @@ def _check_plan_matches(plan: Plan, cap: Captured, spec: MeshSpec) -> None:
     if missing:
         raise PlanError(f"the plan names graph nodes this model does not have ({missing[:5]}...): "
                         "it was made for another model or other example inputs")
+
+
+def _check_runtime_precision(plan: Plan, cap: Captured) -> None:
+    """The runtime trains in the model's own dtype; a plan for another policy cannot run as planned."""
+    dtypes = {str(first_meta(i.meta).dtype).removeprefix("torch.") for i in cap.info.values()
+              if i.kind == PARAM and first_meta(i.meta).dtype.is_floating_point}
+    asked = {f: d for f, d in plan.precision.items() if d is not None and {d} != dtypes}
+    if asked:
+        raise PlanError(
+            f"the plan's precision policy {asked} differs from the model's parameter dtype(s) {sorted(dtypes)}; "
+            "autopar plans mixed precision (autopar.plan) but its runtime trains in the model's own dtype. "
+            "Convert the model (model.to(dtype)) and plan with precision=None to run it")

@@ -5,7 +5,9 @@ Measured, on this rank:
 - activation bytes autograd saved for backward (a saved-tensor hook; a tensor saved
   by several ops counts once; parameters and FSDP re-gathered weights are not
   activations),
-- parameter, gradient and optimizer-state bytes actually allocated.
+- parameter, gradient and optimizer-state bytes actually allocated (gradients
+  as backward leaves them, before the optimizer step; with an
+  autopar.ShardedOptimizer, its ZeRO-2 gradient slices too).
 """
 from __future__ import annotations
 
@@ -82,9 +84,11 @@ def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None) -
         first = out[0] if isinstance(out, (tuple, list)) else out
         loss = loss_fn(out) if loss_fn is not None else first.float().mean()
         loss.backward()
-        records = list(module.comm.log.records)
+        grad_bytes = sum(_nbytes(p.grad) for p in module.parameters() if p.grad is not None)
+        grad_bytes += sum(_nbytes(g) for g in getattr(optimizer, "slice_grads", list)())  # ZeRO-2 slices
         if optimizer is not None:
-            optimizer.step()
+            optimizer.step()   # ZeRO's reduce-scatter and all-gather run here
+        records = list(module.comm.log.records)
     finally:
         gathered.pack = inner_pack
         module.comm.log = log
@@ -96,8 +100,7 @@ def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None) -
     rows = [AuditRow(f"comm bytes on {a}", pred.comm_bytes[a], comm[a]) for a in names]
     rows.append(AuditRow("parameters", pred.memory.params,
                          sum(_nbytes(p) for p in module.parameters()) + sum(_nbytes(b) for b in module.buffers())))
-    rows.append(AuditRow("gradients", pred.memory.grads,
-                         sum(_nbytes(p.grad) for p in module.parameters() if p.grad is not None)))
+    rows.append(AuditRow("gradients", pred.memory.grads, grad_bytes))
     if optimizer is not None:
         state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)

@@ -1,7 +1,7 @@
 """Named classic strategies as restrictions of the same search space.
 
-"ddp", "fsdp", "tp", "fsdp+tp" (and "auto", which restricts nothing) pin the
-role of each mesh axis, taken in mesh order; the ILP then finds the cheapest
+"ddp", "zero1", "zero2", "fsdp" (ZeRO-3), "tp", "tp+sp", "fsdp+tp" (and
+"auto", which restricts nothing) pin the role of each mesh axis, taken in mesh order; the ILP then finds the cheapest
 plan that plays those roles. So a classic is a baseline priced by the same
 cost model, not a separate code path.
 """
@@ -17,8 +17,10 @@ from .mesh import MeshSpec
 from .placement import P, R, is_shard
 from .redistribute import UnsupportedRedistribution, plan_steps
 
-DP, FSDP, TP = "dp", "fsdp", "tp"
-STRATEGIES = ("auto", "ddp", "fsdp", "tp", "tp+sp", "fsdp+tp")
+DP, FSDP, TP, ZERO1, ZERO2 = "dp", "fsdp", "tp", "zero1", "zero2"
+DATA_ROLES = (DP, FSDP, ZERO1, ZERO2)   # axes that split the batch
+ZERO_LEVEL = {ZERO1: 1, ZERO2: 2}
+STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp")
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class Roles:
 
     def batch_axes(self) -> dict[int, bool]:
         """Axes whose batch split is pinned: True = the batch is split there."""
-        return {a: r in (DP, FSDP) for a, r in enumerate(self.roles) if r is not None}
+        return {a: r in DATA_ROLES for a, r in enumerate(self.roles) if r is not None}
 
 
 def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
@@ -42,6 +44,8 @@ def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
         return Roles((DP,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "fsdp":
         return Roles((FSDP,) * n, mesh.axis_names, mesh.axis_sizes)
+    if strategy in ZERO_LEVEL:
+        return Roles((strategy,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "tp+sp":
         return Roles((TP,) * n, mesh.axis_names, mesh.axis_sizes, sequence_parallel=True)
     if strategy == "tp":
@@ -64,7 +68,7 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
     by an outer fsdp axis and gathered alone), else keep it whole.
     """
     def use_of(storage):
-        return tuple(R if role in (DP, FSDP) else p for role, p in zip(roles.roles, storage))
+        return tuple(R if role in DATA_ROLES else p for role, p in zip(roles.roles, storage))
 
     def gatherable(storage):
         try:
@@ -86,7 +90,9 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
         good = True
         for a, role in enumerate(roles.roles):
             p = s.output[a]
-            if role == DP and p != R:
+            if role in (DP, ZERO1, ZERO2) and p != R:
+                good = False
+            if role is not None and a in s.zero_axes and ZERO_LEVEL.get(role) != s.zero:
                 good = False
             if role == TP and info.meta is not None and info.meta.ndim >= 2 and not is_shard(p) and any(
                     is_shard(t.output[a]) for t in strategies):
@@ -100,6 +106,10 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
             return s.output[:a] + s.output[a + 1:]
         can_split = {others(s) for o, s in zip(ok, strategies) if o and is_shard(s.output[a])}
         ok = [o and (is_shard(s.output[a]) or others(s) not in can_split) for o, s in zip(ok, strategies)]
+    zero_axes = tuple(a for a, role in enumerate(roles.roles) if role in ZERO_LEVEL)
+    if zero_axes and any(o and s.zero_axes == zero_axes for o, s in zip(ok, strategies)):
+        # ZeRO over every zero axis where the flat tensor divides; whole (as DDP) where it does not
+        ok = [o and s.zero_axes == zero_axes for o, s in zip(ok, strategies)]
     return ok
 
 
@@ -118,7 +128,7 @@ def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False) -
             if role is None:
                 continue
             pls = list(strategy.inputs) + [strategy.output]
-            if role in (DP, FSDP) and any(pl[a] not in (R, "S(0)") for pl in pls):
+            if role in DATA_ROLES and any(pl[a] not in (R, "S(0)") for pl in pls):
                 return False
             if role == TP and strategy.output[a] == "S(0)":
                 return False
@@ -142,9 +152,9 @@ def allow_edge(roles: Roles, producer: NodeInfo, src, dst, consumer_replicated_o
         if consumer_replicated_only:
             return True
         return all(src[a] == dst[a] or (src[a] == R and dst[a] == "S(0)")
-                   for a, role in enumerate(roles.roles) if role in (DP, FSDP))
+                   for a, role in enumerate(roles.roles) if role in DATA_ROLES)
     for a, role in enumerate(roles.roles):
-        if role in (DP, FSDP) and dst[a] != R:
+        if role in DATA_ROLES and dst[a] != R:
             return False
         # tensor-parallel weights are used as stored; a replicated bias may be added once
         # into partial sums (R -> P), as Megatron's row-parallel linear does

@@ -10,19 +10,21 @@ Conventions (issue-2 model; the activation model is refined later):
 - activations: a node's output counts once if some consumer saves it for
   backward (attributed to the producer, so a tensor saved by three ops is
   counted once), in the producer's own layout.
-- parameters: fp32 weights + fp32 grads + AdamW's two fp32 moments,
-  in each parameter's storage layout.
+- parameters: weight, master copy, gradient and optimizer state, at the
+  bytes per element the precision policy and optimizer give (precision.py),
+  in each parameter's storage layout (ZeRO splits the last ones).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cost_models as cm
 import torch.fx as fx
 
 from .capture import BUFFER, INPUT, PARAM, Captured, TensorMeta
 from .mesh import MeshSpec
-from .placement import Placements, local_shape, numel
+from .placement import P, R, S, Placements, local_shape, numel
+from .precision import ParamBytes
 from .redistribute import Collective, plan_steps, step_collectives
 from .rules import op_name, tensor_args
 
@@ -50,7 +52,6 @@ SAVED_FOR_GRAD_OF = {
     "aten.layer_norm.default": {1: (0, 1, 2), 2: (0, 1, 2)},  # kept whenever anything needs grad
     "aten.mul.Tensor": {0: (1,), 1: (0,)}, "aten.div.Tensor": {0: (1,), 1: (0, 1)},
 }
-OPTIMIZER_STATES_PER_PARAM = 2  # AdamW: exp_avg and exp_avg_sq
 
 
 def first_meta(meta) -> TensorMeta | None:
@@ -126,32 +127,84 @@ def activation_bytes(node_name: str, cap: Captured, output: Placements, mesh: Me
 
 @dataclass(frozen=True)
 class ParamMemory:
-    params: object
+    params: object      # the weight as ops use it (compute dtype)
+    master: object      # the optimizer's higher-precision copy (mixed precision)
     grads: object
     optimizer: object
 
 
-def param_memory(meta: TensorMeta, storage: Placements, mesh: MeshSpec, trainable=True, symbolic=False) -> ParamMemory:
-    b = numel(local_shape(shape_of(meta, symbolic), storage, mesh.axis_sizes)) * meta.itemsize
-    if not trainable:
-        return ParamMemory(b, 0, 0)
-    return ParamMemory(b, b, OPTIMIZER_STATES_PER_PARAM * b)
+def param_memory(meta: TensorMeta, strategy, mesh: MeshSpec, pb: ParamBytes, symbolic=False) -> ParamMemory:
+    """Bytes of one parameter on one device under its storage strategy.
+
+    ZeRO keeps the weight whole but splits the master copy and optimizer
+    state (and, at level 2, the gradient) into 1/n flat slices over its axes.
+    """
+    n = local_numel(meta, strategy.output, mesh, symbolic)
+    split = 1
+    for a in strategy.zero_axes:
+        split *= mesh.axis_sizes[a]
+    state = n / split if strategy.zero else n
+    grads = n / split if strategy.zero >= 2 else n
+    return ParamMemory(n * pb.weight, state * pb.master, grads * pb.grad, state * pb.optimizer)
+
+
+def local_numel(meta: TensorMeta, placements: Placements, mesh: MeshSpec, symbolic=False):
+    return numel(local_shape(shape_of(meta, symbolic), placements, mesh.axis_sizes))
+
+
+def zero_collectives(param: str, meta: TensorMeta, strategy, mesh: MeshSpec, pb: ParamBytes,
+                     symbolic=False) -> list[Collective]:
+    """ZeRO's two collectives per parameter per step, on its flat local tensor.
+
+    The gradient is reduce-scattered into this rank's slice (in backward at
+    level 2, at the optimizer step at level 1), the slice is updated, and the
+    updated weight is all-gathered: the bytes of DDP's one all-reduce.
+    """
+    if not strategy.zero:
+        return []
+    flat = (local_numel(meta, strategy.output, mesh, symbolic),)
+    whole = tuple(R for _ in mesh.axis_sizes)
+    sliced = tuple(S(0) if a in strategy.zero_axes else R for a in range(mesh.num_axes))
+    partial = tuple(P if a in strategy.zero_axes else R for a in range(mesh.num_axes))
+    reduce_phase = "backward" if strategy.zero >= 2 else "optimizer"
+    out = []
+    for steps, itemsize, phase in ((plan_steps(partial, sliced), pb.reduce, reduce_phase),
+                                   (plan_steps(sliced, whole), pb.weight, "optimizer")):
+        for st in steps:  # forward halves only: these run outside autograd
+            out += [replace(c, phase=phase) for c in step_collectives(st, flat, itemsize, mesh.axis_sizes, param,
+                                                                      tensor=param) if c.phase == "forward"]
+    return out
+
+
+def reduce_itemsize(param_bytes: dict, producer: str):
+    """Bytes per element of a parameter's gradient on the network (None: the tensor's own)."""
+    pb = param_bytes.get(producer)
+    return pb.reduce if pb is not None and pb.reduce else None
 
 
 def edge_collectives(producer: str, src: Placements, dst: Placements, grad_partial, cap: Captured,
                      mesh: MeshSpec, grad_flows: bool, regather: bool, where: str,
-                     symbolic=False) -> list[Collective]:
-    """Collectives on one edge; raises UnsupportedRedistribution if it cannot be done."""
+                     symbolic=False, keep_partial=(), reduce_itemsize=None) -> list[Collective]:
+    """Collectives on one edge; raises UnsupportedRedistribution if it cannot be done.
+
+    `keep_partial`: a ZeRO parameter's axes, where its gradient is left unreduced.
+    `reduce_itemsize`: bytes per element of a parameter's gradient reductions
+    (a precision policy may reduce in another dtype than the weight's).
+    """
     meta = first_meta(cap.info[producer].meta)
-    if src == dst and not (grad_flows and grad_partial):
+    keep_partial = keep_partial if grad_flows else ()
+    if src == dst and not (grad_flows and grad_partial) and not keep_partial:
         return []
-    steps = plan_steps(src, dst, grad_partial if grad_flows else ())
+    steps = plan_steps(src, dst, grad_partial if grad_flows else (), keep_partial=keep_partial)
     out = []
     for st in steps:
         for c in step_collectives(st, shape_of(meta, symbolic), meta.itemsize, mesh.axis_sizes, where, regather,
                                   producer):
             if c.phase == "backward" and not grad_flows and not (regather and c.kind == cm.ALL_GATHER):
                 continue
+            if reduce_itemsize and reduce_itemsize != meta.itemsize and c.phase == "backward" \
+                    and c.kind != cm.ALL_GATHER:
+                c = replace(c, full_bytes=c.full_bytes * reduce_itemsize / meta.itemsize)
             out.append(c)
     return out
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, asdict
 
 import sympy
 import torch
+from sympy.printing.str import StrPrinter
 
 from cost_models import format_bytes
 
@@ -50,6 +51,9 @@ class Plan:
     symbolic: Predicted
     symbols: dict = field(default_factory=dict)  # Dim name -> example value
     stats: dict = field(default_factory=dict)
+    param_zero: dict = field(default_factory=dict)  # parameter FQN -> (ZeRO level, axis names)
+    precision: dict = field(default_factory=dict)   # Precision.to_dict(): None = the parameter's dtype
+    optimizer: dict = field(default_factory=dict)   # {"name", "states_per_param"}
 
     # ------------------------------------------------------------ inputs
     def local_inputs(self, *global_inputs, rank: int | None = None):
@@ -126,8 +130,15 @@ class Plan:
             lines.append(fmt.format(*r))
         m = self.predicted.memory
         lines.append("")
+        parts = ("params", "master", "grads", "optimizer", "activations", "transient", "total")
         lines.append("predicted per device: " + ", ".join(
-            f"{k} {format_bytes(getattr(m, k))}" for k in ("params", "grads", "optimizer", "activations", "transient", "total")))
+            f"{k} {format_bytes(getattr(m, k))}" for k in parts if k != "master" or getattr(m, k)))
+        if self.param_zero:
+            by_kind: dict = {}
+            for lvl, axes in self.param_zero.values():
+                key = f"ZeRO-{lvl} over {'x'.join(axes)}"
+                by_kind[key] = by_kind.get(key, 0) + 1
+            lines.append("optimizer state split: " + ", ".join(f"{k} ({n} parameters)" for k, n in by_kind.items()))
         lines.append("communication per step: " + ", ".join(
             f"{a} {format_bytes(self.predicted.comm_bytes[a])} ({self.predicted.comm_time[a] * 1e3:.3f} ms)"
             for a in names))
@@ -139,7 +150,7 @@ class Plan:
     # ------------------------------------------------------------ json
     def to_json(self) -> str:
         def pred(p: Predicted, sym: bool):
-            f = (lambda v: str(v)) if sym else float
+            f = _sympy_text if sym else float
             return {"memory": {k: f(v) for k, v in asdict(p.memory).items()},
                     "comm_bytes": {k: f(v) for k, v in p.comm_bytes.items()},
                     "comm_time": {k: f(v) for k, v in p.comm_time.items()},
@@ -149,8 +160,11 @@ class Plan:
             "format_version": FORMAT_VERSION,
             "mesh": {"axis_names": list(self.mesh.axis_names), "axis_sizes": list(self.mesh.axis_sizes)},
             "strategy": self.strategy, "hardware": self.hardware, "batch_axes": list(self.batch_axes),
-            "node_strategies": {n: {"inputs": [list(p) for p in s.inputs], "output": list(s.output)}
+            "node_strategies": {n: {"inputs": [list(p) for p in s.inputs], "output": list(s.output),
+                                    **({"zero": s.zero, "zero_axes": list(s.zero_axes)} if s.zero else {})}
                                 for n, s in self.node_strategies.items()},
+            "param_zero": {k: [lvl, list(axes)] for k, (lvl, axes) in self.param_zero.items()},
+            "precision": self.precision, "optimizer": self.optimizer,
             "param_placements": {k: list(v) for k, v in self.param_placements.items()},
             "input_placements": [list(p) for p in self.input_placements],
             "output_placements": [list(p) for p in self.output_placements],
@@ -169,7 +183,7 @@ class Plan:
         syms = {name: sympy.Symbol(name, integer=True, positive=True) for name in d.get("symbols", {})}
 
         def pred(p, sym):
-            f = (lambda v: sympy.sympify(v, locals=syms)) if sym else float
+            f = (lambda v: _read_sympy(v, syms)) if sym else float
             return Predicted(Memory(**{k: f(v) for k, v in p["memory"].items()}),
                              {k: f(v) for k, v in p["comm_bytes"].items()},
                              {k: f(v) for k, v in p["comm_time"].items()},
@@ -178,8 +192,11 @@ class Plan:
         return Plan(
             mesh=MeshSpec(tuple(d["mesh"]["axis_names"]), tuple(d["mesh"]["axis_sizes"])),
             strategy=d["strategy"], hardware=d["hardware"], batch_axes=tuple(d["batch_axes"]),
-            node_strategies={n: Strategy(tuple(tuple(p) for p in s["inputs"]), tuple(s["output"]))
+            node_strategies={n: Strategy(tuple(tuple(p) for p in s["inputs"]), tuple(s["output"]),
+                                         s.get("zero", 0), tuple(s.get("zero_axes", ())))
                              for n, s in d["node_strategies"].items()},
+            param_zero={k: (lvl, tuple(axes)) for k, (lvl, axes) in d.get("param_zero", {}).items()},
+            precision=d.get("precision", {}), optimizer=d.get("optimizer", {}),
             param_placements={k: tuple(v) for k, v in d["param_placements"].items()},
             input_placements=tuple(tuple(p) for p in d["input_placements"]),
             output_placements=tuple(tuple(p) for p in d["output_placements"]),
@@ -187,6 +204,24 @@ class Plan:
             collectives=tuple(CollectiveRecord(**c) for c in d["collectives"]),
             predicted=pred(d["predicted"], False), symbolic=pred(d["symbolic"], True),
             symbols=d.get("symbols", {}), stats=d.get("stats", {}))
+
+
+class _DoublePrinter(StrPrinter):
+    """sympy's str, except a Float prints as repr(float): str() keeps 15 digits, too few to read back
+    the same double, so a plan's times would change in their last bits through JSON."""
+
+    def _print_Float(self, expr):
+        return repr(float(expr))
+
+
+def _sympy_text(value) -> str:
+    return _DoublePrinter().doprint(sympy.sympify(value))
+
+
+def _read_sympy(text: str, symbols: dict):
+    # sympify reads a 17-digit literal at 17-digit precision, not as a double; the parser writes each
+    # literal as a Float(...) call, so naming Float here rounds it once, to the double it was written from
+    return sympy.sympify(text, locals={**symbols, "Float": lambda digits: sympy.Float(digits, precision=53)})
 
 
 def _split_sizes(pl, t, mesh: MeshSpec):

@@ -12,7 +12,7 @@ import sympy
 
 from .capture import BUFFER, OP, PARAM
 from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
-                   node_compute_time, param_memory, regathers)
+                   node_compute_time, param_memory, reduce_itemsize, regathers, zero_collectives)
 from .placement import local_shape, numel
 from .redistribute import ALL_GATHER, Collective, plan_steps
 
@@ -26,6 +26,7 @@ class Redistribution:
     grad_partial: tuple
     consumers: tuple       # (consumer node, tensor input index) pairs it feeds
     regather_count: int    # consumers that gather the (FSDP) weight again in backward
+    keep_partial: tuple = ()  # a ZeRO parameter's axes: its gradient stays unreduced there
 
 
 def group_redistributions(prob, choice) -> list[Redistribution]:
@@ -35,20 +36,22 @@ def group_redistributions(prob, choice) -> list[Redistribution]:
         v = prob.strategies[e.consumer].strategies[choice[e.consumer]]
         src, dst = u.output, v.inputs[e.index]
         gp = v.grad_partial(e.index) if e.producer in prob.grad_nodes else ()
-        if src == dst and not gp:
+        keep = u.zero_axes if e.producer in prob.grad_nodes else ()
+        if src == dst and not gp and not keep:
             continue
         key = (e.producer, dst, gp)
-        g = groups.setdefault(key, [src, [], 0])
+        g = groups.setdefault(key, [src, [], 0, keep])
         g[1].append((e.consumer, e.index))
         g[2] += int(regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes))
-    return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]), g[2])
+    return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]), g[2], tuple(g[3]))
             for (p, d, gp), g in groups.items()]
 
 
 def redistribution_collectives(prob, r: Redistribution, symbolic=False) -> list[Collective]:
     where = r.consumers[0][0]
     colls = edge_collectives(r.producer, r.src, r.dst, r.grad_partial, prob.cap, prob.mesh,
-                             r.producer in prob.grad_nodes, False, where, symbolic)
+                             r.producer in prob.grad_nodes, False, where, symbolic,
+                             keep_partial=r.keep_partial, reduce_itemsize=reduce_itemsize(prob.param_bytes, r.producer))
     regather = [c for c in colls if c.phase == "forward" and c.kind == ALL_GATHER
                 and prob.cap.info[r.producer].kind == PARAM]
     for _ in range(r.regather_count):
@@ -59,12 +62,13 @@ def redistribution_collectives(prob, r: Redistribution, symbolic=False) -> list[
 
 @dataclass(frozen=True)
 class Memory:
-    params: object
+    params: object        # weights as the ops use them, and buffers
     grads: object
     optimizer: object
     activations: object
     transient: object
     total: object
+    master: object = 0    # mixed precision: the optimizer's fp32 copy of the weights
 
 
 @dataclass(frozen=True)
@@ -81,22 +85,25 @@ class Predicted:
 def predict(prob, choice, symbolic: bool) -> tuple[Predicted, list[Collective]]:
     cap, mesh = prob.cap, prob.mesh
     num = (lambda x: x) if symbolic else (lambda x: float(x))
-    params = grads = opt = acts = 0
+    params = master = grads = opt = acts = 0
     transient = 0
     compute = 0
+    colls = []
     for name, ns in prob.strategies.items():
         s = ns.strategies[choice[name]]
         info = cap.info[name]
         if info.kind == PARAM:
-            m = param_memory(first_meta(info.meta), s.output, mesh, symbolic=symbolic)
-            params, grads, opt = params + m.params, grads + m.grads, opt + m.optimizer
+            meta = first_meta(info.meta)
+            m = param_memory(meta, s, mesh, prob.param_bytes[name], symbolic=symbolic)
+            params, master, grads, opt = params + m.params, master + m.master, grads + m.grads, opt + m.optimizer
+            if name in prob.grad_nodes:
+                colls += zero_collectives(name, meta, s, mesh, prob.param_bytes[name], symbolic)
         elif info.kind == BUFFER and info.meta is not None:
             meta = first_meta(info.meta)
             params = params + numel(meta.shape if symbolic else meta.hint) * meta.itemsize
         elif info.kind == OP:
             acts = acts + activation_bytes(name, cap, s.output, mesh, prob.saved, symbolic)
             compute = compute + node_compute_time(cap.node(name), cap, s, mesh, prob.hardware, symbolic)
-    colls = []
     for r in group_redistributions(prob, choice):
         cs = redistribution_collectives(prob, r, symbolic)
         colls += cs
@@ -113,8 +120,8 @@ def predict(prob, choice, symbolic: bool) -> tuple[Predicted, list[Collective]]:
         comm_time[a] = comm_time[a] + collectives_time([c], mesh, prob.links)
         by_kind[c.kind] = by_kind.get(c.kind, 0) + collectives_bytes([c], mesh)[a]
     total_comm = sum(comm_time.values())
-    total_mem = params + grads + opt + acts + transient
-    mem = Memory(*(num(v) for v in (params, grads, opt, acts, transient, total_mem)))
+    total_mem = params + master + grads + opt + acts + transient
+    mem = Memory(num(params), num(grads), num(opt), num(acts), num(transient), num(total_mem), num(master))
     pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
                      num(compute), num(compute + total_comm), {k: num(v) for k, v in by_kind.items()})
     return pred, colls

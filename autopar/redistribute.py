@@ -88,8 +88,13 @@ def _check_nesting(placements: Placements, axis: int, dim: int | None) -> None:
 
 
 def plan_steps(src: Placements, dst: Placements, grad_partial: Sequence[int] = (),
-               fallback: bool = True) -> list[Step]:
+               fallback: bool = True, keep_partial: Sequence[int] = ()) -> list[Step]:
     """One Step per axis whose forward or backward does something.
+
+    `keep_partial`: axes (where src is R) on which the gradient should reach
+    src as partial sums, not reduced: a ZeRO parameter's gradient is
+    reduce-scattered later, by the optimizer wrapper. A gradient that arrives
+    whole there is made partial by keeping it on one rank only.
 
     Splits are undone innermost axis first and made outermost axis first,
     which keeps nested splits of one dim in mesh order. Where one axis at a
@@ -98,19 +103,20 @@ def plan_steps(src: Placements, dst: Placements, grad_partial: Sequence[int] = (
     cut afterwards: more bytes, but always possible (`fallback=False` refuses).
     """
     try:
-        return _direct_steps(src, dst, grad_partial)
+        return _direct_steps(src, dst, grad_partial, keep_partial)
     except UnsupportedRedistribution:
         if not fallback or any(is_shard(s) and d == P for s, d in zip(src, dst)):
             raise
         mid = tuple(R if is_shard(s) else s for s in src)
-        first = _direct_steps(src, mid, [a for a in grad_partial if mid[a] == dst[a]])
+        first = _direct_steps(src, mid, [a for a in grad_partial if mid[a] == dst[a]], keep_partial)
         return first + _direct_steps(mid, dst, [a for a in grad_partial if mid[a] != dst[a]])
 
 
-def _direct_steps(src: Placements, dst: Placements, grad_partial: Sequence[int]) -> list[Step]:
+def _direct_steps(src: Placements, dst: Placements, grad_partial: Sequence[int],
+                  keep_partial: Sequence[int] = ()) -> list[Step]:
     n = len(src)
     grad_dst_all = tuple(grad_placement(d, a in grad_partial) for a, d in enumerate(dst))
-    grad_src_all = tuple(grad_placement(s, False) for s in src)
+    grad_src_all = tuple(grad_placement(s, a in keep_partial) for a, s in enumerate(src))
     unsplit = [a for a in reversed(range(n)) if is_shard(src[a]) and src[a] != dst[a]]
     rest = [a for a in range(n) if a not in unsplit]
     steps, cur = [], tuple(src)

@@ -118,12 +118,15 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
     def redistribute(producer: fx.Node, dst, gp) -> fx.Node:
         src = out_placement(producer.name)
         gp = tuple(gp) if producer.name in grad_nodes else ()
-        if tuple(src) == tuple(dst) and not gp:
+        # a ZeRO parameter's gradient stays unreduced on its axes: the optimizer reduce-scatters it
+        zero = strategies.get(producer.name)
+        keep = tuple(zero.zero_axes) if zero is not None and producer.name in grad_nodes else ()
+        if tuple(src) == tuple(dst) and not gp and not keep:
             return env[producer.name]
         key = (producer.name, tuple(dst), gp)
         if key not in cache:
             try:
-                steps = plan_steps(tuple(src), tuple(dst), gp)
+                steps = plan_steps(tuple(src), tuple(dst), gp, keep_partial=keep)
             except UnsupportedRedistribution as e:
                 raise PlanError(f"plan asks for an unsupported layout change at {producer.name}: {e}") from e
             is_param_gather = cap.info[producer.name].kind == PARAM and any(

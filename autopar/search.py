@@ -11,7 +11,7 @@ the time of the collectives on every edge. Constraint: memory per device.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
@@ -19,8 +19,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
 from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
-from .cost import (activation_bytes, collectives_time, edge_collectives,
-                   first_meta, node_compute_time, param_memory, regathers)
+from .cost import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time,
+                   param_memory, reduce_itemsize, regathers, zero_collectives)
 from .errors import InfeasiblePlanError
 from .mesh import MeshSpec
 from .placement import local_shape, numel
@@ -49,6 +49,7 @@ class Problem:
     edges: list[Edge]
     grad_nodes: set
     saved: set
+    param_bytes: dict = field(default_factory=dict)  # parameter node -> ParamBytes (precision.py)
 
 
 @dataclass
@@ -74,18 +75,30 @@ def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
     return edges
 
 
-def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial) -> float:
+def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=()) -> float:
     colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
                              e.producer in prob.grad_nodes,
-                             regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes), e.consumer)
+                             regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes), e.consumer,
+                             keep_partial=keep_partial, reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
     return float(collectives_time(colls, prob.mesh, prob.links))
+
+
+def node_time(prob: Problem, name: str, s) -> float:
+    """Compute time of an op; for a ZeRO parameter, its reduce-scatter and all-gather."""
+    info = prob.cap.info[name]
+    if info.kind == PARAM:
+        if not s.zero or name not in prob.grad_nodes:
+            return 0.0
+        colls = zero_collectives(name, first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
+        return float(collectives_time(colls, prob.mesh, prob.links))
+    return float(node_compute_time(prob.cap.node(name), prob.cap, s, prob.mesh, prob.hardware))
 
 
 def node_memory(prob: Problem, name: str, s) -> float:
     info = prob.cap.info[name]
     if info.kind == PARAM:
-        m = param_memory(first_meta(info.meta), s.output, prob.mesh)
-        return float(m.params + m.grads + m.optimizer)
+        m = param_memory(first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
+        return float(m.params + m.master + m.grads + m.optimizer)
     if info.kind == OP:
         return float(activation_bytes(name, prob.cap, s.output, prob.mesh, prob.saved))
     return 0.0
@@ -158,8 +171,8 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
             allowed = [True] * len(ns.strategies)
         vs = []
         for s, ok in zip(ns.strategies, allowed):
-            t = node_compute_time(node, cap, s, mesh, prob.hardware) if ok else None
-            vs.append(ilp.var(float(t) * TIME_SCALE, node_memory(prob, name, s) * MEM_SCALE) if ok else None)
+            vs.append(ilp.var(node_time(prob, name, s) * TIME_SCALE, node_memory(prob, name, s) * MEM_SCALE)
+                      if ok else None)
         if all(v is None for v in vs):
             raise InfeasiblePlanError(
                 f"no strategy of node {name!r} (module {info.module_path or '<root>'}) fits the requested "
@@ -202,10 +215,10 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, e: Edge, transient
     """
     cap = prob.cap
     u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
-    src_groups: dict = {}
+    src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
         if var is not None:
-            src_groups.setdefault(s.output, []).append(var)
+            src_groups.setdefault((s.output, s.zero_axes), []).append(var)
     dst_groups: dict = {}
     for s, var in zip(v.strategies, xvars[e.consumer]):
         if var is not None:
@@ -214,7 +227,8 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, e: Edge, transient
     by_dst = {k: {} for k in dst_groups}
     gathered = {}
     is_tuple = isinstance(cap.info[e.producer].meta, list)
-    for p in src_groups:
+    for src_key in src_groups:
+        p, zero_axes = src_key
         for k in dst_groups:
             dst, gp = k
             if not allow_edge(roles, cap.info[e.producer], p, dst, len(v.strategies) == 1):
@@ -222,11 +236,11 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, e: Edge, transient
             if is_tuple and (p != dst or gp):
                 continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
             try:
-                c = edge_cost(prob, e, p, dst, gp)
+                c = edge_cost(prob, e, p, dst, gp, zero_axes)
             except UnsupportedRedistribution:
                 continue
             y = ilp.var(c * TIME_SCALE, integer=False)
-            by_src[p][y] = by_dst[k][y] = 1.0
+            by_src[src_key][y] = by_dst[k][y] = 1.0
             gb = gathered_bytes(prob, e, p, dst)
             if gb:
                 gathered[y] = gb * MEM_SCALE

@@ -26,6 +26,10 @@ from .rules import OpSpec, op_name, rule_for, tensor_args
 class Strategy:
     inputs: tuple       # required Placements of each tensor input (tensor_args order)
     output: Placements  # placement of the output (of every element of a tuple output)
+    # parameters only, ZeRO: the weight is stored whole (R) on `zero_axes`, but its optimizer
+    # state (zero=1), and its gradient too (zero=2), is split there, as a flat 1/n slice per rank
+    zero: int = 0
+    zero_axes: tuple = ()
 
     def split_axes(self) -> frozenset:
         """Axes over which this op runs split: the axes where some operand is not R."""
@@ -147,7 +151,30 @@ def placeholder_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_d
     for combo in itertools.product(choices, repeat=n):
         if _divides(meta, combo, mesh.axis_sizes):
             out.append(Strategy((), tuple(combo)))
+            if info.kind == PARAM and meta.dtype.is_floating_point:
+                out += zero_variants(combo, meta, mesh)
     return NodeStrategies(node.name, info.kind, out)
+
+
+def zero_variants(storage: Placements, meta: TensorMeta, mesh: MeshSpec) -> list:
+    """ZeRO-1/2 over every non-empty set of axes that keep the weight whole.
+
+    The state is a flat slice of the local tensor, so the local element
+    count must divide by the product of those axes' sizes.
+    """
+    whole = [a for a, p in enumerate(storage) if p == R and mesh.axis_sizes[a] > 1]
+    local = 1
+    for d in range(meta.ndim):
+        local *= meta.hint[d] // dim_factor(storage, d, mesh.axis_sizes)
+    out = []
+    for k in range(1, len(whole) + 1):
+        for axes in itertools.combinations(whole, k):
+            n = 1
+            for a in axes:
+                n *= mesh.axis_sizes[a]
+            if local % n == 0:
+                out += [Strategy((), tuple(storage), level, axes) for level in (1, 2)]
+    return out
 
 
 def output_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_dim: int = 0) -> NodeStrategies:

@@ -288,7 +288,8 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
     local_in = pm.plan.local_inputs(*inputs)
     local_in = local_in if isinstance(local_in, tuple) else (local_in,)
     local_targets = pm.plan.local_targets(targets)
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    # the wrapper steps ZeRO parameters on their slices; other parameters it passes through
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=lr)
     record = {"outputs": None, "grads": {}, "params": {}, "losses": [], "plan": pm.plan, "comm": []}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -298,10 +299,12 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
         loss = loss_fn(out, local_targets)
         loss.backward()
         if step == 0:
-            record["comm"] = list(pm.comm.log.records)
             record["outputs"] = out.detach().clone()
-            record["grads"] = pm.full_grads()
+            record["grads"] = opt.full_grads()
         record["losses"].append(loss.item())
         opt.step()
+        if step == 0:
+            # after step(): ZeRO's collectives run there; full_grads()'s own are not the step's
+            record["comm"] = [r for r in pm.comm.log.records if r[3] != "checkpoint"]
     record["params"] = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
     return record

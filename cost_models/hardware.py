@@ -83,6 +83,41 @@ PRESETS = {
         intra_node_link=Link(bandwidth=300e9, latency=3e-6),
         inter_node_link=Link(bandwidth=25e9, latency=10e-6),
     ),
+    # NVIDIA H200 SXM 141GB datasheet: the H100's GH100 die, so the same dense peaks
+    # (BF16/FP16 989 TF; TF32 494.5 TF, used for float32; the datasheet's 1,979 / 989 TF
+    # are with sparsity); HBM3e 141 GB at 4.8 TB/s (141 GB is, like the H100's 80 GB,
+    # GiB-sized: nvidia-smi shows ~140 GiB); NVLink 4 900 GB/s total = 450 GB/s per
+    # direction; 400 Gb/s InfiniBand NDR per GPU = 50 GB/s. Latencies as for the H100.
+    "h200": Hardware(
+        name="h200",
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},
+        memory_bytes=141 * GiB,
+        memory_bandwidth=4.8e12,
+        intra_node_link=Link(bandwidth=450e9, latency=3e-6),
+        inter_node_link=Link(bandwidth=50e9, latency=10e-6),
+    ),
+    # Google Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TF bf16 per chip;
+    # 95 GiB HBM2e at 2,765 GB/s; ICI 4,800 Gb/s per chip (listed as 1,200 GB/s
+    # bidirectional, i.e. 600 GB/s each way over the chip's 6 torus links: 100 GB/s
+    # per link and direction); DCN 50 Gb/s per chip between slices (Multislice).
+    # float32 matmuls run on the bf16 MXUs in several passes; we take 3 (bf16_3x,
+    # torch's "high" precision, the analogue of TF32 on the GPUs): 459 / 3 = 153 TF.
+    # Approximate link model: one 3-D torus slice (up to 6,144 chips, 16x16x24) is
+    # the "node", so every mesh axis inside it gets ICI and axes beyond it get DCN.
+    # An ICI axis is priced as a ring along one torus dimension, sending both ways
+    # on its 2 links: 2 x 100 = 200 GB/s. An axis spread over several torus
+    # dimensions could use more links (up to 600 GB/s), and axes sharing one
+    # dimension would share its links; the two-level model sees neither. The
+    # latencies are order-of-magnitude guesses (no published figures).
+    "tpu-v5p": Hardware(
+        name="tpu-v5p",
+        peak_flops={"bfloat16": 459e12, "float32": 153e12},
+        memory_bytes=95 * GiB,
+        memory_bandwidth=2.765e12,
+        intra_node_link=Link(bandwidth=200e9, latency=3e-6),
+        inter_node_link=Link(bandwidth=6.25e9, latency=10e-6),
+        devices_per_node=6144,
+    ),
     # A generic CPU host for gloo test runs (order-of-magnitude figures, not a
     # datasheet): ranks are processes on one machine talking over loopback TCP,
     # so intra and inter "node" links are the same.

@@ -121,8 +121,38 @@ def test_get_hardware():
     assert cm.get_hardware(None, default="a100") is cm.PRESETS["a100"]
     custom = Hardware("mine", {"float32": 1e12}, 2**30, 1e10, Link(1e9, 1e-6), Link(1e8, 1e-5))
     assert cm.get_hardware(custom) is custom
-    with pytest.raises(CostModelError, match="a100, cpu, h100"):
-        cm.get_hardware("h200")
+    with pytest.raises(CostModelError, match="a100, cpu, h100, h200, tpu-v5p"):
+        cm.get_hardware("b200")
+
+
+def test_h200_preset_figures():
+    # H200 SXM 141GB: the H100's die (same dense peaks), more and faster HBM, same links
+    h200 = cm.PRESETS["h200"]
+    assert h200.name == "h200"
+    assert h200.flops_per_second("bfloat16") == h200.flops_per_second("float16") == 989e12
+    assert h200.flops_per_second("float32") == 494.5e12          # TF32 tensor cores
+    assert h200.memory_bytes == 141 * 2**30 and h200.memory_bandwidth == 4.8e12
+    assert h200.intra_node_link == H100.intra_node_link           # NVLink 4: 450 GB/s per direction
+    assert h200.inter_node_link.bandwidth == 50e9                 # 400 Gb/s InfiniBand
+    assert h200.devices_per_node == 8
+
+
+def test_tpu_v5p_preset_figures():
+    v5p = cm.PRESETS["tpu-v5p"]
+    assert v5p.flops_per_second("bfloat16") == 459e12
+    assert v5p.flops_per_second("float32") == pytest.approx(459e12 / 3)  # bf16_3x passes
+    assert v5p.memory_bytes == 95 * 2**30 and v5p.memory_bandwidth == 2.765e12
+    # 4,800 Gb/s ICI = 600 GB/s each way over 6 links; a ring along one torus dim uses 2 of them
+    assert v5p.intra_node_link.bandwidth == 2 * (4800e9 / 8 / 6)
+    assert v5p.inter_node_link.bandwidth == 50e9 / 8                 # DCN 50 Gb/s per chip
+    # a whole slice (up to 16x16x24 chips) is on ICI; an axis reaching past it crosses DCN
+    links = cm.axis_links([("dcn", 2), ("dp", 64), ("tp", 64)], v5p)
+    assert links == {"dcn": v5p.inter_node_link, "dp": v5p.intra_node_link, "tp": v5p.intra_node_link}
+
+
+@pytest.mark.parametrize("name", ["h200", "H200", " h200 ", "tpu-v5p", "TPU-v5p", "TPU-V5P"])
+def test_get_hardware_new_presets_case_insensitive(name):
+    assert cm.get_hardware(name) is cm.PRESETS[name.strip().lower()]
 
 
 def test_peak_flops_stored_frozen():

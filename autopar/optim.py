@@ -1,0 +1,149 @@
+"""ShardedOptimizer: ZeRO-1/2 for any torch.optim optimizer, driven by the plan.
+
+A ZeRO parameter is stored whole on its ZeRO axes, but each rank updates
+only a flat 1/n slice of it, so the optimizer state (and, at level 2, the
+gradient) exists once across those ranks instead of n times:
+
+    backward   the graph leaves the gradient unreduced on the ZeRO axes
+    reduce     reduce-scatter the flat gradient into this rank's slice
+               (level 2: as soon as autograd has accumulated it; level 1: at step())
+    step       the wrapped optimizer updates the slice
+    gather     all-gather the updated slices into the whole weight
+
+The collectives go through collectives.transform, so they are logged and
+priced like every other, and the plan's predictions (cost.zero_collectives)
+list exactly these.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .collectives import transform
+from .errors import PlanError
+from .placement import P, R, S, shard_full_tensor
+from .redistribute import plan_steps
+
+
+@dataclass
+class _ZeroParam:
+    name: str
+    param: torch.nn.Parameter   # the whole weight the graph uses
+    slice: torch.nn.Parameter   # this rank's flat slice, which the wrapped optimizer updates
+    level: int
+    reduce_steps: list          # P -> S(0) on the ZeRO axes, outermost first
+    gather_steps: list          # S(0) -> R
+
+
+class ShardedOptimizer:
+    """Wraps `optimizer_class(params, **kwargs)` so the plan's ZeRO parameters step on their slice.
+
+    Parameters the plan does not split with ZeRO (DDP, FSDP, TP ones) are
+    handed to the wrapped optimizer as they are. An LR scheduler takes the
+    wrapped optimizer: `torch.optim.lr_scheduler.StepLR(opt.optimizer, ...)`.
+    Gradients of ZeRO parameters are not whole on any rank (`param.grad` is
+    this rank's unreduced contribution at level 1, None at level 2), so clip
+    gradients before wrapping or not at all.
+    """
+
+    def __init__(self, module, optimizer_class, **kwargs):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise PlanError(f"ShardedOptimizer takes an optimizer class such as torch.optim.AdamW (and its "
+                            f"keyword arguments), got {optimizer_class!r}")
+        plan = module.plan
+        names, sizes = plan.mesh.axis_names, plan.mesh.axis_sizes
+        coords = tuple(a.coord for a in module.comm.axes)
+        self.comm = module.comm
+        self.module = module
+        self._zero: list[_ZeroParam] = []
+        params = []
+        for fqn, p in module.named_parameters():
+            level, axis_names = plan.param_zero.get(fqn, (0, ()))
+            if not level or not p.requires_grad:
+                params.append(p)
+                continue
+            axes = [names.index(a) for a in axis_names]
+            sliced = tuple(S(0) if a in axes else R for a in range(len(sizes)))
+            partial = tuple(P if a in axes else R for a in range(len(sizes)))
+            whole = (R,) * len(sizes)
+            local = shard_full_tensor(p.detach().reshape(-1), sliced, coords, sizes).clone()
+            z = _ZeroParam(fqn, p, torch.nn.Parameter(local), level, plan_steps(partial, sliced),
+                           plan_steps(sliced, whole))
+            if level >= 2:
+                p.register_post_accumulate_grad_hook(lambda _, z=z: self._reduce(z, "backward"))
+            self._zero.append(z)
+            params.append(z.slice)
+        self.optimizer = optimizer_class(params, **kwargs)
+
+    def _reduce(self, z: _ZeroParam, phase: str) -> None:
+        g = z.param.grad.reshape(-1)
+        for st in z.reduce_steps:
+            g = transform(g, st.src, st.dst, st.axis, self.comm, phase)
+        z.slice.grad = g if z.slice.grad is None else z.slice.grad + g
+        if z.level >= 2:
+            z.param.grad = None   # the point of level 2: the whole gradient does not outlive backward
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise PlanError("ShardedOptimizer.step does not take a closure: its ZeRO collectives must run "
+                            "once per step on every rank")
+        for z in self._zero:
+            if z.level == 1 and z.param.grad is not None:
+                self._reduce(z, "optimizer")
+        self.optimizer.step()
+        for z in self._zero:
+            x = z.slice.detach()
+            for st in z.gather_steps:
+                x = transform(x, st.src, st.dst, st.axis, self.comm, "optimizer")
+            z.param.copy_(x.view_as(z.param))
+            if z.level == 1:
+                z.slice.grad = None   # level 1 keeps the whole gradient, not a second, sliced one
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for z in self._zero:
+            z.param.grad = None
+            z.slice.grad = None
+
+    def full_grads(self) -> dict:
+        """Whole gradients by parameter name, ZeRO ones included (for checks; costs collectives).
+
+        Call between backward and step: a level-1 gradient is summed over its
+        axes, a level-2 one gathered from the slices.
+        """
+        grads = self.module.full_grads()
+        for z in self._zero:
+            if z.level == 1 and z.param.grad is not None:
+                g = z.param.grad
+                for st in z.reduce_steps:
+                    g = transform(g, P, R, st.axis, self.comm, "checkpoint")
+            elif z.slice.grad is not None:
+                g = z.slice.grad
+                for st in z.gather_steps:
+                    g = transform(g, st.src, st.dst, st.axis, self.comm, "checkpoint")
+                g = g.view_as(z.param)
+            else:
+                continue
+            grads[z.name] = self.module._export_tensor(g, self.module.plan.param_placements[z.name], True)
+        return grads
+
+    def slice_grads(self) -> list:
+        """Gradients this wrapper holds for ZeRO-2 slices (for audits)."""
+        return [z.slice.grad for z in self._zero if z.slice.grad is not None]
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self):
+        """The wrapped optimizer's state: this rank's slices (save one per rank)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)

@@ -1,0 +1,160 @@
+"""Precision policy and optimizer: how many bytes each parameter costs.
+
+A training step keeps, per parameter element: the weight in the compute dtype,
+a master copy when the compute dtype is narrower (mixed precision), the
+gradient in the accumulation dtype, and the optimizer's state tensors. The
+gradient crosses the network in the reduce dtype. So fp32 AdamW costs
+4 + 4 + 2*4 = 16 bytes per parameter and bf16 compute with fp32 master,
+gradients and AdamW state 2 + 4 + 4 + 2*4 = 18.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .errors import AutoparError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+
+
+def _dtype(value, field: str):
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    key = str(value).removeprefix("torch.").strip().lower()
+    if key not in _DTYPES:
+        raise AutoparError(f"Precision({field}={value!r}): unknown dtype; use one of "
+                           f"{', '.join(sorted(set(_DTYPES)))} or a torch.dtype")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Dtypes of one training step; None means the parameter's own dtype.
+
+    compute: weights as the ops see them (and the activations they make);
+    master: the copy the optimizer updates; grad_accum: gradients as kept
+    between backward and the optimizer step; reduce: gradients as they cross
+    the network; optimizer_state: e.g. AdamW's moments. The defaults (all
+    None) train in the model's own dtype, which is what the runtime does
+    without a policy.
+    """
+    compute: object = None
+    master: object = None
+    grad_accum: object = None
+    reduce: object = None
+    optimizer_state: object = None
+
+    def __post_init__(self):
+        for f in ("compute", "master", "grad_accum", "reduce", "optimizer_state"):
+            object.__setattr__(self, f, _dtype(getattr(self, f), f))
+
+    def resolve(self, param_dtype: torch.dtype) -> "Precision":
+        """Every None replaced: compute by the parameter's dtype, the rest by the master dtype."""
+        master = self.master or param_dtype
+        return Precision(self.compute or param_dtype, master, self.grad_accum or master,
+                         self.reduce or self.grad_accum or master, self.optimizer_state or master)
+
+    def to_dict(self) -> dict:
+        return {f: (str(getattr(self, f)).removeprefix("torch.") if getattr(self, f) is not None else None)
+                for f in ("compute", "master", "grad_accum", "reduce", "optimizer_state")}
+
+
+BF16_MIXED = Precision(compute="bfloat16", master="float32", grad_accum="float32", reduce="float32",
+                       optimizer_state="float32")
+
+
+def precision_of(value) -> Precision:
+    if value is None:
+        return Precision()
+    if isinstance(value, Precision):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("bf16-mixed", "bf16_mixed"):
+        return BF16_MIXED
+    if isinstance(value, dict):
+        return Precision(**value)
+    raise AutoparError(f"precision={value!r}: pass an autopar.Precision(compute=..., master=..., grad_accum=..., "
+                       "reduce=..., optimizer_state=...), 'bf16-mixed', or None for the model's own dtype")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What the planner needs to know of an optimizer: how many state tensors it keeps per parameter."""
+    name: str
+    states_per_param: int
+
+
+# state tensors the size of the parameter (scalar "step" counters are not counted)
+_KNOWN = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+def optimizer_spec(value="adamw") -> OptimizerSpec:
+    """From a name ("adamw", "adam", "sgd", "sgd-momentum"), a torch optimizer, or its class."""
+    if isinstance(value, OptimizerSpec):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key not in _KNOWN:
+            raise AutoparError(f"optimizer={value!r}: unknown name; use one of {', '.join(_KNOWN)}, "
+                               "or pass the torch.optim optimizer itself")
+        return OptimizerSpec(key, _KNOWN[key])
+    cls = value if isinstance(value, type) else type(value)
+    group = value.param_groups[0] if isinstance(value, torch.optim.Optimizer) and value.param_groups else (
+        value.defaults if isinstance(value, torch.optim.Optimizer) else {})
+    if issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
+        name = "adamw" if issubclass(cls, torch.optim.AdamW) else "adam"
+        return OptimizerSpec(name, 3 if group.get("amsgrad") else 2)   # amsgrad keeps max_exp_avg_sq
+    if issubclass(cls, torch.optim.SGD):
+        return OptimizerSpec("sgd-momentum", 1) if group.get("momentum", 0) else OptimizerSpec("sgd", 0)
+    raise AutoparError(f"optimizer {cls.__name__}: autopar does not know how much state it keeps; pass "
+                       "optimizer=OptimizerSpec(name, states_per_param) from autopar.precision instead")
+
+
+@dataclass(frozen=True)
+class ParamBytes:
+    """Bytes per parameter element, by what they hold."""
+    weight: int        # in the compute dtype
+    master: int        # 0 when the optimizer updates the compute-dtype weight itself
+    grad: int
+    reduce: int        # per element crossing the network in a gradient reduction
+    optimizer: int     # all state tensors together
+
+    @property
+    def total(self) -> int:
+        return self.weight + self.master + self.grad + self.optimizer
+
+
+def param_bytes(precision: Precision, optimizer: OptimizerSpec, param_dtype: torch.dtype,
+                trainable: bool = True) -> ParamBytes:
+    p = precision.resolve(param_dtype)
+    size = (lambda d: torch.empty((), dtype=d).element_size())
+    weight = size(p.compute)
+    if not trainable or not param_dtype.is_floating_point:
+        return ParamBytes(size(param_dtype), 0, 0, 0, 0)
+    master = 0 if p.master == p.compute else size(p.master)
+    return ParamBytes(weight, master, size(p.grad_accum), size(p.reduce),
+                      optimizer.states_per_param * size(p.optimizer_state))
+
+
+def as_computed(cap, precision: Precision):
+    """The captured graph as it runs under the policy: floating tensors in the compute dtype.
+
+    An approximation where a model upcasts on purpose (e.g. a norm computed in
+    fp32): the trace of an fp32 model cannot show such casts.
+    """
+    if precision.compute is None:
+        return cap
+
+    def cast(meta):
+        if isinstance(meta, list):
+            return [cast(m) for m in meta]
+        if meta is None or not hasattr(meta, "dtype") or not meta.dtype.is_floating_point:
+            return meta
+        return dataclasses.replace(meta, dtype=precision.compute)
+
+    info = {n: dataclasses.replace(i, meta=cast(i.meta)) for n, i in cap.info.items()}
+    return dataclasses.replace(cap, info=info)

@@ -1,0 +1,217 @@
+"""What-if queries on a plan's symbolic predictions: how large a batch fits, how large a batch hides communication.
+
+A plan made with a dynamic batch (a `torch.export.Dim` on the inputs' dim 0 in
+`dynamic_shapes`) carries its predictions as sympy expressions in that dim
+(`plan.symbolic`). These functions read those expressions at other batch sizes,
+so the answers follow the same cost model as the plan itself, without planning
+again. The layout is fixed: a batch the plan was not made for may deserve
+another plan, so treat an answer as "this plan, at that batch".
+
+Other dynamic dims (a sequence length, say) are held at their example sizes
+(`plan.symbols`). Every batch considered is a multiple of the number of batch
+shards (the product of the sizes of `plan.batch_axes`), since the plan splits
+the batch evenly over them.
+"""
+from __future__ import annotations
+
+import math
+
+import sympy
+
+import cost_models as cm
+
+from .errors import AutoparError
+from .plan_result import Plan
+
+# Doubling the batch more often than this means memory does not really grow with it
+# (a term like 1e-30 * batch); a global batch of 2**64 samples is no batch anyone trains.
+_MAX_DOUBLINGS = 64
+
+
+def max_batch(plan: Plan, memory_limit, *, symbol: str | None = None) -> int:
+    """The largest global batch whose predicted memory per device stays within `memory_limit`.
+
+    `memory_limit` is bytes or a string like "80GiB". The batch is a multiple of
+    the number of batch shards; memory (`plan.symbolic.memory.total`) grows with
+    the batch, so the answer is exact: at the returned batch the prediction is
+    within the limit, one more sample per shard is over it. `symbol` names the
+    batch dim when the plan has several dynamic dims.
+    """
+    batch = _batch_symbol(plan, symbol, "max_batch")
+    shards = _batch_shards(plan)
+    try:
+        limit = cm.parse_bytes(memory_limit)
+    except cm.CostModelError as e:
+        raise AutoparError(f"autopar.max_batch: memory_limit: {e}") from e
+    memory = _at_example_sizes(plan.symbolic.memory.total, plan, batch)
+    if batch not in memory.free_symbols:
+        raise AutoparError(
+            f"autopar.max_batch: the plan's predicted memory per device ({cm.format_bytes(float(memory))}) does not "
+            f"depend on {batch} (no activation that scales with it is kept for backward), so memory_limit="
+            f"{cm.format_bytes(limit)} is {'met' if memory <= limit else 'exceeded'} at every batch and sets no "
+            "largest one; mark the batch dim of the inputs dynamic if another dim is, or pass symbol=")
+
+    def fits(shards_each: int) -> bool:
+        return bool(memory.xreplace({batch: sympy.Integer(shards * shards_each)}) <= limit)
+
+    if not fits(1):
+        smallest = memory.xreplace({batch: sympy.Integer(shards)})
+        raise AutoparError(
+            f"autopar.max_batch: even the smallest batch this plan takes, {shards} (one sample per batch shard over "
+            f"{_axes_text(plan)}), needs {cm.format_bytes(float(smallest))} per device, over memory_limit="
+            f"{cm.format_bytes(limit)}; raise the limit, or plan again with that limit (autopar.plan(..., "
+            f"memory_limit=...)) so the search picks a layout that fits")
+    most = _last_true(fits)
+    if most is None:
+        raise AutoparError(
+            f"autopar.max_batch: the predicted memory per device grows so slowly with {batch} that no batch up to "
+            f"{shards * 2**_MAX_DOUBLINGS} samples reaches memory_limit={cm.format_bytes(limit)}; the limit does "
+            "not bound the batch")
+    return shards * most
+
+
+def min_compute_bound_batch(plan: Plan, *, symbol: str | None = None) -> int:
+    """The smallest global batch from which compute time covers every mesh axis's communication time.
+
+    At the returned batch B, and at every larger multiple of the batch shards,
+    `plan.symbolic.compute_time >= plan.symbolic.comm_time[axis]` for every axis:
+    each axis's collectives could hide behind the step's compute (the cost model
+    itself does not overlap them: `step_time` is their sum). Axes with no
+    communication are covered at any batch. The times are linear in the batch
+    (every term is a tensor size or a per-collective latency); when an axis's
+    communication grows at least as fast as compute and is not covered already,
+    no batch covers it and this raises AutoparError naming the axis, rather
+    than return a batch that stops being compute-bound as it grows.
+    """
+    batch = _batch_symbol(plan, symbol, "min_compute_bound_batch")
+    shards = _batch_shards(plan)
+    compute = _at_example_sizes(plan.symbolic.compute_time, plan, batch)
+    smallest = 1  # in samples per batch shard
+    for axis, comm in plan.symbolic.comm_time.items():
+        comm = _at_example_sizes(comm, plan, batch)
+        if comm.is_zero:  # no collective on this axis (0, or 0.0 after JSON)
+            continue
+        base, per_sample = _linear_terms(compute - comm, batch, axis)
+        smallest = max(smallest, _first_covered(base, per_sample, shards, axis, compute, comm, batch))
+    return shards * smallest
+
+
+# ----------------------------------------------------------------------------- the batch dim
+
+def _batch_symbol(plan: Plan, name: str | None, query: str) -> sympy.Symbol:
+    """The symbol of the batch dim: `name`, or else the plan's only dynamic dim.
+
+    A plan does not record which input dim each symbol came from, so a plan
+    whose only dynamic dim is, say, the sequence cannot be told apart here: the
+    public docstrings say that the batch is the dim to mark dynamic.
+    """
+    if not plan.symbols:
+        raise AutoparError(
+            f"autopar.{query}: this plan has no dynamic dims, so its predictions are numbers for the example batch only; plan again "
+            "with the batch marked dynamic, e.g. autopar.plan(model, (x,), mesh, "
+            "dynamic_shapes={'x': {0: torch.export.Dim('batch')}}) (the key is forward's argument name)")
+    if name is None:
+        if len(plan.symbols) > 1:
+            raise AutoparError(
+                f"autopar.{query}: this plan has several dynamic dims ({', '.join(sorted(plan.symbols))}); say which is the batch "
+                f"(the inputs' dim 0) with symbol=, e.g. symbol={min(plan.symbols)!r}")
+        name = next(iter(plan.symbols))
+    name = str(name)
+    if name not in plan.symbols:
+        raise AutoparError(f"autopar.{query}: symbol={name!r} is not a dynamic dim of this plan; its dynamic dims are "
+                           f"{', '.join(sorted(plan.symbols))}")
+    # the expressions' own symbol (its assumptions included), so substitution finds it
+    for sym in _free_symbols(plan):
+        if sym.name == name:
+            return sym
+    return sympy.Symbol(name, integer=True, positive=True)  # as capture makes them; in no expression
+
+
+def _batch_shards(plan: Plan) -> int:
+    """How many shards the plan splits the batch into: the product of its batch axes' sizes."""
+    return math.prod(plan.mesh.axis_sizes[plan.mesh.axis_index(a)] for a in plan.batch_axes)
+
+
+def _free_symbols(plan: Plan) -> set:
+    s = plan.symbolic
+    exprs = [s.memory.total, s.compute_time, *s.comm_time.values()]
+    return set().union(*(sympy.sympify(e).free_symbols for e in exprs))
+
+
+def _at_example_sizes(expr, plan: Plan, batch: sympy.Symbol) -> sympy.Expr:
+    """`expr` with every dynamic dim but the batch at its example size."""
+    expr = sympy.sympify(expr)
+    others = {s: plan.symbols[s.name] for s in expr.free_symbols if s != batch and s.name in plan.symbols}
+    expr = expr.xreplace(others)
+    unknown = expr.free_symbols - {batch}
+    if unknown:  # only a hand-edited plan gets here: every symbol comes from the capture
+        raise AutoparError(f"the plan's predictions use symbols {sorted(map(str, unknown))} that plan.symbols does "
+                           "not list; make the plan again with autopar.plan")
+    return expr
+
+
+def _axes_text(plan: Plan) -> str:
+    return " x ".join(f"{a}={plan.mesh.axis_sizes[plan.mesh.axis_index(a)]}" for a in plan.batch_axes) or "no axis"
+
+
+# ----------------------------------------------------------------------------- searches
+
+def _last_true(holds) -> int | None:
+    """The largest k >= 1 with holds(k), given holds(1) and that holds stays false once false.
+
+    Doubling finds a k where it fails, bisection the boundary: exact, since
+    holds is evaluated at integers. None when it holds up to 2**_MAX_DOUBLINGS.
+    """
+    low, high = 1, 2
+    for _ in range(_MAX_DOUBLINGS):
+        if not holds(high):
+            break
+        low, high = high, 2 * high
+    else:
+        return None
+    while high - low > 1:  # holds(low) and not holds(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if holds(mid) else (low, mid)
+    return low
+
+
+def _linear_terms(expr, batch, axis: str) -> tuple:
+    """(a, b) with expr == a + b * batch; AutoparError if expr is not linear in the batch."""
+    expr = sympy.expand(expr)
+    per_sample, base = expr.coeff(batch, 1), expr.coeff(batch, 0)
+    rest = sympy.expand(expr - base - per_sample * batch)
+    if rest != 0 or batch in base.free_symbols or batch in per_sample.free_symbols:
+        raise AutoparError(
+            f"autopar.min_compute_bound_batch: compute minus communication on mesh axis {axis!r} is not linear in "
+            f"{batch} ({expr}); the cost model's times are sums of sizes and latencies, so this plan was not made "
+            "by it (a hand-edited or foreign plan?)")
+    return base, per_sample
+
+
+def _first_covered(base, per_sample, shards: int, axis: str, compute, comm, batch) -> int:
+    """Smallest k >= 1 with base + per_sample * shards * j >= 0 for every j >= k."""
+    def covered(k: int) -> bool:
+        return bool(base + per_sample * shards * k >= 0)
+
+    if per_sample.is_positive:
+        k = max(1, int(sympy.ceiling(-base / (per_sample * shards))))
+        # the ceiling of a float quotient may be one off; settle it on the expression itself
+        while k > 1 and covered(k - 1):
+            k -= 1
+        while not covered(k):
+            k += 1
+        return k
+    if per_sample.is_zero and covered(1):
+        return 1  # compute and communication grow alike and compute is ahead already
+    grow_compute, grow_comm = sympy.expand(compute).coeff(batch, 1), sympy.expand(comm).coeff(batch, 1)
+    raise AutoparError(
+        f"autopar.min_compute_bound_batch: on mesh axis {axis!r} communication ({_seconds(comm, batch)}) grows at "
+        f"least as fast as compute ({_seconds(compute, batch)}) with {batch} ({float(grow_comm):.3g} vs "
+        f"{float(grow_compute):.3g} s per sample), so no batch makes compute cover it; communicate less on {axis!r} "
+        f"(a smaller axis, another strategy) or give it a faster link (autopar.plan(..., links={{{axis!r}: "
+        f"cost_models.Link(...)}}))")
+
+
+def _seconds(expr, batch) -> str:
+    expr = sympy.expand(expr)
+    return f"{float(expr.coeff(batch, 0)):.3g} s + {float(expr.coeff(batch, 1)):.3g} s * {batch}"

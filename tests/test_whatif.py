@@ -1,0 +1,218 @@
+"""What-if queries (autopar.max_batch, autopar.min_compute_bound_batch) against closed forms derived by hand.
+
+The model is two bias-free linears, 64 -> 128 -> 64, fp32, on the meta device:
+no elementwise op, so every compute term is a matmul (3 x FLOPs / peak) and no
+memory-bandwidth term appears. The hardware has round numbers: 1e12 FLOP/s,
+and every axis of these 4-device meshes is inside one node (8 devices per
+node), so every collective uses the intra-node link: 1e10 B/s, 1e-5 s per ring
+step. A ring collective over n devices then takes 1e-5 * (n - 1) + moved / 1e10
+seconds, moved = (n-1)/n * B for all-gather / reduce-scatter and 2(n-1)/n * B
+for all-reduce, B being the whole tensor along the axis (cost_models.comm).
+"""
+import pytest
+import sympy
+import torch
+from torch import nn
+
+import autopar
+import cost_models as cm
+
+BATCH = torch.export.Dim("batch")
+SEQ = torch.export.Dim("seq")
+HW = cm.Hardware("round", {"float32": 1e12}, 2**40, 1e11, intra_node_link=cm.Link(1e10, 1e-5),
+                 inter_node_link=cm.Link(1e9, 1e-4))
+b = sympy.Symbol("batch", integer=True, positive=True)
+
+# weights: 64 x 128 = 8192 fp32 elements = 32768 bytes each, two of them
+WEIGHT_BYTES = 64 * 128 * 4
+
+
+def _two_linears():
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False))
+
+
+def _plan(strategy, mesh, *, dynamic=True, shape=(8, 64), dims=None, model=None, **kwargs):
+    x = torch.empty(*shape, device="meta")
+    dynamic_shapes = {"input": dims or {0: BATCH}} if dynamic else None
+    return autopar.plan(model or _two_linears(), (x,), mesh, strategy=strategy, hardware=HW,
+                        dynamic_shapes=dynamic_shapes, **kwargs)
+
+
+def _at(expr, batch):
+    return sympy.sympify(expr).subs(b, batch)
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp():
+    return _plan("fsdp+tp", {"dp": 2, "tp": 2})
+
+
+@pytest.fixture(scope="module")
+def ddp():
+    return _plan("ddp", {"dp": 4})
+
+
+# --- FSDP (dp=2) + Megatron TP (tp=2) -----------------------------------------
+#
+# Layout (asserted below, so the derivation's premises are checked): layer 0 is
+# column-parallel (weight [128, 64] split on its output dim over tp), layer 1
+# row-parallel (weight [64, 128] split on its input dim over tp, output partial
+# sums); both weights are also split over dp (FSDP) and gathered whole over dp
+# for use. The batch is split over dp only: 2 shards.
+#
+# Memory per device, B the global batch:
+#   params    2 weights / 4 devices       = 2 * 32768 / 4 = 16384
+#   grads     same layout                 = 16384
+#   optimizer AdamW, 2 moments            = 32768
+#   transient one weight gathered over dp, still split over tp = 32768 / 2 = 16384
+#   activations: layer 1 saves its input, layer 0's output [B, 128] split B/2 (dp)
+#             and 128/2 (tp): B/2 * 64 * 4 bytes = 128 B   (the model input is not counted)
+#   total = 81920 + 128 B
+# Compute (3 x forward FLOPs at 1e12):
+#   layer 0: local [B/2, 64] out, k = 64:  2 * (B/2 * 64) * 64 = 4096 B FLOPs
+#   layer 1: local [B/2, 64] out, k = 128/2: 4096 B FLOPs
+#   3 * 8192 B / 1e12 = 2.4576e-8 B seconds
+# Communication:
+#   dp: all-gather W0, W1 forward; all-gather W1 again in backward (layer 1 needs it for
+#       the input gradient; layer 0's input needs none); reduce-scatter both gradients:
+#       5 collectives of B = 16384 bytes (a tp shard), n = 2: 1e-5 + 8192 / 1e10 each
+#       -> 5 * 1.08192e-5 = 5.4096e-5 s, independent of the batch
+#   tp: all-reduce of layer 1's partial output [B/2, 64] fp32 = 128 B bytes, n = 2:
+#       1e-5 + 2 * (1/2) * 128 B / 1e10 = 1e-5 + 1.28e-8 B s
+# Compute covers
+#   dp when 2.4576e-8 B >= 5.4096e-5        <=> B >= 2201.17
+#   tp when 2.4576e-8 B >= 1e-5 + 1.28e-8 B <=> B >= 1e-5 / 1.1776e-8 = 849.18
+#   -> the smallest even B from which both hold: 2202
+# Largest batch within 100,000 bytes: 128 B <= 18080 <=> B <= 141.25 -> even: 140.
+# Within 1 MiB: 128 B <= 1048576 - 81920 = 966656 <=> B <= 7552 (exactly at the limit).
+
+def test_fsdp_tp_layout_and_terms_match_the_derivation(fsdp_tp):
+    plan = fsdp_tp
+    assert plan.batch_axes == ("dp",)
+    assert plan.param_placements == {"0.weight": ("S(1)", "S(0)"), "1.weight": ("S(0)", "S(1)")}
+    s = plan.symbolic
+    assert sympy.expand(s.memory.total - (81920 + 128 * b)) == 0
+    assert float(_at(s.compute_time, 1)) == pytest.approx(2.4576e-8, rel=1e-12)
+    assert sympy.sympify(s.comm_time["dp"]).free_symbols == set()
+    assert float(s.comm_time["dp"]) == pytest.approx(5 * (1e-5 + 8192 / 1e10), rel=1e-12)
+    tp = sympy.expand(s.comm_time["tp"])
+    assert float(tp.coeff(b, 0)) == pytest.approx(1e-5, rel=1e-12)
+    assert float(tp.coeff(b, 1)) == pytest.approx(128 / 1e10, rel=1e-12)
+
+
+def test_fsdp_tp_min_compute_bound_batch(fsdp_tp):
+    s = fsdp_tp.symbolic
+    assert autopar.min_compute_bound_batch(fsdp_tp) == 2202
+    # 2202 covers both axes, 2200 (the even batch below) leaves dp uncovered
+    assert all(_at(s.compute_time, 2202) >= _at(t, 2202) for t in s.comm_time.values())
+    assert _at(s.compute_time, 2200) < _at(s.comm_time["dp"], 2200)
+
+
+@pytest.mark.parametrize("limit,expected", [(100_000, 140), ("1MiB", 7552)])
+def test_fsdp_tp_max_batch(fsdp_tp, limit, expected):
+    assert autopar.max_batch(fsdp_tp, limit) == expected
+    total = fsdp_tp.symbolic.memory.total
+    assert _at(total, expected) <= cm.parse_bytes(limit) < _at(total, expected + 2)  # 2 batch shards
+
+
+# --- DDP on dp=4 ----------------------------------------------------------------
+#
+# Memory: weights whole on each device: params 65536, grads 65536, optimizer 131072,
+#   no transient; activations: layer 0's output [B/4, 128] fp32 = 128 B.
+#   total = 262144 + 128 B
+# Compute: layer 0 [B/4, 128] out, k = 64: 4096 B FLOPs; layer 1 [B/4, 64] out, k = 128:
+#   4096 B FLOPs; 3 * 8192 B / 1e12 = 2.4576e-8 B s (the same total as above).
+# Communication, dp: one all-reduce per gradient, B = 32768 bytes, n = 4:
+#   1e-5 * 3 + 2 * 3/4 * 32768 / 1e10 = 3e-5 + 4.9152e-6 s each -> 6.98304e-5 s
+# Compute covers dp when 2.4576e-8 B >= 6.98304e-5 <=> B >= 2841.4 -> multiple of 4: 2844.
+# Largest batch within 300,000 bytes: 128 B <= 37856 <=> B <= 295.75 -> multiple of 4: 292.
+
+def test_ddp_terms_match_the_derivation(ddp):
+    s = ddp.symbolic
+    assert ddp.batch_axes == ("dp",)
+    assert sympy.expand(s.memory.total - (262144 + 128 * b)) == 0
+    assert float(_at(s.compute_time, 1)) == pytest.approx(2.4576e-8, rel=1e-12)
+    assert float(s.comm_time["dp"]) == pytest.approx(2 * (3e-5 + 1.5 * WEIGHT_BYTES / 1e10), rel=1e-12)
+
+
+def test_ddp_min_compute_bound_batch(ddp):
+    s = ddp.symbolic
+    assert autopar.min_compute_bound_batch(ddp) == 2844
+    assert _at(s.compute_time, 2844) >= _at(s.comm_time["dp"], 2844)
+    assert _at(s.compute_time, 2840) < _at(s.comm_time["dp"], 2840)
+
+
+def test_ddp_max_batch_is_a_multiple_of_the_batch_shards(ddp):
+    assert autopar.max_batch(ddp, 300_000) == 292
+    total = ddp.symbolic.memory.total
+    assert _at(total, 292) <= 300_000 < _at(total, 296)
+    assert _at(total, 295) <= 300_000  # 295 fits too, but 4 ranks cannot split it evenly
+
+
+def test_other_dynamic_dims_stay_at_their_example_size():
+    # input [B, S, 64], S = 2 in the example: activations 128 B S = 256 B at S = 2,
+    # memory 262144 + 256 B <= 300,000 <=> B <= 147.875 -> multiple of 4: 144
+    plan = _plan("ddp", {"dp": 4}, shape=(8, 2, 64), dims={0: BATCH, 1: SEQ})
+    assert plan.symbols == {"batch": 8, "seq": 2}
+    with pytest.raises(autopar.AutoparError, match=r"several dynamic dims \(batch, seq\).*symbol="):
+        autopar.max_batch(plan, 300_000)
+    assert autopar.max_batch(plan, 300_000, symbol="batch") == 144
+    with pytest.raises(autopar.AutoparError, match="symbol='tokens' is not a dynamic dim"):
+        autopar.min_compute_bound_batch(plan, symbol="tokens")
+
+
+# --- the symbolic predictions these queries read ------------------------------------
+
+def test_comm_time_is_per_axis_expressions_in_batch_that_survive_json(fsdp_tp):
+    comm = fsdp_tp.symbolic.comm_time
+    assert set(comm) == {"dp", "tp"}
+    for expr in comm.values():
+        assert sympy.sympify(expr).free_symbols <= {b}
+    back = autopar.Plan.from_json(fsdp_tp.to_json())
+    assert back.symbolic == fsdp_tp.symbolic  # exactly: the floats keep all their bits
+    assert autopar.min_compute_bound_batch(back) == 2202
+    assert autopar.max_batch(back, 100_000) == 140
+
+
+# --- errors ------------------------------------------------------------------------------
+
+def test_plan_without_dynamic_batch_is_refused():
+    plan = _plan("ddp", {"dp": 4}, dynamic=False)
+    for query in (lambda: autopar.max_batch(plan, "1GiB"), lambda: autopar.min_compute_bound_batch(plan)):
+        with pytest.raises(autopar.AutoparError, match=r"no dynamic dims.*dynamic_shapes=.*torch.export.Dim"):
+            query()
+
+
+def test_smallest_batch_over_the_limit(fsdp_tp):
+    # at B = 2 (one sample per dp shard): 81920 + 256 = 82176 bytes > 64 KiB
+    with pytest.raises(autopar.AutoparError, match=r"smallest batch this plan takes, 2 .*80.25 KiB.*64.00 KiB"):
+        autopar.max_batch(fsdp_tp, "64KiB")
+
+
+def test_memory_that_does_not_grow_with_the_batch():
+    # one linear: it saves only the model input, which no activation term counts
+    with torch.device("meta"):
+        one = nn.Sequential(nn.Linear(64, 64, bias=False))
+    plan = _plan("ddp", {"dp": 2}, model=one)
+    with pytest.raises(autopar.AutoparError, match="does not depend on batch.*met at every batch"):
+        autopar.max_batch(plan, "1GiB")
+
+
+def test_bad_memory_limit(fsdp_tp):
+    with pytest.raises(autopar.AutoparError, match="memory_limit.*e.g."):
+        autopar.max_batch(fsdp_tp, "lots")
+
+
+def test_communication_growing_faster_than_compute_is_never_covered():
+    # tp link at 1e8 B/s: the all-reduce costs 128 / 1e8 = 1.28e-6 s per sample, compute 2.4576e-8
+    plan = _plan("fsdp+tp", {"dp": 2, "tp": 2}, links={"tp": cm.Link(1e8, 1e-5)})
+    with pytest.raises(autopar.AutoparError, match=r"mesh axis 'tp' communication .* grows at least as fast"):
+        autopar.min_compute_bound_batch(plan)
+
+
+def test_axes_without_communication_are_covered_at_any_batch():
+    # an axis of size 1 has no collectives: its comm_time is 0, which compute covers at any batch
+    plan = _plan("ddp", {"dp": 4, "tp": 1})
+    assert sympy.sympify(plan.symbolic.comm_time["tp"]).is_zero
+    assert autopar.min_compute_bound_batch(plan) == 2844  # as DDP on dp=4 alone
