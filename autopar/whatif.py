@@ -180,7 +180,7 @@ def _linear_terms(expr, batch, axis: str) -> tuple:
     expr = sympy.expand(expr)
     per_sample, base = expr.coeff(batch, 1), expr.coeff(batch, 0)
     rest = sympy.expand(expr - base - per_sample * batch)
-    if rest != 0 or batch in base.free_symbols or batch in per_sample.free_symbols:
+    if not rest.is_zero or batch in base.free_symbols or batch in per_sample.free_symbols:
         raise AutoparError(
             f"autopar.min_compute_bound_batch: compute minus communication on mesh axis {axis!r} is not linear in "
             f"{batch} ({expr}); the cost model's times are sums of sizes and latencies, so this plan was not made "
