@@ -7,6 +7,7 @@ import torch
 
 import cost_models as cm
 
+from .blocks import find_blocks
 from .capture import PARAM, Captured, capture
 from .classics import axis_roles, check_tensor_parallel_divisibility
 from .collectives import AxisGroup, Comm
@@ -84,7 +85,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
 
 
 def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
-                   optimizer="adamw", links=None, time_limit=60.0, t_capture=0.0) -> Plan:
+                   optimizer="adamw", links=None, time_limit=60.0, t_capture=0.0, tie_blocks=True) -> Plan:
     spec = mesh_spec(mesh)
     policy, opt = precision_of(precision), optimizer_spec(optimizer)
     param_bytes = {n: param_bytes_of(policy, opt, first_meta(i.meta).dtype) for n, i in cap.info.items()
@@ -100,9 +101,10 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     _check_batch_divisible(cap, spec, roles)
     check_tensor_parallel_divisibility(cap, roles)
     t0 = time.perf_counter()
-    strategies = all_strategies(cap, spec)
+    canonical = find_blocks(cap).canonical if tie_blocks else {}
+    strategies = all_strategies(cap, spec, same_as=canonical)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
-                   needs_grad(cap), saved_outputs(cap), param_bytes)
+                   needs_grad(cap), saved_outputs(cap), param_bytes, canonical)
     t_rules = time.perf_counter() - t0
     sol = solve(prob, roles, limit, time_limit)
     if not sol.choice:

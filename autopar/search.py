@@ -50,6 +50,8 @@ class Problem:
     grad_nodes: set
     saved: set
     param_bytes: dict = field(default_factory=dict)  # parameter node -> ParamBytes (precision.py)
+    canonical: dict = field(default_factory=dict)    # node of a repeated block -> its first copy (blocks.py)
+    edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
 
 
 @dataclass
@@ -76,6 +78,28 @@ def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
 
 
 def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=()) -> float:
+    """Seconds of the collectives on edge e for one layout pair (memoised: a deep model asks
+    the same question of every layer, and the answer depends only on what the key holds)."""
+    meta = first_meta(prob.cap.info[e.producer].meta)
+    regather = regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes)
+    key = (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
+           regather, reduce_itemsize(prob.param_bytes, e.producer), src, dst, grad_partial, keep_partial)
+    cost = prob.edge_cost_cache.get(key)
+    if cost is None:
+        cost = prob.edge_cost_cache[key] = _edge_cost(prob, e, src, dst, grad_partial, keep_partial)
+    if isinstance(cost, UnsupportedRedistribution):
+        raise cost
+    return cost
+
+
+def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
+    try:
+        return _priced_edge(prob, e, src, dst, grad_partial, keep_partial)
+    except UnsupportedRedistribution as err:
+        return err
+
+
+def _priced_edge(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial) -> float:
     colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
                              e.producer in prob.grad_nodes,
                              regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes), e.consumer,
@@ -162,6 +186,16 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
     for name, ns in prob.strategies.items():
         info = cap.info[name]
         node = cap.node(name)
+        first = prob.canonical.get(name)
+        if first is not None:
+            # a repeated block: the variables of its first copy, which pay this node's costs too
+            vs = xvars[first]
+            for s, var in zip(ns.strategies, vs):
+                if var is not None:
+                    ilp.cost[var] += node_time(prob, name, s) * TIME_SCALE
+                    ilp.mem[var] += node_memory(prob, name, s) * MEM_SCALE
+            xvars[name] = vs
+            continue
         if info.kind == PARAM:
             allowed = allowed_param_storage(roles, info, ns.strategies)
         elif info.kind == OP:
@@ -206,14 +240,25 @@ def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
     return bvars
 
 
-def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, e: Edge, transient: int) -> None:
+def tied_edges(prob: Problem) -> list[list[Edge]]:
+    """Edges grouped by the variables they join: repeats of one edge in repeated blocks share them."""
+    groups: dict = {}
+    for e in prob.edges:
+        key = (prob.canonical.get(e.producer, e.producer), prob.canonical.get(e.consumer, e.consumer), e.index)
+        groups.setdefault(key, []).append(e)
+    return list(groups.values())
+
+
+def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, transient: int) -> None:
     """y[e, p, k] for producer layout p and consumer key k (input layout, partial-gradient axes).
 
     Marginals tie y to x: sum_k y[p, k] = x-mass of the producer on p, and
     sum_p y[p, k] = x-mass of the consumer on k. Pairs that cannot be
-    redistributed (or that the roles forbid) get no variable.
+    redistributed (or that the roles forbid) get no variable. `edges` are
+    repeats of one edge (tied blocks): one set of y, paying for all of them.
     """
     cap = prob.cap
+    e = edges[0]
     u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
@@ -236,7 +281,7 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, e: Edge, transient
             if is_tuple and (p != dst or gp):
                 continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
             try:
-                c = edge_cost(prob, e, p, dst, gp, zero_axes)
+                c = sum(edge_cost(prob, member, p, dst, gp, zero_axes) for member in edges)
             except UnsupportedRedistribution:
                 continue
             y = ilp.var(c * TIME_SCALE, integer=False)
@@ -263,8 +308,8 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     bvars = _batch_vars(prob, roles, ilp, xvars)
     # the largest parameter gathered whole at any one time (FSDP), in MiB like all memory terms
     transient = ilp.var(0.0, 1.0, integer=False)
-    for e in prob.edges:
-        _edge_vars(prob, roles, ilp, xvars, e, transient)
+    for edges in tied_edges(prob):
+        _edge_vars(prob, roles, ilp, xvars, edges, transient)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
         ilp.row({i: m for i, m in enumerate(ilp.mem) if m}, -np.inf, (memory_limit - reserve) * MEM_SCALE)

@@ -196,12 +196,23 @@ def output_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_dim: i
     return NodeStrategies(node.name, OUTPUT, out)
 
 
-def all_strategies(cap: Captured, mesh: MeshSpec) -> dict[str, NodeStrategies]:
-    """Strategies of every node that carries tensors; warns once per op without a rule."""
+def all_strategies(cap: Captured, mesh: MeshSpec, same_as: dict | None = None) -> dict[str, NodeStrategies]:
+    """Strategies of every node that carries tensors; warns once per op without a rule.
+
+    `same_as`: node -> an earlier node known to be the same op on the same
+    shapes (a repeated block, blocks.py), whose strategies it shares.
+    """
     result, unknown = {}, {}
+    same_as = same_as or {}
     for node in cap.graph.nodes:
         info = cap.info[node.name]
-        if node.op == "placeholder":
+        first = same_as.get(node.name)
+        if first in result:
+            ns = result[first]
+            result[node.name] = NodeStrategies(node.name, ns.kind, ns.strategies, ns.replicated_fallback)
+            if ns.replicated_fallback:
+                unknown.setdefault(op_name(node), []).append(info.module_path or "<root>")
+        elif node.op == "placeholder":
             result[node.name] = placeholder_strategies(node, cap, mesh)
         elif node.op == "output":
             result[node.name] = output_strategies(node, cap, mesh)
