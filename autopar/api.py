@@ -13,6 +13,7 @@ from .classics import axis_roles, check_tensor_parallel_divisibility
 from .collectives import AxisGroup, Comm
 from .cost import first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PlanError, ShardingError
+from .liveness import live_sets
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import CollectiveRecord, Plan
 from .precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
@@ -104,7 +105,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     canonical = find_blocks(cap).canonical if tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
-                   needs_grad(cap), saved_outputs(cap), param_bytes, canonical)
+                   needs_grad(cap), saved_outputs(cap), param_bytes, canonical, live_sets(cap))
     t_rules = time.perf_counter() - t0
     sol = solve(prob, roles, limit, time_limit)
     if not sol.choice:

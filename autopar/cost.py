@@ -125,6 +125,19 @@ def activation_bytes(node_name: str, cap: Captured, output: Placements, mesh: Me
     return sum(numel(local_shape(shape_of(m, symbolic), output, mesh.axis_sizes)) * m.itemsize for m in metas)
 
 
+def is_saved(prob, name: str) -> bool:
+    """Does autograd keep this node's storage for backward (then it is an activation, not transient)?"""
+    whole = ("R",) * prob.mesh.num_axes
+    return bool(activation_bytes(name, prob.cap, whole, prob.mesh, prob.saved))
+
+
+def output_bytes(node_name: str, cap: Captured, output: Placements, mesh: MeshSpec, symbolic=False):
+    """Bytes of a node's output (all pieces of a tuple) on one device, in the given layout."""
+    info = cap.info[node_name]
+    metas = info.meta if isinstance(info.meta, list) else [info.meta]
+    return sum(numel(local_shape(shape_of(m, symbolic), output, mesh.axis_sizes)) * m.itemsize for m in metas)
+
+
 @dataclass(frozen=True)
 class ParamMemory:
     params: object      # the weight as ops use it (compute dtype)

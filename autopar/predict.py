@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import sympy
 
 from .capture import BUFFER, OP, PARAM
-from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
-                   node_compute_time, param_memory, reduce_itemsize, regathers, zero_collectives)
+from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta, is_saved,
+                   node_compute_time, output_bytes, param_memory, reduce_itemsize, regathers, zero_collectives)
 from .placement import local_shape, numel
 from .redistribute import ALL_GATHER, Collective, plan_steps
 
@@ -104,14 +103,10 @@ def predict(prob, choice, symbolic: bool) -> tuple[Predicted, list[Collective]]:
         elif info.kind == OP:
             acts = acts + activation_bytes(name, cap, s.output, mesh, prob.saved, symbolic)
             compute = compute + node_compute_time(cap.node(name), cap, s, mesh, prob.hardware, symbolic)
-    for r in group_redistributions(prob, choice):
-        cs = redistribution_collectives(prob, r, symbolic)
-        colls += cs
-        gathers = any(st.forward_kind == ALL_GATHER for st in plan_steps(r.src, r.dst))
-        if cap.info[r.producer].kind == PARAM and gathers:  # a gathered weight lives while its op runs
-            meta = first_meta(cap.info[r.producer].meta)
-            whole = numel(local_shape(meta.shape if symbolic else meta.hint, r.dst, mesh.axis_sizes)) * meta.itemsize
-            transient = sympy.Max(transient, whole) if symbolic else max(transient, whole)
+    groups = group_redistributions(prob, choice)
+    for r in groups:
+        colls += redistribution_collectives(prob, r, symbolic)
+    transient = peak_working_set(prob, choice, groups, symbolic)
     comm_bytes = collectives_bytes(colls, mesh)
     comm_time = {a: 0 for a in mesh.axis_names}
     by_kind: dict = {}
@@ -125,3 +120,35 @@ def predict(prob, choice, symbolic: bool) -> tuple[Predicted, list[Collective]]:
     pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
                      num(compute), num(compute + total_comm), {k: num(v) for k, v in by_kind.items()})
     return pred, colls
+
+
+def peak_working_set(prob, choice, groups, symbolic: bool):
+    """The most bytes alive at one forward op beyond saved activations (see search._transient_rows).
+
+    The symbolic answer is the expression of the op that peaks at the example
+    sizes: a Max over every op would be exact for all sizes but unreadable.
+    """
+    cap, mesh = prob.cap, prob.mesh
+    gathered: dict = {}   # op -> (numeric, symbolic) bytes of weights gathered whole for it
+    for r in groups:
+        if cap.info[r.producer].kind != PARAM or not any(
+                st.forward_kind == ALL_GATHER for st in plan_steps(r.src, r.dst)):
+            continue
+        meta = first_meta(cap.info[r.producer].meta)
+        for consumer, _ in r.consumers:
+            n, e = gathered.get(consumer, (0, 0))
+            gathered[consumer] = (n + numel(local_shape(meta.hint, r.dst, mesh.axis_sizes)) * meta.itemsize,
+                                  e + numel(local_shape(meta.shape, r.dst, mesh.axis_sizes)) * meta.itemsize)
+    best, best_expr = 0, 0
+    for point, alive in prob.live:
+        value, expr = gathered.get(point, (0, 0))
+        for u in alive:
+            if u not in prob.strategies or is_saved(prob, u):
+                continue
+            layout = prob.strategies[u].strategies[choice[u]].output
+            value = value + output_bytes(u, cap, layout, mesh)
+            if symbolic:
+                expr = expr + output_bytes(u, cap, layout, mesh, symbolic=True)
+        if value > best:
+            best, best_expr = value, expr
+    return best_expr if symbolic else best

@@ -20,7 +20,8 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
 from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
 from .cost import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time,
-                   param_memory, reduce_itemsize, regathers, zero_collectives)
+                   is_saved, output_bytes, param_memory, reduce_itemsize, regathers,
+                   zero_collectives)
 from .errors import InfeasiblePlanError
 from .mesh import MeshSpec
 from .placement import local_shape, numel
@@ -51,6 +52,7 @@ class Problem:
     saved: set
     param_bytes: dict = field(default_factory=dict)  # parameter node -> ParamBytes (precision.py)
     canonical: dict = field(default_factory=dict)    # node of a repeated block -> its first copy (blocks.py)
+    live: list = field(default_factory=list)         # (op, storages alive there) per forward op (liveness.py)
     edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
 
 
@@ -249,13 +251,14 @@ def tied_edges(prob: Problem) -> list[list[Edge]]:
     return list(groups.values())
 
 
-def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, transient: int) -> None:
+def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list) -> dict:
     """y[e, p, k] for producer layout p and consumer key k (input layout, partial-gradient axes).
 
     Marginals tie y to x: sum_k y[p, k] = x-mass of the producer on p, and
     sum_p y[p, k] = x-mass of the consumer on k. Pairs that cannot be
     redistributed (or that the roles forbid) get no variable. `edges` are
     repeats of one edge (tied blocks): one set of y, paying for all of them.
+    Returns {y: MiB} for the y that gather a weight whole (FSDP).
     """
     cap = prob.cap
     e = edges[0]
@@ -289,11 +292,30 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, trans
             gb = gathered_bytes(prob, e, p, dst)
             if gb:
                 gathered[y] = gb * MEM_SCALE
-    if gathered:  # transient >= bytes of the parameter this edge gathers whole
-        ilp.row({**gathered, transient: -1.0}, -np.inf, 0)
     for groups, ys in ((src_groups, by_src), (dst_groups, by_dst)):
         for key, vars_ in groups.items():
             ilp.row({**ys[key], **{var: -1.0 for var in vars_}}, 0, 0)
+    return gathered
+
+
+def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transient: int) -> None:
+    """transient >= what is alive at each forward op beyond saved activations: tensors made and not
+    yet read for the last time, plus the weights gathered whole for that op (FSDP)."""
+    seen = set()
+    for point, alive in prob.live:
+        row = dict(gathered_at.get(prob.canonical.get(point, point), {}))
+        for u in alive:
+            ns = prob.strategies.get(u)
+            if ns is None or is_saved(prob, u):
+                continue
+            for s, var in zip(ns.strategies, xvars[u]):
+                if var is not None:
+                    row[var] = row.get(var, 0.0) + float(output_bytes(u, prob.cap, s.output, prob.mesh)) * MEM_SCALE
+        key = frozenset(row.items())
+        if row and key not in seen:   # repeated blocks repeat their rows
+            seen.add(key)
+            ilp.row({**row, transient: -1.0}, -np.inf, 0)
+
 
 
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
@@ -306,10 +328,15 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     ilp = _ILP()
     xvars = _node_vars(prob, roles, ilp)
     bvars = _batch_vars(prob, roles, ilp, xvars)
-    # the largest parameter gathered whole at any one time (FSDP), in MiB like all memory terms
+    # the largest working set of any forward op, in MiB like all memory terms
     transient = ilp.var(0.0, 1.0, integer=False)
+    gathered_at: dict = {}   # (first copy of) op -> {y: MiB of the weight that y gathers for it}
     for edges in tied_edges(prob):
-        _edge_vars(prob, roles, ilp, xvars, edges, transient)
+        gathered = _edge_vars(prob, roles, ilp, xvars, edges)
+        if gathered:
+            consumer = prob.canonical.get(edges[0].consumer, edges[0].consumer)
+            gathered_at.setdefault(consumer, {}).update(gathered)
+    _transient_rows(prob, ilp, xvars, gathered_at, transient)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
         ilp.row({i: m for i, m in enumerate(ilp.mem) if m}, -np.inf, (memory_limit - reserve) * MEM_SCALE)
