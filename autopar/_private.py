@@ -8,6 +8,7 @@ breaks one place; nothing else in autopar may import those modules directly.
   "threaded" process group. Fast (no process start-up), good for tests.
 - init_fake_process_group: a "fake" backend whose collectives do nothing, so
   a 1000-rank DeviceMesh can be built (and a plan traced) in one process.
+- storage_id: which traced (fake) tensors share a storage.
 """
 
 import threading
@@ -224,3 +225,13 @@ def symint_expr(s):
 def symint_hint(s) -> int:
     """The example value export traced a SymInt with."""
     return int(s.node.hint)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of the storage behind a tensor, fake ones included: views share it.
+
+    Fake and meta tensors have no data pointer to compare; the storage's C++
+    handle (what torch's own StorageWeakRef hashes) tells them apart. Valid
+    while the tensors are alive (traced graphs keep theirs in node.meta).
+    """
+    return t.untyped_storage()._cdata

@@ -105,7 +105,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     canonical = find_blocks(cap).canonical if tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
-                   needs_grad(cap), saved_outputs(cap), param_bytes, canonical, live_sets(cap))
+                   needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap))
     t_rules = time.perf_counter() - t0
     sol = solve(prob, roles, limit, time_limit)
     if not sol.choice:

@@ -2,9 +2,11 @@
 
 Measured, on this rank:
 - bytes each collective moved (the runtime logs every call: kind, axis, tensor size),
-- activation bytes autograd saved for backward (a saved-tensor hook; a tensor saved
-  by several ops counts once; parameters and FSDP re-gathered weights are not
-  activations),
+- activation bytes autograd saved for backward (a saved-tensor hook), counted by
+  storage: a saved view keeps its base's whole storage alive, and tensors that share
+  a storage (an attention output and the reshaped view the next linear keeps) are one
+  allocation, counted once. Parameters and buffers (the "parameters" row) and FSDP
+  re-gathered weights are not activations,
 - parameter, gradient and optimizer-state bytes actually allocated (gradients
   as backward leaves them, before the optimizer step; with an
   autopar.ShardedOptimizer, its ZeRO-2 gradient slices too).
@@ -60,7 +62,11 @@ def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None) -
     """
     plan = module.plan
     names = plan.mesh.axis_names
-    params = {id(p) for p in module.parameters()}
+    # parameters and buffers are counted in their own row, whichever view of them is saved
+    weights = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
+    # plan.local_inputs cuts a rank's batch as a view of the global one; in a real run the
+    # rank holds only its shard, so an input's storage counts as the shard's bytes
+    shards = {t.untyped_storage().data_ptr(): _nbytes(t) for t in local_inputs if isinstance(t, torch.Tensor)}
     saved: dict = {}
     gathered = module._gathered
     inner_pack = gathered.pack
@@ -68,10 +74,10 @@ def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None) -
     def counting_pack(t):
         packed = inner_pack(t)
         regathered = packed is not t          # an FSDP weight: a handle is kept, not the tensor
-        base = t._base if t._base is not None else t
-        if not regathered and id(base) not in params:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-            saved[key] = _nbytes(t)           # keyed by storage: saved by several ops, counted once
+        storage = t.untyped_storage()
+        # saved tensors stay alive until backward, so no other storage can reuse this address
+        if not regathered and storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = shards.get(storage.data_ptr(), storage.nbytes())
         return packed
 
     log = module.comm.log

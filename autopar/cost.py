@@ -4,12 +4,12 @@ One set of functions serves both the search (shapes as example ints, fast)
 and the plan's symbolic report (shapes as sympy expressions): they only add,
 multiply and divide sizes.
 
-Conventions (issue-2 model; the activation model is refined later):
+Conventions:
 - compute: matmul-like ops cost FLOPs / peak, everything else bytes touched /
   memory bandwidth; forward + backward = 3x forward.
-- activations: a node's output counts once if some consumer saves it for
-  backward (attributed to the producer, so a tensor saved by three ops is
-  counted once), in the producer's own layout.
+- activations: the storages autograd keeps for backward, each charged to one
+  node in that node's layout (activations.py: what each op keeps on the
+  target hardware's kernels, views sharing storage, who pays).
 - parameters: weight, master copy, gradient and optimizer state, at the
   bytes per element the precision policy and optimizer give (precision.py),
   in each parameter's storage layout (ZeRO splits the last ones).
@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 import cost_models as cm
 import torch.fx as fx
 
-from .capture import BUFFER, INPUT, PARAM, Captured, TensorMeta
+from .activations import ActivationModel, activation_model, node_activation_bytes
+from .capture import PARAM, Captured, TensorMeta
 from .mesh import MeshSpec
 from .placement import P, R, S, Placements, local_shape, numel
 from .precision import ParamBytes
@@ -31,16 +32,6 @@ from .rules import op_name, tensor_args
 MATMUL_OPS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default",
               "aten.addmm.default"}
 SDPA = "aten.scaled_dot_product_attention.default"
-# inputs each op keeps for backward (by position among its tensor inputs); "out" = its own output
-SAVES = {
-    "aten.linear.default": (0,), "aten.matmul.default": (0, 1), "aten.mm.default": (0, 1),
-    "aten.bmm.default": (0, 1), "aten.addmm.default": (1, 2), "aten.layer_norm.default": (0,),
-    "aten.gelu.default": (0,), "aten.silu.default": (0,), "aten.relu.default": ("out",),
-    "aten.tanh.default": ("out",), "aten.sigmoid.default": ("out",), "aten.exp.default": ("out",),
-    "aten.softmax.int": ("out",), "aten._softmax.default": ("out",), "aten.log_softmax.int": ("out",),
-    "aten.mul.Tensor": (0, 1), "aten.div.Tensor": (0, 1), "aten.rsqrt.default": ("out",),
-    "aten.pow.Tensor_Scalar": (0,), SDPA: (0, 1, 2, "out"),
-}
 # ops that keep a weight input to compute the gradient of their other inputs: under FSDP
 # the gathered weight is dropped after forward and gathered again when backward needs it
 # op -> {tensor input i: inputs whose gradient needs input i}: autograd keeps input i for
@@ -62,20 +53,9 @@ def shape_of(meta: TensorMeta, symbolic: bool):
     return meta.shape if symbolic else meta.hint
 
 
-def saved_outputs(cap: Captured) -> set[str]:
-    """Names of nodes whose output some op keeps for backward."""
-    saved = set()
-    for node in cap.graph.nodes:
-        if node.op != "call_function":
-            continue
-        keep = SAVES.get(op_name(node), ())
-        args = tensor_args(node)
-        for k in keep:
-            if k == "out":
-                saved.add(node.name)
-            elif k < len(args):
-                saved.add(args[k].name)
-    return {n for n in saved if cap.info[n].kind not in (PARAM, BUFFER, INPUT)}
+def saved_outputs(cap: Captured, hardware) -> ActivationModel:
+    """What autograd keeps for backward and which node pays for it (see activations.py)."""
+    return activation_model(cap, hardware)
 
 
 def needs_grad(cap: Captured) -> set[str]:
@@ -117,18 +97,15 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
     return cm.memory_time(cm.TRAIN_FLOPS_FACTOR * touched, hw)
 
 
-def activation_bytes(node_name: str, cap: Captured, output: Placements, mesh: MeshSpec, saved: set, symbolic=False):
-    if node_name not in saved:
-        return 0
-    info = cap.info[node_name]
-    metas = info.meta if isinstance(info.meta, list) else [info.meta]
-    return sum(numel(local_shape(shape_of(m, symbolic), output, mesh.axis_sizes)) * m.itemsize for m in metas)
+def activation_bytes(node_name: str, cap: Captured, output: Placements, mesh: MeshSpec,
+                     saved: ActivationModel, symbolic=False):
+    """Bytes of kept activations node `node_name` pays for with output placements `output`."""
+    return node_activation_bytes(saved, node_name, output, mesh.axis_sizes, symbolic)
 
 
 def is_saved(prob, name: str) -> bool:
     """Does autograd keep this node's storage for backward (then it is an activation, not transient)?"""
-    whole = ("R",) * prob.mesh.num_axes
-    return bool(activation_bytes(name, prob.cap, whole, prob.mesh, prob.saved))
+    return name in prob.saved.kept
 
 
 def output_bytes(node_name: str, cap: Captured, output: Placements, mesh: MeshSpec, symbolic=False):

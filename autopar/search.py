@@ -82,16 +82,21 @@ def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
 def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=()) -> float:
     """Seconds of the collectives on edge e for one layout pair (memoised: a deep model asks
     the same question of every layer, and the answer depends only on what the key holds)."""
-    meta = first_meta(prob.cap.info[e.producer].meta)
-    regather = regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes)
-    key = (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
-           regather, reduce_itemsize(prob.param_bytes, e.producer), src, dst, grad_partial, keep_partial)
+    key = edge_signature(prob, e) + (src, dst, grad_partial, keep_partial)
     cost = prob.edge_cost_cache.get(key)
     if cost is None:
         cost = prob.edge_cost_cache[key] = _edge_cost(prob, e, src, dst, grad_partial, keep_partial)
     if isinstance(cost, UnsupportedRedistribution):
         raise cost
     return cost
+
+
+def edge_signature(prob: Problem, e: Edge) -> tuple:
+    """All an edge's cost depends on besides the two layouts."""
+    meta = first_meta(prob.cap.info[e.producer].meta)
+    return (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
+            regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes),
+            reduce_itemsize(prob.param_bytes, e.producer))
 
 
 def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
@@ -184,17 +189,19 @@ class _ILP:
 def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
     """x[v, s]: one binary per allowed strategy (None where the roles forbid it); exactly one is 1."""
     cap, mesh = prob.cap, prob.mesh
-    xvars = {}
+    xvars, times = {}, {}
     for name, ns in prob.strategies.items():
         info = cap.info[name]
         node = cap.node(name)
         first = prob.canonical.get(name)
         if first is not None:
-            # a repeated block: the variables of its first copy, which pay this node's costs too
+            # a repeated block: the variables of its first copy, which pay this node's costs too --
+            # the same time (same op on the same shapes), but memory of its own (what autograd
+            # keeps of a block's last op depends on who reads it next)
             vs = xvars[first]
             for s, var in zip(ns.strategies, vs):
                 if var is not None:
-                    ilp.cost[var] += node_time(prob, name, s) * TIME_SCALE
+                    ilp.cost[var] += times[first][var] * TIME_SCALE
                     ilp.mem[var] += node_memory(prob, name, s) * MEM_SCALE
             xvars[name] = vs
             continue
@@ -205,10 +212,14 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
             allowed = allowed_op_strategies(roles, ns.strategies, takes_tuple)
         else:
             allowed = [True] * len(ns.strategies)
-        vs = []
+        vs, times[name] = [], {}
         for s, ok in zip(ns.strategies, allowed):
-            vs.append(ilp.var(node_time(prob, name, s) * TIME_SCALE, node_memory(prob, name, s) * MEM_SCALE)
-                      if ok else None)
+            if not ok:
+                vs.append(None)
+                continue
+            t = node_time(prob, name, s)
+            vs.append(ilp.var(t * TIME_SCALE, node_memory(prob, name, s) * MEM_SCALE))
+            times[name][vs[-1]] = t
         if all(v is None for v in vs):
             raise InfeasiblePlanError(
                 f"no strategy of node {name!r} (module {info.module_path or '<root>'}) fits the requested "
@@ -263,6 +274,10 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list) -> di
     cap = prob.cap
     e = edges[0]
     u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
+    alike: dict = {}   # repeats that cost the same: signature -> [one of them, how many]
+    for member in edges:
+        entry = alike.setdefault(edge_signature(prob, member), [member, 0])
+        entry[1] += 1
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
         if var is not None:
@@ -284,7 +299,7 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list) -> di
             if is_tuple and (p != dst or gp):
                 continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
             try:
-                c = sum(edge_cost(prob, member, p, dst, gp, zero_axes) for member in edges)
+                c = sum(n * edge_cost(prob, member, p, dst, gp, zero_axes) for member, n in alike.values())
             except UnsupportedRedistribution:
                 continue
             y = ilp.var(c * TIME_SCALE, integer=False)
@@ -302,18 +317,20 @@ def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transien
     """transient >= what is alive at each forward op beyond saved activations: tensors made and not
     yet read for the last time, plus the weights gathered whole for that op (FSDP)."""
     seen = set()
+    canon = prob.canonical
     for point, alive in prob.live:
-        row = dict(gathered_at.get(prob.canonical.get(point, point), {}))
+        alive = [u for u in alive if u in prob.strategies and not is_saved(prob, u)]
+        key = (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)))
+        if key in seen:   # repeated blocks repeat their rows
+            continue
+        seen.add(key)
+        row = dict(gathered_at.get(canon.get(point, point), {}))
         for u in alive:
-            ns = prob.strategies.get(u)
-            if ns is None or is_saved(prob, u):
-                continue
+            ns = prob.strategies[u]
             for s, var in zip(ns.strategies, xvars[u]):
                 if var is not None:
                     row[var] = row.get(var, 0.0) + float(output_bytes(u, prob.cap, s.output, prob.mesh)) * MEM_SCALE
-        key = frozenset(row.items())
-        if row and key not in seen:   # repeated blocks repeat their rows
-            seen.add(key)
+        if row:
             ilp.row({**row, transient: -1.0}, -np.inf, 0)
 
 

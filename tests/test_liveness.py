@@ -38,11 +38,12 @@ def test_a_view_keeps_its_base_alive_instead_of_counting_twice():
 
 def test_transient_is_the_largest_working_set_not_the_sum():
     """MLP 64 -> 256 -> 64 on one device, batch 32, fp32. The first linear's output (gelu keeps it)
-    and gelu's output (the second linear keeps it) are activations, 2 x 32 x 256 x 4 = 64 KiB; what
+    and gelu's output (the second linear keeps it) are activations, 2 x 32 x 256 x 4 = 64 KiB, and
+    so is the input x the first linear keeps for its weight's gradient, 32 x 64 x 4 = 8 KiB; what
     else is alive at any op is at most the second linear's output, which lives to the end:
     32 x 64 x 4 = 8 KiB. (Every op's output summed would be 72 KiB.)"""
     torch.manual_seed(0)
     model, x = MLP([64, 256, 64]), torch.randn(32, 64)
     plan = autopar.plan(model, (x,), {"dp": 1}, strategy="ddp", hardware="cpu")
-    assert plan.predicted.memory.activations == 2 * 32 * 256 * 4
+    assert plan.predicted.memory.activations == 2 * 32 * 256 * 4 + 32 * 64 * 4
     assert plan.predicted.memory.transient == 32 * 64 * 4

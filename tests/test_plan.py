@@ -24,9 +24,10 @@ def test_symbolic_terms_match_hand_derivation_for_ddp_mlp():
     assert plan.symbolic.memory.params == params
     assert plan.symbolic.memory.grads == params
     assert plan.symbolic.memory.optimizer == 2 * params   # AdamW's two moments
-    # saved for backward: gelu keeps its input and the second linear keeps gelu's output,
-    # both [batch / 2, 16] fp32 on each of the 2 ranks
-    assert sympy.simplify(plan.symbolic.memory.activations - 2 * (b / 2) * 16 * 4) == 0
+    # saved for backward, fp32 on each of the 2 ranks: the first linear keeps its input x
+    # [batch / 2, 8] (for its weight's gradient), gelu its input and the second linear gelu's
+    # output, both [batch / 2, 16]
+    assert sympy.simplify(plan.symbolic.memory.activations - (b / 2) * (8 + 2 * 16) * 4) == 0
     # DDP all-reduces every gradient once: a ring all-reduce on 2 ranks sends 2(n-1)/n = 1x the bytes
     assert plan.symbolic.comm_bytes["dp"] == params
     assert plan.predicted.comm_bytes["dp"] == params
