@@ -115,7 +115,7 @@ def _arg(node: fx.Node, pos: int, name: str, default):
 
 
 # ops that keep their input: the derivative is a function of it
-_KEEP_INPUT = ["gelu", "silu", "log", "abs", "sin", "cos", "erf", "square", "clamp", "var", "std",
+_KEEP_INPUT = ["gelu", "silu", "log", "abs", "sin", "cos", "erf", "square", "clamp", "var.dim", "var.correction",
                "pow.Tensor_Scalar", "log1p", "elu", "mish", "softplus", "hardswish", "leaky_relu"]
 # ops that keep their output: the derivative is a function of it
 _KEEP_OUTPUT = ["relu", "tanh", "sigmoid", "exp", "rsqrt", "sqrt", "reciprocal", "softmax.int",
@@ -135,6 +135,7 @@ SIMPLE_KEEPS: dict[str, tuple] = {
     **{n: (Arg(a, (b,)), Arg(b, (a,))) for n, (a, b) in _BILINEAR.items()},
     "aten.div.Tensor": (Arg(0, (1,)), Arg(1, (0, 1))),      # d/db (a/b) = -a/b^2
     "aten.maximum.default": (Arg(0), Arg(1)), "aten.minimum.default": (Arg(0), Arg(1)),
+    "aten.std.dim": (Arg(0), Out()), "aten.std.correction": (Arg(0), Out()),
     "aten.pow.Tensor_Tensor": (Arg(0), Arg(1), Out()),
     "aten.where.self": (Arg(0),), "aten.masked_fill.Scalar": (Arg(1),), "aten.masked_fill.Tensor": (Arg(1),),
     "aten.gather.default": (Arg(0), Arg(1)), "aten.index_select.default": (Arg(1),),
@@ -396,13 +397,16 @@ def _repeated_heads(node: fx.Node, cap: Captured) -> tuple | None:
     if not isinstance(expand, fx.Node) or op_name(expand) != "aten.expand.default":
         return None
     unsq = expand.args[0]
-    if not isinstance(unsq, fx.Node) or op_name(unsq) != "aten.unsqueeze.default":
+    if not isinstance(unsq, fx.Node) or op_name(unsq) != "aten.unsqueeze.default" or \
+            not isinstance(unsq.args[0], fx.Node):
         return None
     x = _first(cap.info[unsq.args[0].name].meta)
     e = _first(cap.info[expand.name].meta)
     out = _first(cap.info[node.name].meta)
+    if x is None or e is None or out is None:
+        return None
     j = unsq.args[1] % e.ndim
-    if x is None or e is None or out is None or j == 0:
+    if j == 0:
         return None
     repeats, groups = e.hint[j], x.hint[j - 1]
     merged = x.hint[:j - 1] + (groups * repeats,) + x.hint[j:]
@@ -441,6 +445,7 @@ def _bytes_of(m: TensorMeta) -> int:
 
 
 def activation_model(cap: Captured, hardware) -> ActivationModel:
+    """Which node pays for each tensor autograd keeps when `cap` trains on `hardware`."""
     kernels = kernel_family(hardware)
     grad = requires_grad(cap)
     owner = storage_owners(cap)
@@ -478,6 +483,8 @@ def activation_model(cap: Captured, hardware) -> ActivationModel:
             root = owner.get(value, value)
             if cap.info[root[0]].kind in (PARAM, BUFFER):
                 continue           # parameter memory, counted with the parameters
+            if meta_of(value) is None or meta_of(root) is None:
+                continue           # not a tensor export could describe
             kept_by.setdefault(root, []).append((node, keep, value))
 
     for root, uses in kept_by.items():

@@ -9,7 +9,7 @@ import cost_models as cm
 
 from .blocks import find_blocks
 from .capture import PARAM, Captured, capture
-from .classics import axis_roles, check_tensor_parallel_divisibility
+from .classics import axis_roles, check_tensor_parallel_divisibility, role_assignments
 from .collectives import AxisGroup, Comm
 from .cost import first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PlanError, ShardingError
@@ -107,15 +107,23 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
                    needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap))
     t_rules = time.perf_counter() - t0
-    sol = solve(prob, roles, limit, time_limit)
+    candidates = [roles]
+    if strategy == "auto" and spec.num_axes >= AUTO_BY_ROLE_AXES:
+        intra = [axis_links[a] == hw.intra_node_link for a in spec.axis_names]
+        candidates = role_assignments(spec, intra)
+    sol, roles = _best(prob, candidates, limit, time_limit)
+    if not sol.choice and len(candidates) > 1:
+        # e.g. a batch too small to split over every data axis: leave one axis to the search
+        candidates = role_assignments(spec, intra, num_free=1)
+        sol, roles = _best(prob, candidates, limit, time_limit)
     if not sol.choice:
-        free = solve(prob, roles, None, time_limit) if limit is not None else sol
+        free, _ = _best(prob, candidates, None, time_limit) if limit is not None else (sol, roles)
         if not free.choice:
             raise ShardingError(
                 f"strategy {strategy!r} cannot be laid out on mesh {spec}: some tensor dim does not divide by "
                 "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree); "
                 "use strategy='auto', another mesh, or sizes divisible by the axis sizes")
-        least = solve(prob, roles, None, time_limit, minimize_memory=True, gap=1e-6)
+        least, _ = _best(prob, candidates, None, time_limit, minimize_memory=True)
         raise InfeasiblePlanError(
             f"no {strategy!r} plan on mesh {spec} fits memory_limit={cm.format_bytes(limit)} per device: "
             f"the smallest any such plan needs is {cm.format_bytes(least.objective)} "
@@ -135,6 +143,8 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
                                      cap.info[c.where].module_path if c.where in cap.info else "", c.tensor)
                     for c in colls)
     stats = {"capture_seconds": t_capture, "rules_seconds": t_rules, "solve_seconds": sol.solve_seconds,
+             "axis_roles": ",".join(f"{a}={r or 'any'}" for a, r in zip(spec.axis_names, roles.roles)),
+             "searches": len(candidates),
              "status": sol.status, "objective_seconds": sol.objective,
              "num_nodes": len(strategies), "num_edges": len(prob.edges),
              "num_variables": sol.num_variables, "num_constraints": sol.num_constraints,
@@ -147,6 +157,34 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
                 collectives=records, predicted=pred, symbolic=sym,
                 symbols={str(s): v for s, v in cap.hints.items()}, stats=stats, param_zero=param_zero,
                 precision=policy.to_dict(), optimizer={"name": opt.name, "states_per_param": opt.states_per_param})
+
+
+# from this many mesh axes on, `auto` fixes each axis's role first (classics.role_assignments):
+# one search over every layout on 3+ axes grows too large to solve in seconds
+AUTO_BY_ROLE_AXES = 3
+
+
+def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=False):
+    """The best solution over several role assignments (the first assignment's if none solves)."""
+    best = None
+    total_seconds = 0.0
+    for roles in candidates:
+        try:
+            sol = solve(prob, roles, limit, time_limit, minimize_memory=minimize_memory,
+                        gap=1e-6 if minimize_memory else 1e-3)
+        except (ShardingError, InfeasiblePlanError):   # these roles cannot lay out some node
+            if len(candidates) == 1:
+                raise
+            continue
+        total_seconds += sol.solve_seconds
+        if sol.choice and (best is None or sol.objective < best[0].objective):
+            best = (sol, roles)
+    if best is None:
+        from .search import Solution
+        return Solution({}, (), float("inf"), total_seconds, "infeasible"), candidates[0]
+    sol, roles = best
+    sol.solve_seconds = total_seconds
+    return sol, roles
 
 
 def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | None = None,

@@ -18,7 +18,10 @@ from .placement import P, R, is_shard
 from .redistribute import UnsupportedRedistribution, plan_steps
 
 DP, FSDP, TP, ZERO1, ZERO2 = "dp", "fsdp", "tp", "zero1", "zero2"
-DATA_ROLES = (DP, FSDP, ZERO1, ZERO2)   # axes that split the batch
+# auto on a mesh of many axes (role_assignments): the axis splits the batch, and each parameter is
+# replicated, split (FSDP) or ZeRO-split over it as the search finds cheapest
+DATA = "data"
+DATA_ROLES = (DP, FSDP, ZERO1, ZERO2, DATA)   # axes that split the batch
 ZERO_LEVEL = {ZERO1: 1, ZERO2: 2}
 STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp")
 
@@ -59,6 +62,27 @@ def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
     raise AutoparError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 
+def role_assignments(mesh: MeshSpec, intra_node: list[bool], num_free: int = 0) -> list[Roles]:
+    """What `auto` tries on a mesh of many axes: each axis splits the batch (data) or the model (tp).
+
+    One search over every layout on every axis grows as (layouts per axis)^axes
+    per node and its square per edge; fixing each axis's role first keeps every
+    search small, and these assignments cover the plans people build by hand
+    (DP/FSDP/ZeRO x TP x SP), with the search still choosing per parameter and
+    per op within each role. Tensor parallelism is tried only on axes inside a
+    node (`intra_node`; on any axis if none is): it communicates in every
+    layer, forward and backward, which a link between nodes (~10x slower)
+    does not carry at speed. `num_free`: how many axes are left to the search
+    unrestricted (None), for when no assignment of roles alone fits, e.g. a
+    batch too small to split over every data axis.
+    """
+    import itertools
+    tp_ok = intra_node if any(intra_node) else [True] * mesh.num_axes
+    options = [(DATA, TP, None) if ok else (DATA, None) for ok in tp_ok]
+    return [Roles(combo, mesh.axis_names, mesh.axis_sizes) for combo in itertools.product(*options)
+            if sum(r is None for r in combo) == num_free]
+
+
 def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool]:
     """Which storage layouts a parameter may take under the roles.
 
@@ -92,7 +116,7 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
             p = s.output[a]
             if role in (DP, ZERO1, ZERO2) and p != R:
                 good = False
-            if role is not None and a in s.zero_axes and ZERO_LEVEL.get(role) != s.zero:
+            if role not in (None, DATA) and a in s.zero_axes and ZERO_LEVEL.get(role) != s.zero:
                 good = False
             if role == TP and info.meta is not None and info.meta.ndim >= 2 and not is_shard(p) and any(
                     is_shard(t.output[a]) for t in strategies):

@@ -12,30 +12,21 @@ it keeps its base alive instead.
 """
 from __future__ import annotations
 
-import operator
-
+from .activations import storage_owners
 from .capture import OP, Captured
-from .rules import op_name
-
-VIEW_OPS = {
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.transpose.int",
-    "aten.permute.default", "aten.t.default", "aten.expand.default", "aten.unsqueeze.default",
-    "aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.slice.Tensor", "aten.select.int",
-    "aten.split.Tensor", "aten.split_with_sizes.default", "aten.alias.default", "aten.detach.default",
-    "aten.unflatten.int", "aten.flatten.using_ints", "aten.chunk.default", "aten.unbind.int",
-}
-
 
 def storage_owner(cap: Captured) -> dict[str, str]:
-    """Node -> the node whose storage its output is (itself, unless it is a view)."""
-    owner = {}
+    """Node -> the node whose storage its output is (itself, unless it is a view).
+
+    The same storage facts as the activation model's (activations.storage_owners,
+    read off the traced tensors), so the two cannot disagree on what a view is.
+    """
+    owners = storage_owners(cap)
+    out = {}
     for node in cap.graph.nodes:
-        base = node
-        if node.op == "call_function" and (node.target is operator.getitem or op_name(node) in VIEW_OPS):
-            src = node.args[0]
-            base = cap.node(owner.get(src.name, src.name)) if hasattr(src, "name") else node
-        owner[node.name] = base.name
-    return owner
+        owner = owners.get((node.name, None)) or owners.get((node.name, 0))  # a tuple: its pieces' storage
+        out[node.name] = owner[0] if owner else node.name
+    return out
 
 
 def live_sets(cap: Captured) -> list[tuple[str, tuple[str, ...]]]:

@@ -14,6 +14,7 @@ those axes' coordinates.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -27,6 +28,7 @@ def S(dim: int) -> str:
     return f"S({dim})"
 
 
+@functools.cache   # pure, over a handful of strings; the search asks millions of times
 def shard_dim(p: str) -> int | None:
     """The tensor dim an "S(d)" entry splits, or None for R / P."""
     return int(p[2:-1]) if p.startswith("S(") else None
@@ -51,11 +53,13 @@ def dim_factor(placements: Placements, dim: int, axis_sizes: Sequence[int]) -> i
 
 def local_shape(shape: Sequence, placements: Placements, axis_sizes: Sequence[int]) -> tuple:
     """Shape of one rank's shard. Works on ints and on sympy expressions."""
-    out = []
-    for d, size in enumerate(shape):
-        f = dim_factor(placements, d, axis_sizes)
-        out.append(size // f if isinstance(size, int) else size / f)
-    return tuple(out)
+    factors = _dim_factors(tuple(placements), len(shape), tuple(axis_sizes))
+    return tuple(size // f if isinstance(size, int) else size / f for size, f in zip(shape, factors))
+
+
+@functools.cache   # pure; a few thousand distinct layouts per plan
+def _dim_factors(placements: Placements, ndim: int, axis_sizes: tuple) -> tuple:
+    return tuple(dim_factor(placements, d, axis_sizes) for d in range(ndim))
 
 
 def numel(shape: Sequence):

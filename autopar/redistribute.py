@@ -14,6 +14,7 @@ one its input expects, with the same table as the forward.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -102,6 +103,16 @@ def plan_steps(src: Placements, dst: Placements, grad_partial: Sequence[int] = (
     one of the same dim stays), every split is gathered first and the target
     cut afterwards: more bytes, but always possible (`fallback=False` refuses).
     """
+    return list(_plan_steps(tuple(src), tuple(dst), tuple(grad_partial), fallback, tuple(keep_partial)))
+
+
+@functools.cache   # pure, and the search asks the same layout pairs for every edge
+def _plan_steps(src: Placements, dst: Placements, grad_partial: tuple, fallback: bool,
+                keep_partial: tuple) -> tuple:
+    return tuple(_steps(src, dst, grad_partial, fallback, keep_partial))
+
+
+def _steps(src, dst, grad_partial, fallback, keep_partial) -> list[Step]:
     try:
         return _direct_steps(src, dst, grad_partial, keep_partial)
     except UnsupportedRedistribution:

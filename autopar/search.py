@@ -79,10 +79,10 @@ def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
     return edges
 
 
-def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=()) -> float:
+def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=(), signature=None) -> float:
     """Seconds of the collectives on edge e for one layout pair (memoised: a deep model asks
     the same question of every layer, and the answer depends only on what the key holds)."""
-    key = edge_signature(prob, e) + (src, dst, grad_partial, keep_partial)
+    key = (signature or edge_signature(prob, e)) + (src, dst, grad_partial, keep_partial)
     cost = prob.edge_cost_cache.get(key)
     if cost is None:
         cost = prob.edge_cost_cache[key] = _edge_cost(prob, e, src, dst, grad_partial, keep_partial)
@@ -278,6 +278,7 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list) -> di
     for member in edges:
         entry = alike.setdefault(edge_signature(prob, member), [member, 0])
         entry[1] += 1
+    alike = [(sig, member, n) for sig, (member, n) in alike.items()]
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
         if var is not None:
@@ -299,7 +300,7 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list) -> di
             if is_tuple and (p != dst or gp):
                 continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
             try:
-                c = sum(n * edge_cost(prob, member, p, dst, gp, zero_axes) for member, n in alike.values())
+                c = sum(n * edge_cost(prob, member, p, dst, gp, zero_axes, sig) for sig, member, n in alike)
             except UnsupportedRedistribution:
                 continue
             y = ilp.var(c * TIME_SCALE, integer=False)

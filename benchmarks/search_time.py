@@ -1,13 +1,15 @@
 """How long autopar.plan takes, by stage, against depth and mesh size (Llama-3 shapes, meta device).
 
-    python benchmarks/search_time.py                          # 8B shape, 2/4/8 layers, 8x8 mesh
-    python benchmarks/search_time.py --model 70b --layers 4,8 --mesh pp=16,dp=8,tp=8
+    python benchmarks/search_time.py                                   # 8B shape, 8/32 layers, 8x8 mesh
+    python benchmarks/search_time.py --layers 8,80                     # growth with depth
+    python benchmarks/search_time.py --model 70b --layers 8,80 --mesh a=16,b=8,c=8 --batch 128
 
-Prints one row per (model, layers, mesh): graph nodes, ILP variables, and
-seconds for capture, rule expansion, HiGHS, and the rest (building the ILP's
-edge costs and the numeric + symbolic predictions). The search does not yet
-merge repeated blocks, so every column grows with depth; this table is the
-baseline that work is measured against. Timings, so a benchmark, not a test.
+Prints one row per (model, layers, mesh): graph nodes, ILP variables, the
+number of searches (auto on 3+ axes tries one per role assignment), and
+seconds for capture, rule expansion, HiGHS, and the rest (building the
+ILP's edge costs and the numeric + symbolic predictions). Repeated layers
+share the ILP's variables, so only capture and the predictions grow with
+depth. Timings, so a benchmark, not a test.
 """
 import argparse
 import time
@@ -50,7 +52,7 @@ def plan_once(model_name: str, layers: int, mesh: dict, batch: int, seq: int, ha
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="8b", choices=sorted(SHAPES))
-    p.add_argument("--layers", default="2,4,8", help="comma-separated depths (default: 2,4,8)")
+    p.add_argument("--layers", default="8,32", help="comma-separated depths (default: 8,32)")
     p.add_argument("--mesh", default="dp=8,tp=8", help="axes and sizes (default: dp=8,tp=8)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
@@ -58,17 +60,17 @@ def main():
     args = p.parse_args()
     mesh = {k: int(v) for k, v in (part.split("=") for part in args.mesh.split(","))}
 
-    header = f"{'model':>5} {'layers':>6} {'mesh':>14} {'nodes':>6} {'ILP vars':>9} " \
-             f"{'capture':>8} {'rules':>6} {'HiGHS':>7} {'other':>7} {'total s':>8}"
+    header = f"{'model':>5} {'layers':>6} {'mesh':>16} {'nodes':>6} {'ILP vars':>9} {'searches':>8} " \
+             f"{'capture':>8} {'rules':>6} {'HiGHS':>7} {'other':>7} {'total s':>8}  roles"
     print(header)
     print("-" * len(header))
     for layers in (int(x) for x in args.layers.split(",")):
         plan, total = plan_once(args.model, layers, mesh, args.batch, args.seq, args.hardware)
         s = plan.stats
         other = total - s["capture_seconds"] - s["rules_seconds"] - s["solve_seconds"]
-        print(f"{args.model:>5} {layers:>6} {args.mesh:>14} {s['num_nodes']:>6} {s['num_variables']:>9} "
-              f"{s['capture_seconds']:>8.1f} {s['rules_seconds']:>6.1f} {s['solve_seconds']:>7.1f} "
-              f"{other:>7.1f} {total:>8.1f}", flush=True)
+        print(f"{args.model:>5} {layers:>6} {args.mesh:>16} {s['num_nodes']:>6} {s['num_variables']:>9} "
+              f"{s['searches']:>8} {s['capture_seconds']:>8.1f} {s['rules_seconds']:>6.1f} {s['solve_seconds']:>7.1f} "
+              f"{other:>7.1f} {total:>8.1f}  {s['axis_roles']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -50,31 +50,67 @@ def llama():  # GQA: 4 query heads, 2 key/value heads (one per rank under tp=2)
 
 
 MODELS = {"mlp": mlp, "gpt": gpt, "llama": llama}
+
+
+class OpZoo(nn.Module):
+    """One of each op op_keeps knows, on CPU: what the whole-model tests do not reach."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.emb = nn.Linear(8, 8), nn.Embedding(10, 8)
+        self.rms = nn.RMSNorm(8)
+
+    def forward(self, x, idx, target):
+        y = self.lin(x) + self.emb(idx)                         # [4, 8]
+        e = nn.functional
+        outs = [y.var(-1), y.std(-1), y.clamp(-1, 1), e.elu(y), e.leaky_relu(y), e.softplus(y), e.mish(y),
+                e.hardswish(y), torch.log1p(y.abs()), y.pow(2), torch.maximum(y, y * 2), torch.where(y > 0, y, y * 3),
+                y.masked_fill(y > 0, 0.0), y.gather(1, idx[:, None]), y.index_select(0, idx), y[idx], y.sigmoid(),
+                y.tanh(), y.exp(), y.rsqrt(), y.sqrt(), 1 / y, y.sin(), y.cos(), torch.erf(y), y.square(), y.log(),
+                y.relu(), e.softmax(y, -1), y @ y.t(), torch.bmm(y[None], y.t()[None]), y / y.sum(),
+                self.rms(y), e.dropout(y, 0.5), e.cross_entropy(y, target)]
+        q = y.view(1, 2, 2, 8)
+        mask = torch.ones(2, 2, dtype=torch.bool).tril()
+        outs += [e.scaled_dot_product_attention(q, q, q, attn_mask=mask),            # CPU flash, bool mask
+                 e.scaled_dot_product_attention(y[None], y[None], y[None]),          # 3-d: the math fallback
+                 e.scaled_dot_product_attention(q, q, q, dropout_p=0.5)]             # dropout: math too
+        return sum(t.float().sum() for t in outs)
+
+
+def zoo():
+    return OpZoo().train(), (torch.randn(4, 8), torch.randint(0, 4, (4,)), torch.randint(0, 8, (4,)))
 # (mesh shape, axis names, strategy); a 1-rank mesh is the unparallelized model
 LAYOUTS = {"none": ((1,), ("dp",), "ddp"), "ddp": ((2,), ("dp",), "ddp"), "fsdp": ((2,), ("dp",), "fsdp"),
            "tp": ((2,), ("tp",), "tp"), "tp+sp": ((2,), ("tp",), "tp+sp")}
 
 
-def _kept_bytes(rank, model, x, mesh_shape, names, strategy):
+def _audit_rows(rank, model, x, mesh_shape, names, strategy):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
         pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy)
-    row = autopar.audit(pm, pm.plan.local_inputs(x)).row("activations saved for backward")
-    return row.predicted, row.measured
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
+    report = autopar.audit(pm, pm.plan.local_inputs(x), optimizer=opt)
+    return {r.quantity: (r.predicted, r.measured) for r in report.rows}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(MODELS))
-def test_predicted_activations_match_what_autograd_keeps_on_every_rank(name, layout):
+def test_predicted_memory_and_communication_match_the_run_on_every_rank(name, layout):
+    """Activations within REL of what autograd keeps; bytes communicated, parameter, gradient and
+    AdamW-state bytes exactly what the collectives moved and what is allocated."""
     torch.manual_seed(0)
     model, x = MODELS[name]()
     mesh_shape, names, strategy = LAYOUTS[layout]
-    results = run_threaded(mesh_shape[0], _kept_bytes, model, x, mesh_shape, names, strategy)
-    for rank, (predicted, measured) in enumerate(results):
+    results = run_threaded(mesh_shape[0], _audit_rows, model, x, mesh_shape, names, strategy)
+    for rank, rows in enumerate(results):
+        predicted, measured = rows["activations saved for backward"]
         assert measured == pytest.approx(predicted, rel=REL), (
             f"{name} {layout} rank {rank}: predicted {predicted:.0f} B, autograd kept {measured:.0f} B")
+        for quantity in [f"comm bytes on {a}" for a in names] + ["parameters", "gradients", "optimizer state"]:
+            predicted, measured = rows[quantity]
+            assert measured == predicted, f"{name} {layout} rank {rank} {quantity}: {predicted} vs {measured}"
 
 
 def _eager_kept_bytes(model, x) -> int:
@@ -152,16 +188,18 @@ def _nbytes(meta) -> int:
     return n * meta.itemsize
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [*MODELS, "zoo"])
 def test_each_op_keeps_what_the_table_says(name):
     """Op by op on CPU: the tensors autograd keeps (by storage) against op_keeps."""
     torch.manual_seed(0)
-    model, x = MODELS[name]()
-    cap = capture(model, (x,))
+    model, x = {**MODELS, "zoo": zoo}[name]()
+    x = x if isinstance(x, tuple) else (x,)
+    cap = capture(model, x)
     grad, owner = requires_grad(cap), storage_owners(cap)
     ep = cap.exported
     values = {**dict(model.named_parameters()), **dict(model.named_buffers()), **ep.constants}
-    inputs = [values.get(s.target, x) for s in ep.graph_signature.input_specs]
+    user = iter(x)
+    inputs = [values[s.target] if s.target in values else next(user) for s in ep.graph_signature.input_specs]
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     wrong = []
 

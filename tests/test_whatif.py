@@ -55,20 +55,37 @@ def ddp():
 
 # --- FSDP (dp=2) + Megatron TP (tp=2) -----------------------------------------
 #
-# Layout (asserted below, so the derivation's premises are checked): layer 0 is
-# column-parallel (weight [128, 64] split on its output dim over tp), layer 1
-# row-parallel (weight [64, 128] split on its input dim over tp, output partial
-# sums); both weights are also split over dp (FSDP) and gathered whole over dp
-# for use. The batch is split over dp only: 2 shards.
+# The captured graph is two ops: linear(x, W0) -> h [B, 128], linear_1(h, W1) -> y [B, 64],
+# y the module's output. Layout (asserted below, so the derivation's premises are checked):
+# layer 0 is column-parallel (W0 [128, 64] split on its output dim over tp), layer 1
+# row-parallel (W1 [64, 128] split on its input dim over tp, output y partial sums P over tp);
+# both weights are also split over dp (FSDP) and gathered whole over dp for use. The batch
+# is split over dp only: 2 shards. Per device, B the global batch:
 #
-# Memory per device, B the global batch:
-#   params    2 weights / 4 devices       = 2 * 32768 / 4 = 16384
-#   grads     same layout                 = 16384
-#   optimizer AdamW, 2 moments            = 32768
-#   transient one weight gathered over dp, still split over tp = 32768 / 2 = 16384
-#   activations: layer 1 saves its input, layer 0's output [B, 128] split B/2 (dp)
-#             and 128/2 (tp): B/2 * 64 * 4 bytes = 128 B   (the model input is not counted)
-#   total = 81920 + 128 B
+# Parameters (one tp shard of each weight, split again over dp: 1/4 of each):
+#   params    2 weights * 32768 / 4                     = 16384
+#   grads     same layout, fp32                         = 16384
+#   optimizer AdamW, 2 fp32 moments                     = 32768
+# Activations, what autograd keeps, by storage (activations.py); the weights themselves are
+# parameter memory and FSDP re-gathers them for backward, so neither linear keeps a weight:
+#   linear keeps its input x (W0 needs a gradient), as it takes it: x is split over dp
+#     (the batch) and whole over tp (column-parallel reads all of k):
+#     [B/2, 64] fp32 = B/2 * 64 * 4                     = 128 B
+#   linear_1 keeps its input h (W1 needs a gradient), as it takes it: split over dp and,
+#     row-parallel, on its contracted dim 128 over tp: [B/2, 64] fp32 = 128 B
+#   (x's input gradient is never needed: x does not require grad)
+#   activations                                         = 256 B
+# Transient, the largest forward working set (liveness.py): what is alive at an op and not
+# kept by autograd, plus the weights gathered whole over dp for that op.
+#   at linear:   h is being made but is kept (counted above); W0 gathered over dp, still
+#                split over tp: [128/2, 64] fp32 = 16384                 -> 16384
+#   at linear_1: h kept; y (lives to the end: the loss reads it), partial sums [B/2, 64]
+#                fp32 = 128 B; W1 gathered over dp, split over tp: [64, 128/2] fp32 = 16384
+#                                                                        -> 16384 + 128 B
+#   linear_1's set holds linear's plus y, so it peaks at every B: transient = 16384 + 128 B
+#   (the symbolic form is the op that peaks at the example batch, B = 8; here it peaks at
+#   every batch, so the expression, and max_batch, are exact for the cost model)
+#   total = 16384 + 16384 + 32768 + 256 B + 16384 + 128 B = 81920 + 384 B
 # Compute (3 x forward FLOPs at 1e12):
 #   layer 0: local [B/2, 64] out, k = 64:  2 * (B/2 * 64) * 64 = 4096 B FLOPs
 #   layer 1: local [B/2, 64] out, k = 128/2: 4096 B FLOPs
@@ -84,15 +101,22 @@ def ddp():
 #   dp when 2.4576e-8 B >= 5.4096e-5        <=> B >= 2201.17
 #   tp when 2.4576e-8 B >= 1e-5 + 1.28e-8 B <=> B >= 1e-5 / 1.1776e-8 = 849.18
 #   -> the smallest even B from which both hold: 2202
-# Largest batch within 100,000 bytes: 128 B <= 18080 <=> B <= 141.25 -> even: 140.
-# Within 1 MiB: 128 B <= 1048576 - 81920 = 966656 <=> B <= 7552 (exactly at the limit).
+# Largest batch within 100,000 bytes: 384 B <= 18080 <=> B <= 47.08 -> even: 46
+#   (46: 81920 + 17664 = 99584 fits; 48: 81920 + 18432 = 100352 does not).
+# Within 1 MiB: 384 B <= 1048576 - 81920 = 966656 <=> B <= 2517.3 -> even: 2516.
+# Within 1040 KiB = 1064960: 384 B <= 983040 <=> B <= 2560, exactly at the limit.
 
 def test_fsdp_tp_layout_and_terms_match_the_derivation(fsdp_tp):
     plan = fsdp_tp
     assert plan.batch_axes == ("dp",)
     assert plan.param_placements == {"0.weight": ("S(1)", "S(0)"), "1.weight": ("S(0)", "S(1)")}
     s = plan.symbolic
-    assert sympy.expand(s.memory.total - (81920 + 128 * b)) == 0
+    m = s.memory
+    assert (m.params, m.grads, m.optimizer) == (16384, 16384, 32768)
+    assert sympy.expand(m.activations - 256 * b) == 0
+    assert sympy.expand(m.transient - (16384 + 128 * b)) == 0
+    assert sympy.expand(m.total - (81920 + 384 * b)) == 0
+    assert plan.predicted.memory.total == 81920 + 384 * 8  # the example batch
     assert float(_at(s.compute_time, 1)) == pytest.approx(2.4576e-8, rel=1e-12)
     assert sympy.sympify(s.comm_time["dp"]).free_symbols == set()
     assert float(s.comm_time["dp"]) == pytest.approx(5 * (1e-5 + 8192 / 1e10), rel=1e-12)
@@ -109,29 +133,48 @@ def test_fsdp_tp_min_compute_bound_batch(fsdp_tp):
     assert _at(s.compute_time, 2200) < _at(s.comm_time["dp"], 2200)
 
 
-@pytest.mark.parametrize("limit,expected", [(100_000, 140), ("1MiB", 7552)])
+@pytest.mark.parametrize("limit,expected", [(100_000, 46), ("1MiB", 2516), ("1040KiB", 2560)])
 def test_fsdp_tp_max_batch(fsdp_tp, limit, expected):
     assert autopar.max_batch(fsdp_tp, limit) == expected
     total = fsdp_tp.symbolic.memory.total
     assert _at(total, expected) <= cm.parse_bytes(limit) < _at(total, expected + 2)  # 2 batch shards
 
 
+def test_fsdp_tp_symbolic_memory_is_the_prediction_at_another_batch():
+    # the peak op (linear_1) is the same at every batch, so the expression made at B = 8 is
+    # what the cost model predicts for a plan made at B = 2560: 81920 + 384 * 2560 = 1064960
+    plan = _plan("fsdp+tp", {"dp": 2, "tp": 2}, dynamic=False, shape=(2560, 64))
+    assert plan.param_placements == {"0.weight": ("S(1)", "S(0)"), "1.weight": ("S(0)", "S(1)")}
+    assert plan.predicted.memory.transient == 16384 + 128 * 2560
+    assert plan.predicted.memory.total == 1064960
+
+
 # --- DDP on dp=4 ----------------------------------------------------------------
 #
-# Memory: weights whole on each device: params 65536, grads 65536, optimizer 131072,
-#   no transient; activations: layer 0's output [B/4, 128] fp32 = 128 B.
-#   total = 262144 + 128 B
+# Memory, weights whole on each device:
+#   params 2 * 32768 = 65536, grads 65536, optimizer (AdamW, 2 moments) 131072 -> 262144
+#   activations: linear keeps x split over dp: [B/4, 64] fp32 = 64 B;
+#                linear_1 keeps h split over dp: [B/4, 128] fp32 = 128 B     -> 192 B
+#   transient: no weight is gathered; at linear nothing alive is unkept (h is kept);
+#              at linear_1 the output y [B/4, 64] fp32 = 64 B                -> 64 B
+#              (every working-set term is proportional to B: the peak op never moves)
+#   total = 262144 + 256 B
 # Compute: layer 0 [B/4, 128] out, k = 64: 4096 B FLOPs; layer 1 [B/4, 64] out, k = 128:
 #   4096 B FLOPs; 3 * 8192 B / 1e12 = 2.4576e-8 B s (the same total as above).
 # Communication, dp: one all-reduce per gradient, B = 32768 bytes, n = 4:
 #   1e-5 * 3 + 2 * 3/4 * 32768 / 1e10 = 3e-5 + 4.9152e-6 s each -> 6.98304e-5 s
 # Compute covers dp when 2.4576e-8 B >= 6.98304e-5 <=> B >= 2841.4 -> multiple of 4: 2844.
-# Largest batch within 300,000 bytes: 128 B <= 37856 <=> B <= 295.75 -> multiple of 4: 292.
+# Largest batch within 300,000 bytes: 256 B <= 37856 <=> B <= 147.875 -> multiple of 4: 144
+#   (144: 262144 + 36864 = 299008 fits; 148: 262144 + 37888 = 300032 does not).
 
 def test_ddp_terms_match_the_derivation(ddp):
     s = ddp.symbolic
     assert ddp.batch_axes == ("dp",)
-    assert sympy.expand(s.memory.total - (262144 + 128 * b)) == 0
+    m = s.memory
+    assert (m.params, m.grads, m.optimizer) == (65536, 65536, 131072)
+    assert sympy.expand(m.activations - 192 * b) == 0
+    assert sympy.expand(m.transient - 64 * b) == 0
+    assert sympy.expand(m.total - (262144 + 256 * b)) == 0
     assert float(_at(s.compute_time, 1)) == pytest.approx(2.4576e-8, rel=1e-12)
     assert float(s.comm_time["dp"]) == pytest.approx(2 * (3e-5 + 1.5 * WEIGHT_BYTES / 1e10), rel=1e-12)
 
@@ -144,22 +187,61 @@ def test_ddp_min_compute_bound_batch(ddp):
 
 
 def test_ddp_max_batch_is_a_multiple_of_the_batch_shards(ddp):
-    assert autopar.max_batch(ddp, 300_000) == 292
+    assert autopar.max_batch(ddp, 300_000) == 144
     total = ddp.symbolic.memory.total
-    assert _at(total, 292) <= 300_000 < _at(total, 296)
-    assert _at(total, 295) <= 300_000  # 295 fits too, but 4 ranks cannot split it evenly
+    assert _at(total, 144) <= 300_000 < _at(total, 148)
+    assert _at(total, 147) <= 300_000  # 147 fits too (299776), but 4 ranks cannot split it evenly
 
 
 def test_other_dynamic_dims_stay_at_their_example_size():
-    # input [B, S, 64], S = 2 in the example: activations 128 B S = 256 B at S = 2,
-    # memory 262144 + 256 B <= 300,000 <=> B <= 147.875 -> multiple of 4: 144
+    # input [B, S, 64], S = 2 in the example; each term above gains a factor S:
+    # activations 64 B S + 128 B S, transient 64 B S -> 256 B S = 512 B at S = 2,
+    # memory 262144 + 512 B <= 300,000 <=> B <= 73.94 -> multiple of 4: 72
     plan = _plan("ddp", {"dp": 4}, shape=(8, 2, 64), dims={0: BATCH, 1: SEQ})
     assert plan.symbols == {"batch": 8, "seq": 2}
+    seq = sympy.Symbol("seq", integer=True, positive=True)
+    assert sympy.expand(plan.symbolic.memory.total - (262144 + 256 * b * seq)) == 0
     with pytest.raises(autopar.AutoparError, match=r"several dynamic dims \(batch, seq\).*symbol="):
         autopar.max_batch(plan, 300_000)
-    assert autopar.max_batch(plan, 300_000, symbol="batch") == 144
+    assert autopar.max_batch(plan, 300_000, symbol="batch") == 72
     with pytest.raises(autopar.AutoparError, match="symbol='tokens' is not a dynamic dim"):
         autopar.min_compute_bound_batch(plan, symbol="tokens")
+
+
+# --- where the peak op moves with the batch: FSDP on dp=2, 64 -> 1024 -> 8 --------------
+#
+# W0 [1024, 64] = 262144 bytes, W1 [8, 1024] = 32768 bytes, both split over dp and gathered
+# whole for use; the batch split over dp.
+#   params + grads + optimizer = (262144 + 32768) / 2 * (1 + 1 + 2) = 589824
+#   activations: linear keeps x [B/2, 64] = 128 B, linear_1 keeps h [B/2, 1024] = 2048 B
+#   working sets: at linear W0 = 262144 (h is kept); at linear_1 W1 + y [B/2, 8] = 32768 + 16 B
+#   -> linear peaks below B = (262144 - 32768) / 16 = 14336, linear_1 above it.
+# Made at B = 8, the symbolic transient is linear's 262144, so
+#   memory.total = 589824 + 2176 B + 262144 = 851968 + 2176 B,
+# exact up to B = 14336 and too low above it, where the cost model predicts
+#   589824 + 2176 B + 32768 + 16 B = 622592 + 2192 B.
+# With the limit 851968 + 2176 * 16384 = 36503552, max_batch answers 16384, yet a plan made
+# at 16384 predicts 622592 + 2192 * 16384 = 36536320 (32768 over); the largest batch within
+# the limit by that prediction is 2192 B <= 35880960 <=> B <= 16369.05 -> even: 16368.
+# (If the symbolic transient becomes the Max over ops, max_batch answers 16368 here.)
+
+def _wide_then_narrow():
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(64, 1024, bias=False), nn.Linear(1024, 8, bias=False))
+
+
+def test_max_batch_follows_the_example_batchs_peak_op():
+    plan = _plan("fsdp", {"dp": 2}, model=_wide_then_narrow())
+    m = plan.symbolic.memory
+    assert (m.params + m.grads + m.optimizer) == 589824
+    assert sympy.expand(m.activations - 2176 * b) == 0
+    assert m.transient == 262144
+    assert autopar.max_batch(plan, 36503552) == 16384
+    at_small = _plan("fsdp", {"dp": 2}, dynamic=False, shape=(14336, 64), model=_wide_then_narrow())
+    assert at_small.predicted.memory.total == _at(m.total, 14336) == 851968 + 2176 * 14336
+    at_large = _plan("fsdp", {"dp": 2}, dynamic=False, shape=(16384, 64), model=_wide_then_narrow())
+    assert at_large.predicted.memory.transient == 32768 + 16 * 16384
+    assert at_large.predicted.memory.total == 36536320 > 36503552
 
 
 # --- the symbolic predictions these queries read ------------------------------------
@@ -172,7 +254,7 @@ def test_comm_time_is_per_axis_expressions_in_batch_that_survive_json(fsdp_tp):
     back = autopar.Plan.from_json(fsdp_tp.to_json())
     assert back.symbolic == fsdp_tp.symbolic  # exactly: the floats keep all their bits
     assert autopar.min_compute_bound_batch(back) == 2202
-    assert autopar.max_batch(back, 100_000) == 140
+    assert autopar.max_batch(back, 100_000) == 46
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -185,17 +267,31 @@ def test_plan_without_dynamic_batch_is_refused():
 
 
 def test_smallest_batch_over_the_limit(fsdp_tp):
-    # at B = 2 (one sample per dp shard): 81920 + 256 = 82176 bytes > 64 KiB
-    with pytest.raises(autopar.AutoparError, match=r"smallest batch this plan takes, 2 .*80.25 KiB.*64.00 KiB"):
+    # at B = 2 (one sample per dp shard): 81920 + 384 * 2 = 82688 bytes = 80.75 KiB > 64 KiB
+    with pytest.raises(autopar.AutoparError, match=r"smallest batch this plan takes, 2 .*80.75 KiB.*64.00 KiB"):
         autopar.max_batch(fsdp_tp, "64KiB")
 
 
 def test_memory_that_does_not_grow_with_the_batch():
-    # one linear: it saves only the model input, which no activation term counts
+    # x [8, S, 64], only S dynamic, pooled away by a mean before the one linear (64 -> 64), DDP on
+    # dp=2. The mean keeps nothing (x does not require grad); linear keeps its input, the mean
+    # [8/2, 64] = 1024 bytes; the output [8/2, 64] = 1024 bytes is the working set at linear.
+    # params 16384 + grads 16384 + AdamW 32768 + 1024 + 1024 = 67584 bytes = 66.00 KiB at every S.
+    # (x itself, 1024 S bytes here, is a user input: the cost model counts inputs only where
+    # autograd keeps them.)
+    class Pool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64, bias=False)
+
+        def forward(self, input):
+            return self.lin(input.mean(1))
+
     with torch.device("meta"):
-        one = nn.Sequential(nn.Linear(64, 64, bias=False))
-    plan = _plan("ddp", {"dp": 2}, model=one)
-    with pytest.raises(autopar.AutoparError, match="does not depend on batch.*met at every batch"):
+        model = Pool()
+    plan = _plan("ddp", {"dp": 2}, model=model, shape=(8, 2, 64), dims={1: SEQ})
+    assert plan.symbolic.memory.total == 67584
+    with pytest.raises(autopar.AutoparError, match=r"\(66.00 KiB\) does not depend on seq.*met at every batch"):
         autopar.max_batch(plan, "1GiB")
 
 
