@@ -75,6 +75,7 @@ class ShardedOptimizer:
             self._zero.append(z)
             params.append(z.slice)
         self.optimizer = optimizer_class(params, **kwargs)
+        module.zero_optimizer = self
 
     def _reduce(self, z: _ZeroParam, phase: str) -> None:
         g = z.param.grad.reshape(-1)

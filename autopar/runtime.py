@@ -82,6 +82,18 @@ class ParallelModule(torch.nn.Module):
             else:
                 self._placeholder_sources.append((INPUT, None))
         self._num_inputs = sum(1 for k, _ in self._placeholder_sources if k == INPUT)
+        self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
+        for fqn, p in self.store.named_parameters():
+            if fqn in plan.param_zero and p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._check_zero_optimizer)
+
+    def _check_zero_optimizer(self, param):
+        # a plain torch optimizer would step on this rank's unreduced gradient: wrong, silently
+        if self.zero_optimizer is None:
+            raise PlanError("this plan splits some parameters' optimizer state ZeRO-style (plan.param_zero), "
+                            "so their gradients are reduced by the optimizer wrapper, not in backward: create "
+                            "the optimizer as autopar.ShardedOptimizer(model, torch.optim.AdamW, lr=...) "
+                            "before the first backward")
 
     def _param_names(self):
         return {n for n, _ in self.store.named_parameters()}

@@ -103,7 +103,8 @@ def main():
 
     local_tokens = pm.plan.local_inputs(tokens)      # this rank's shard of the batch
     local_targets = pm.plan.local_targets(targets)   # split like the outputs: along the batch dim
-    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+    # the wrapper steps parameters the plan splits ZeRO-style on their slice; others as AdamW would
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr) if rank == 0 else None
 
     if rank == 0:

@@ -98,3 +98,21 @@ def test_zero_trains_like_one_device(make, strategy, mesh_shape):
         assert not [c for c in plan.collectives if c.kind == "all_reduce" and c.tensor in params]
         assert {(c.kind, c.phase) for c in plan.collectives if c.tensor in params} == {
             ("reduce_scatter", "backward" if strategy == "zero2" else "optimizer"), ("all_gather", "optimizer")}
+
+
+def _plain_optimizer_backward(rank, model, x):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="zero1")
+    torch.optim.AdamW(pm.parameters())   # not the wrapper: ZeRO gradients would stay unreduced
+    try:
+        pm(pm.plan.local_inputs(x)).sum().backward()
+    except autopar.PlanError as e:
+        return str(e)
+    return None
+
+
+def test_a_zero_plan_without_the_wrapper_fails_loudly():
+    model, x, _, _ = _mlp()
+    for message in run_threaded(2, _plain_optimizer_backward, model, x):
+        assert message is not None and "ShardedOptimizer" in message
