@@ -32,10 +32,22 @@ def max_batch(plan: Plan, memory_limit, *, symbol: str | None = None) -> int:
     """The largest global batch whose predicted memory per device stays within `memory_limit`.
 
     `memory_limit` is bytes or a string like "80GiB". The batch is a multiple of
-    the number of batch shards; memory (`plan.symbolic.memory.total`) grows with
-    the batch, so the answer is exact: at the returned batch the prediction is
-    within the limit, one more sample per shard is over it. `symbol` names the
-    batch dim when the plan has several dynamic dims.
+    the number of batch shards. `plan.symbolic.memory.total` never shrinks as
+    the batch grows, so doubling then bisecting over integers finds its
+    boundary exactly: at the returned batch the expression is within the
+    limit, one more sample per shard is over it. `symbol` names the batch dim
+    when the plan has several dynamic dims.
+
+    The expression's transient term is the working set of the forward op that
+    peaks at the example sizes (see `predict.peak_working_set`), so the answer
+    is the cost model's own wherever that op still peaks. It does at every
+    batch when each working set is proportional to the batch (no weight
+    gathered in forward, as under DDP, TP or ZeRO-1/2, and no tensor without
+    the batch dim alive outside what autograd keeps): then no op overtakes
+    another. Under FSDP a gathered weight adds a constant to its op's working
+    set, so another op may peak at other batches; there the expression is
+    below the cost model's prediction and the answer can be too large (a plan
+    made at that batch, `plan.predicted.memory.total`, tells).
     """
     batch = _batch_symbol(plan, symbol, "max_batch")
     shards = _batch_shards(plan)
@@ -47,7 +59,8 @@ def max_batch(plan: Plan, memory_limit, *, symbol: str | None = None) -> int:
     if batch not in memory.free_symbols:
         raise AutoparError(
             f"autopar.max_batch: the plan's predicted memory per device ({cm.format_bytes(float(memory))}) does not "
-            f"depend on {batch} (no activation that scales with it is kept for backward), so memory_limit="
+            f"depend on {batch} (neither what autograd keeps for backward nor any forward working set grows with "
+            f"it), so memory_limit="
             f"{cm.format_bytes(limit)} is {'met' if memory <= limit else 'exceeded'} at every batch and sets no "
             "largest one; mark the batch dim of the inputs dynamic if another dim is, or pass symbol=")
 
