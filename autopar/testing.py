@@ -226,6 +226,18 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class LogitsOnly(nn.Module):
+    """A Hugging Face causal LM as a tensor -> tensor module: autopar plans the logits
+    (HF models return a ModelOutput and take keyword arguments)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
 def gpt_loss(logits, targets):
     """Mean cross-entropy over all B*T positions."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -4,9 +4,9 @@
     python benchmarks/cost_fidelity.py --models gpt,llama --strategies tp,tp+sp
 
 For each example model (MLP, GPT, a small random HF Llama) under each
-strategy (ddp, fsdp, tp, tp+sp on 2 ranks; fsdp+tp on 2 x 2), every rank runs
-one forward, backward and AdamW step on the threaded process group (no
-torchrun) and prints, as predicted / measured: bytes each device sends per
+strategy (ddp, zero1, zero2, fsdp, tp, tp+sp on 2 ranks; fsdp+tp on 2 x 2),
+every rank runs one forward, backward and AdamW step (autopar.ShardedOptimizer)
+on the threaded process group (no torchrun) and prints, as predicted / measured: bytes each device sends per
 mesh axis, parameter, gradient and optimizer-state bytes, and the activation
 bytes autograd keeps for backward with measured / predicted. Values are rank
 0's; the ratio column is the one farthest from 1 over all ranks. Sizes are
@@ -20,19 +20,10 @@ import torch
 
 import autopar
 import cost_models as cm
-from autopar.testing import GPT, MLP, GPTConfig, run_threaded
+from autopar.testing import GPT, MLP, GPTConfig, LogitsOnly, run_threaded
 
-STRATEGY_MESHES = {"ddp": ((2,), ("dp",)), "fsdp": ((2,), ("dp",)), "tp": ((2,), ("tp",)),
+STRATEGY_MESHES = {"ddp": ((2,), ("dp",)), "zero1": ((2,), ("dp",)), "zero2": ((2,), ("dp",)), "fsdp": ((2,), ("dp",)), "tp": ((2,), ("tp",)),
                    "tp+sp": ((2,), ("tp",)), "fsdp+tp": ((2, 2), ("dp", "tp"))}
-
-
-class LogitsOnly(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 def mlp():
@@ -60,7 +51,7 @@ def _audit(rank, model, x, mesh_shape, names, strategy):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")    # ops without rules, divisibility: not what is measured here
         pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
     return autopar.audit(pm, pm.plan.local_inputs(x), optimizer=opt)
 
 

@@ -17,20 +17,9 @@ from autopar.activations import CPU, Arg, New, op_keeps, requires_grad, storage_
 from autopar.capture import BUFFER, PARAM, capture
 from autopar.placement import R
 from autopar.rules import tensor_args
-from autopar.testing import GPT, MLP, GPTConfig, run_threaded
+from autopar.testing import GPT, MLP, GPTConfig, LogitsOnly, run_threaded
 
 REL = 0.03
-
-
-class LogitsOnly(nn.Module):
-    """HF models return a ModelOutput; autopar plans the logits."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 def mlp():

@@ -13,20 +13,9 @@ import cost_models as cm
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import autopar
-from autopar.testing import gpt_loss, parallel_record, run_threaded, single_device_reference
+from autopar.testing import LogitsOnly, gpt_loss, parallel_record, run_threaded, single_device_reference
 
 LR = 1e-4  # small enough that AdamW does not turn float noise into differences above atol
-
-
-class LogitsOnly(torch.nn.Module):
-    """HF models return a ModelOutput; the loss is computed outside, from the logits."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 def llama(heads=4, kv_heads=2, hidden=32):
