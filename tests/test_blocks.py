@@ -35,12 +35,13 @@ def test_a_layer_of_another_shape_is_not_tied():
 
 
 def test_tying_finds_as_cheap_a_plan():
-    """Without tying, each layer could choose alone. Without a memory limit identical layers gain
-    nothing from that; near the least memory, layers that differ can fill the limit more tightly
-    (here 0.3% faster), which is the price of a search whose size does not grow with depth."""
+    """Without tying, each layer could choose alone. Without a memory limit, and with one
+    half again the least any plan needs, identical layers gain nothing from that; closer to the
+    least (here 80 KB against 52 KB), layers that differ can fill the limit more tightly --
+    measured 4.2% faster -- which is the price of a search whose size does not grow with depth."""
     model, x = _gpt(2)
     cap = capture(model, (x,))
-    for limit, slack in ((None, 2e-3), (80_000, 1e-2)):   # none (197 KB chosen); near the least (49 KB)
+    for limit, slack in ((None, 2e-3), (100_000, 2e-3), (80_000, 0.05)):   # none: 199 KB chosen
         tied = _plan_captured(cap, {"a": 2, "b": 2}, hardware="cpu", memory_limit=limit)
         untied = _plan_captured(cap, {"a": 2, "b": 2}, hardware="cpu", memory_limit=limit, tie_blocks=False)
         assert tied.stats["num_variables"] < untied.stats["num_variables"]
