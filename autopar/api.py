@@ -129,8 +129,10 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
             f"the smallest any such plan needs is {cm.format_bytes(least.objective)} "
             f"({least.objective:.0f} bytes). Raise the limit, add devices, or try another strategy.",
             min_memory_bytes=least.objective)
+    t0 = time.perf_counter()
     pred, colls = predict(prob, sol.choice, symbolic=False)
     sym, _ = predict(prob, sol.choice, symbolic=True)
+    t_predict = time.perf_counter() - t0
     node_strategies = {n: ns.strategies[sol.choice[n]] for n, ns in strategies.items()}
     param_placements = {cap.info[n].target_name: s.output for n, s in node_strategies.items()
                         if cap.info[n].kind == PARAM}
@@ -142,7 +144,8 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     records = tuple(CollectiveRecord(c.kind, spec.axis_names[c.axis], c.phase, float(c.full_bytes), c.where,
                                      cap.info[c.where].module_path if c.where in cap.info else "", c.tensor)
                     for c in colls)
-    stats = {"capture_seconds": t_capture, "rules_seconds": t_rules, "solve_seconds": sol.solve_seconds,
+    stats = {"capture_seconds": t_capture, "rules_seconds": t_rules, "build_seconds": sol.build_seconds,
+             "solve_seconds": sol.solve_seconds, "predict_seconds": t_predict,
              "axis_roles": ",".join(f"{a}={r or 'any'}" for a, r in zip(spec.axis_names, roles.roles)),
              "searches": len(candidates),
              "status": sol.status, "objective_seconds": sol.objective,
@@ -167,8 +170,11 @@ AUTO_BY_ROLE_AXES = 3
 def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=False):
     """The best solution over several role assignments (the first assignment's if none solves)."""
     best = None
-    total_seconds = 0.0
-    for roles in candidates:
+    total_seconds = build_seconds = 0.0
+    for i, roles in enumerate(candidates):
+        if len(candidates) > 1:
+            _progress(f"search {i + 1}/{len(candidates)}: " + ",".join(
+                f"{a}={r or 'any'}" for a, r in zip(roles.axis_names, roles.roles)))
         try:
             sol = solve(prob, roles, limit, time_limit, minimize_memory=minimize_memory,
                         gap=1e-6 if minimize_memory else 1e-3)
@@ -177,14 +183,25 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
                 raise
             continue
         total_seconds += sol.solve_seconds
+        build_seconds += sol.build_seconds
         if sol.choice and (best is None or sol.objective < best[0].objective):
             best = (sol, roles)
+    if len(candidates) > 1:
+        _progress("")
     if best is None:
         from .search import Solution
-        return Solution({}, (), float("inf"), total_seconds, "infeasible"), candidates[0]
+        return Solution({}, (), float("inf"), total_seconds, "infeasible", build_seconds=build_seconds), candidates[0]
     sol, roles = best
-    sol.solve_seconds = total_seconds
+    sol.solve_seconds, sol.build_seconds = total_seconds, build_seconds
     return sol, roles
+
+
+def _progress(text: str) -> None:
+    """One status line on a terminal (rewritten in place); nothing when stderr is a file or pipe."""
+    import sys
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r\033[Kautopar: {text}" if text else "\r\033[K")
+        sys.stderr.flush()
 
 
 def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | None = None,

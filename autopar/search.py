@@ -66,6 +66,7 @@ class Solution:
     num_variables: int = 0
     num_constraints: int = 0
     mip_gap: float = 0.0            # proven distance from the optimum when HiGHS stopped
+    build_seconds: float = 0.0      # building the ILP (edge costs, rows), before HiGHS
 
 
 def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
@@ -343,6 +344,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     `gap`: HiGHS stops once the plan is provably within this fraction of the
     optimum; the plan reports the gap it reached.
     """
+    t_build = time.perf_counter()
     ilp = _ILP()
     xvars = _node_vars(prob, roles, ilp)
     bvars = _batch_vars(prob, roles, ilp, xvars)
@@ -361,12 +363,13 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     upper = [1.0] * len(ilp.cost)
     upper[transient] = np.inf
     t0 = time.perf_counter()
+    built = t0 - t_build
     res = ilp.solve(ilp.mem if minimize_memory else ilp.cost, upper, time_limit, gap)
     elapsed = time.perf_counter() - t0
     nvar, nrow = len(ilp.cost), len(ilp.rows)
     if res.x is None:
         return Solution({}, (), float("inf"), elapsed, "infeasible" if res.status == 2 else res.message,
-                        nvar, nrow)
+                        nvar, nrow, build_seconds=built)
     x = res.x
     choice = {name: max((i for i, v in enumerate(vs) if v is not None), key=lambda i: x[vs[i]])
               for name, vs in xvars.items()}
@@ -374,4 +377,4 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
     status = "optimal" if res.status == 0 else "time limit reached"
     return Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
-                    float(getattr(res, "mip_gap", 0.0) or 0.0))
+                    float(getattr(res, "mip_gap", 0.0) or 0.0), built)

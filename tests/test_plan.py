@@ -122,3 +122,11 @@ def test_collective_records_name_the_tensor_they_move():
     fsdp = autopar.plan(model, (idx,), {"dp": 2}, strategy="fsdp")
     gathered = {c.tensor for c in fsdp.collectives if c.kind == "all_gather" and c.phase == "forward"}
     assert "p_lm_head_weight" in gathered and gathered <= params | {n for n in fsdp.node_strategies}
+
+
+def test_stats_time_every_stage():
+    torch.manual_seed(0)
+    plan = autopar.plan(MLP([8, 16, 8]), (torch.randn(4, 8),), {"dp": 2}, hardware="cpu")
+    for stage in ("capture_seconds", "rules_seconds", "build_seconds", "solve_seconds", "predict_seconds"):
+        assert isinstance(plan.stats[stage], float) and plan.stats[stage] >= 0, stage
+    assert plan.stats["searches"] == 1 and plan.stats["axis_roles"] == "dp=any"
