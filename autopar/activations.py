@@ -444,6 +444,18 @@ def _bytes_of(m: TensorMeta) -> int:
     return math.prod(m.hint) * m.itemsize
 
 
+def kept_value(node: fx.Node, keep, args: list, grad: set) -> Value | None:
+    """The graph value an `Arg` / `Out` entry of op_keeps names, or None where nothing is
+    kept: a Python scalar operand, or an input kept only for a gradient nothing needs."""
+    if not isinstance(keep, Arg):
+        return (node.name, keep.index)
+    if keep.index >= len(args):
+        return None
+    if keep.needs is not None and not any(j < len(args) and args[j].name in grad for j in keep.needs):
+        return None
+    return (args[keep.index].name, None)
+
+
 def activation_model(cap: Captured, hardware) -> ActivationModel:
     """Which node pays for each tensor autograd keeps when `cap` trains on `hardware`."""
     kernels = kernel_family(hardware)
@@ -472,14 +484,9 @@ def activation_model(cap: Captured, hardware) -> ActivationModel:
                 charges.setdefault(node.name, []).append(
                     Charge(keep.meta, cuts, f"{op_name(node)} kernel tensor", when=keep.when))
                 continue
-            if isinstance(keep, Arg):
-                if keep.index >= len(args):
-                    continue       # a Python scalar operand: nothing kept
-                if keep.needs is not None and not any(j < len(args) and args[j].name in grad for j in keep.needs):
-                    continue
-                value = (args[keep.index].name, None)
-            else:
-                value = (node.name, keep.index)
+            value = kept_value(node, keep, args, grad)
+            if value is None:
+                continue
             root = owner.get(value, value)
             if cap.info[root[0]].kind in (PARAM, BUFFER):
                 continue           # parameter memory, counted with the parameters

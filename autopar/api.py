@@ -1,6 +1,7 @@
 """The public entry points: autopar.plan (offline) and autopar.parallelize (on every rank)."""
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -20,7 +21,7 @@ from .precision import as_computed, optimizer_spec, param_bytes as param_bytes_o
 from .predict import predict
 from .rewrite import rewrite
 from .runtime import ParallelModule
-from .search import Problem, build_edges, solve
+from .search import Problem, Solution, build_edges, solve
 from .strategies import all_strategies
 
 
@@ -74,7 +75,9 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     """
     if options:
         raise AutoparError(f"unknown option(s) {sorted(options)} for autopar.plan")
-    precision_of(precision), optimizer_spec(optimizer)  # bad values fail before the capture
+    # bad values fail before the capture, which takes seconds
+    precision_of(precision)
+    optimizer_spec(optimizer)
     t0 = time.perf_counter()
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -107,15 +110,16 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
                    needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap))
     t_rules = time.perf_counter() - t0
-    candidates = [roles]
+    tiers = [[roles]]
     if strategy == "auto" and spec.num_axes >= AUTO_BY_ROLE_AXES:
         intra = [axis_links[a] == hw.intra_node_link for a in spec.axis_names]
-        candidates = role_assignments(spec, intra)
-    sol, roles = _best(prob, candidates, limit, time_limit)
-    if not sol.choice and len(candidates) > 1:
-        # e.g. a batch too small to split over every data axis: leave one axis to the search
-        candidates = role_assignments(spec, intra, num_free=1)
+        # if no assignment fits (e.g. a batch too small to split over every data axis),
+        # the ones that leave one axis to the search
+        tiers = [role_assignments(spec, intra), role_assignments(spec, intra, num_free=1)]
+    for candidates in tiers:
         sol, roles = _best(prob, candidates, limit, time_limit)
+        if sol.choice:
+            break
     if not sol.choice:
         free, _ = _best(prob, candidates, None, time_limit) if limit is not None else (sol, roles)
         if not free.choice:
@@ -189,7 +193,6 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
     if len(candidates) > 1:
         _progress("")
     if best is None:
-        from .search import Solution
         return Solution({}, (), float("inf"), total_seconds, "infeasible", build_seconds=build_seconds), candidates[0]
     sol, roles = best
     sol.solve_seconds, sol.build_seconds = total_seconds, build_seconds
@@ -198,7 +201,6 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
 
 def _progress(text: str) -> None:
     """One status line on a terminal (rewritten in place); nothing when stderr is a file or pipe."""
-    import sys
     if sys.stderr.isatty():
         sys.stderr.write(f"\r\033[Kautopar: {text}" if text else "\r\033[K")
         sys.stderr.flush()

@@ -7,6 +7,7 @@ cost model, not a separate code path.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from .capture import PARAM, NodeInfo
@@ -76,7 +77,6 @@ def role_assignments(mesh: MeshSpec, intra_node: list[bool], num_free: int = 0) 
     unrestricted (None), for when no assignment of roles alone fits, e.g. a
     batch too small to split over every data axis.
     """
-    import itertools
     tp_ok = intra_node if any(intra_node) else [True] * mesh.num_axes
     options = [(DATA, TP, None) if ok else (DATA, None) for ok in tp_ok]
     return [Roles(combo, mesh.axis_names, mesh.axis_sizes) for combo in itertools.product(*options)

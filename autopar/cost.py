@@ -103,6 +103,16 @@ def activation_bytes(node_name: str, cap: Captured, output: Placements, mesh: Me
     return node_activation_bytes(saved, node_name, output, mesh.axis_sizes, symbolic)
 
 
+def gathered_weight_bytes(cap: Captured, producer: str, src: Placements, dst: Placements, mesh: MeshSpec,
+                          symbolic=False):
+    """Bytes of a parameter gathered whole on a redistribution (FSDP): it lives while its op runs."""
+    if cap.info[producer].kind != PARAM or not any(
+            st.forward_kind == cm.ALL_GATHER for st in plan_steps(src, dst)):
+        return 0
+    meta = first_meta(cap.info[producer].meta)
+    return local_numel(meta, dst, mesh, symbolic) * meta.itemsize
+
+
 def is_saved(prob, name: str) -> bool:
     """Does autograd keep this node's storage for backward (then it is an activation, not transient)?"""
     return name in prob.saved.kept

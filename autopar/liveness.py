@@ -15,6 +15,7 @@ from __future__ import annotations
 from .activations import storage_owners
 from .capture import OP, Captured
 
+
 def storage_owner(cap: Captured) -> dict[str, str]:
     """Node -> the node whose storage its output is (itself, unless it is a view).
 
@@ -32,8 +33,9 @@ def storage_owner(cap: Captured) -> dict[str, str]:
 def live_sets(cap: Captured) -> list[tuple[str, tuple[str, ...]]]:
     """Per forward op, in order: (op, storage owners alive while it runs) -- ops' outputs only.
 
-    Parameters, buffers and user inputs live for the whole step and are
-    counted elsewhere, so they are left out.
+    Parameters and buffers live for the whole step and are counted with the
+    parameters, so they are left out; so are user inputs, which the caller
+    holds and which no memory term counts yet (unless autograd keeps them).
     """
     owner = storage_owner(cap)
     order = [n for n in cap.graph.nodes if n.op == "call_function"]

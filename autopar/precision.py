@@ -103,8 +103,9 @@ def optimizer_spec(value="adamw") -> OptimizerSpec:
                                "or pass the torch.optim optimizer itself")
         return OptimizerSpec(key, _KNOWN[key])
     cls = value if isinstance(value, type) else type(value)
-    group = value.param_groups[0] if isinstance(value, torch.optim.Optimizer) and value.param_groups else (
-        value.defaults if isinstance(value, torch.optim.Optimizer) else {})
+    group = {}   # a class: its defaults are not known until it is built
+    if isinstance(value, torch.optim.Optimizer):
+        group = value.param_groups[0] if value.param_groups else value.defaults
     if issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
         name = "adamw" if issubclass(cls, torch.optim.AdamW) else "adam"
         return OptimizerSpec(name, 3 if group.get("amsgrad") else 2)   # amsgrad keeps max_exp_avg_sq
@@ -131,13 +132,11 @@ class ParamBytes:
 def param_bytes(precision: Precision, optimizer: OptimizerSpec, param_dtype: torch.dtype,
                 trainable: bool = True) -> ParamBytes:
     p = precision.resolve(param_dtype)
-    size = (lambda d: torch.empty((), dtype=d).element_size())
-    weight = size(p.compute)
     if not trainable or not param_dtype.is_floating_point:
-        return ParamBytes(size(param_dtype), 0, 0, 0, 0)
-    master = 0 if p.master == p.compute else size(p.master)
-    return ParamBytes(weight, master, size(p.grad_accum), size(p.reduce),
-                      optimizer.states_per_param * size(p.optimizer_state))
+        return ParamBytes(param_dtype.itemsize, 0, 0, 0, 0)
+    master = 0 if p.master == p.compute else p.master.itemsize
+    return ParamBytes(p.compute.itemsize, master, p.grad_accum.itemsize, p.reduce.itemsize,
+                      optimizer.states_per_param * p.optimizer_state.itemsize)
 
 
 def as_computed(cap, precision: Precision):

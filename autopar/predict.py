@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 from .capture import BUFFER, OP, PARAM
 from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta, is_saved,
-                   node_compute_time, output_bytes, param_memory, reduce_itemsize, regathers, zero_collectives)
-from .placement import local_shape, numel
-from .redistribute import ALL_GATHER, Collective, plan_steps
+                   gathered_weight_bytes, node_compute_time, output_bytes, param_memory, reduce_itemsize, regathers,
+                   zero_collectives)
+from .placement import numel
+from .redistribute import ALL_GATHER, Collective
 
 
 @dataclass(frozen=True)
@@ -131,14 +132,13 @@ def peak_working_set(prob, choice, groups, symbolic: bool):
     cap, mesh = prob.cap, prob.mesh
     gathered: dict = {}   # op -> (numeric, symbolic) bytes of weights gathered whole for it
     for r in groups:
-        if cap.info[r.producer].kind != PARAM or not any(
-                st.forward_kind == ALL_GATHER for st in plan_steps(r.src, r.dst)):
+        n = gathered_weight_bytes(cap, r.producer, r.src, r.dst, mesh)
+        if not n:
             continue
-        meta = first_meta(cap.info[r.producer].meta)
+        e = gathered_weight_bytes(cap, r.producer, r.src, r.dst, mesh, symbolic=True) if symbolic else 0
         for consumer, _ in r.consumers:
-            n, e = gathered.get(consumer, (0, 0))
-            gathered[consumer] = (n + numel(local_shape(meta.hint, r.dst, mesh.axis_sizes)) * meta.itemsize,
-                                  e + numel(local_shape(meta.shape, r.dst, mesh.axis_sizes)) * meta.itemsize)
+            n0, e0 = gathered.get(consumer, (0, 0))
+            gathered[consumer] = (n0 + n, e0 + e)
     best, best_expr = 0, 0
     for point, alive in prob.live:
         value, expr = gathered.get(point, (0, 0))

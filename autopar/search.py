@@ -19,13 +19,13 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
 from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
-from .cost import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time,
-                   is_saved, output_bytes, param_memory, reduce_itemsize, regathers,
+from .cost import (activation_bytes, collectives_time, edge_collectives, first_meta, gathered_weight_bytes,
+                   is_saved, node_compute_time, output_bytes, param_memory, reduce_itemsize, regathers,
                    zero_collectives)
 from .errors import InfeasiblePlanError
 from .mesh import MeshSpec
-from .placement import local_shape, numel
-from .redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
+from .placement import numel
+from .redistribute import UnsupportedRedistribution
 from .rules import tensor_args
 from .strategies import NodeStrategies
 
@@ -49,7 +49,7 @@ class Problem:
     strategies: dict[str, NodeStrategies]
     edges: list[Edge]
     grad_nodes: set
-    saved: set
+    saved: object                                    # activations.ActivationModel (cost.saved_outputs)
     param_bytes: dict = field(default_factory=dict)  # parameter node -> ParamBytes (precision.py)
     canonical: dict = field(default_factory=dict)    # node of a repeated block -> its first copy (blocks.py)
     live: list = field(default_factory=list)         # (op, storages alive there) per forward op (liveness.py)
@@ -101,17 +101,15 @@ def edge_signature(prob: Problem, e: Edge) -> tuple:
 
 
 def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
+    """Seconds, or the UnsupportedRedistribution error (cached too: asked again, it is raised again)."""
     try:
-        return _priced_edge(prob, e, src, dst, grad_partial, keep_partial)
+        colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
+                                 e.producer in prob.grad_nodes,
+                                 regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes), e.consumer,
+                                 keep_partial=keep_partial,
+                                 reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
     except UnsupportedRedistribution as err:
         return err
-
-
-def _priced_edge(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial) -> float:
-    colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
-                             e.producer in prob.grad_nodes,
-                             regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes), e.consumer,
-                             keep_partial=keep_partial, reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
     return float(collectives_time(colls, prob.mesh, prob.links))
 
 
@@ -144,16 +142,6 @@ def memory_reserve(prob: Problem) -> float:
         if meta is not None and info.kind == BUFFER:
             total += numel(meta.hint) * meta.itemsize
     return total
-
-
-def gathered_bytes(prob: Problem, e: Edge, src, dst) -> float:
-    """Bytes of a parameter gathered on this edge (FSDP): it lives while its op runs."""
-    if prob.cap.info[e.producer].kind != PARAM:
-        return 0.0
-    if not any(st.forward_kind == ALL_GATHER for st in plan_steps(src, dst)):
-        return 0.0
-    meta = first_meta(prob.cap.info[e.producer].meta)
-    return float(numel(local_shape(meta.hint, dst, prob.mesh.axis_sizes)) * meta.itemsize)
 
 
 class _ILP:
@@ -306,7 +294,7 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list) -> di
                 continue
             y = ilp.var(c * TIME_SCALE, integer=False)
             by_src[src_key][y] = by_dst[k][y] = 1.0
-            gb = gathered_bytes(prob, e, p, dst)
+            gb = float(gathered_weight_bytes(cap, e.producer, p, dst, prob.mesh))
             if gb:
                 gathered[y] = gb * MEM_SCALE
     for groups, ys in ((src_groups, by_src), (dst_groups, by_dst)):

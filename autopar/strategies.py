@@ -18,7 +18,7 @@ import torch.fx as fx
 from .capture import INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
 from .errors import UnsupportedOpWarning
 from .mesh import MeshSpec
-from .placement import P, R, Placements, S, dim_factor
+from .placement import P, R, Placements, S, dim_factor, local_shape, numel
 from .rules import OpSpec, op_name, rule_for, tensor_args
 
 
@@ -163,9 +163,7 @@ def zero_variants(storage: Placements, meta: TensorMeta, mesh: MeshSpec) -> list
     count must divide by the product of those axes' sizes.
     """
     whole = [a for a, p in enumerate(storage) if p == R and mesh.axis_sizes[a] > 1]
-    local = 1
-    for d in range(meta.ndim):
-        local *= meta.hint[d] // dim_factor(storage, d, mesh.axis_sizes)
+    local = numel(local_shape(meta.hint, storage, mesh.axis_sizes))
     out = []
     for k in range(1, len(whole) + 1):
         for axes in itertools.combinations(whole, k):

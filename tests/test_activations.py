@@ -13,7 +13,7 @@ from torch import fx, nn
 
 import autopar
 import cost_models as cm
-from autopar.activations import CPU, Arg, New, op_keeps, requires_grad, storage_owners
+from autopar.activations import CPU, Arg, New, kept_value, op_keeps, requires_grad, storage_owners
 from autopar.capture import BUFFER, PARAM, capture
 from autopar.placement import R
 from autopar.rules import tensor_args
@@ -152,14 +152,11 @@ def _predicted_per_op(node: fx.Node, cap, grad, owner) -> int:
             if keep.when is None or R in keep.when:
                 kept[("new", len(kept))] = _nbytes(keep.meta)
             continue
-        if isinstance(keep, Arg):
-            if keep.index >= len(args) or R in keep.unless:
-                continue
-            if keep.needs is not None and not any(j < len(args) and args[j].name in grad for j in keep.needs):
-                continue
-            value = (args[keep.index].name, None)
-        else:
-            value = (node.name, keep.index)
+        if isinstance(keep, Arg) and R in keep.unless:
+            continue
+        value = kept_value(node, keep, args, grad)
+        if value is None:
+            continue
         root = owner.get(value, value)
         if cap.info[root[0]].kind in (PARAM, BUFFER):
             continue
