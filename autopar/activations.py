@@ -51,7 +51,7 @@ import torch
 from torch import fx
 
 from ._private import storage_id
-from .capture import BUFFER, OP, PARAM, Captured, TensorMeta
+from .capture import BUFFER, INPUT, OP, PARAM, Captured, TensorMeta
 from .placement import P, R, S
 from .rules import OpSpec, op_name, rule_for, tensor_args
 
@@ -438,6 +438,9 @@ class ActivationModel:
     # nodes whose storage autograd keeps (in some layout): the makers of kept storages and
     # the kept values themselves, so a view-aware caller finds them under either name
     kept: frozenset = frozenset()
+    # ops that keep some tensor (a weight too): backward's rerun of a checkpointed block stops after
+    # the last of its ops that keeps one (torch.utils.checkpoint's early stop)
+    keepers: frozenset = frozenset()
 
 
 def _bytes_of(m: TensorMeta) -> int:
@@ -456,19 +459,38 @@ def kept_value(node: fx.Node, keep, args: list, grad: set) -> Value | None:
     return (args[keep.index].name, None)
 
 
-def activation_model(cap: Captured, hardware) -> ActivationModel:
-    """Which node pays for each tensor autograd keeps when `cap` trains on `hardware`."""
+def activation_model(cap: Captured, hardware, regions=()) -> ActivationModel:
+    """Which node pays for each tensor autograd keeps when `cap` trains on `hardware`.
+
+    `regions`: sets of op nodes run under activation checkpointing (one set a
+    block). Their ops keep nothing; the checkpoint keeps each region's tensor
+    inputs as they arrive (before any redistribution inside the region), so
+    each is charged to its producer in the producer's output layout -- unless
+    an op before the region keeps that storage already (then it is counted once).
+    """
     kernels = kernel_family(hardware)
     grad = requires_grad(cap)
     owner = storage_owners(cap)
     charges: dict[str, list] = {}
     kept_by: dict[Value, list] = {}   # storage -> (keeper, keep, kept value), in graph order
+    region_of = {n: i for i, region in enumerate(regions) for n in region}
+    entered = set()
+    keepers = set()
 
     def meta_of(value: Value) -> TensorMeta | None:
         m = cap.info[value[0]].meta
         return m[value[1]] if isinstance(m, list) and value[1] is not None else _first(m)
 
     for node in cap.graph.nodes:
+        if node.name in region_of:
+            i = region_of[node.name]
+            if i not in entered:   # the checkpoint starts here and holds the region's inputs
+                entered.add(i)
+                for value in region_inputs(cap, regions[i]):
+                    root = owner.get(value, value)
+                    if cap.info[root[0]].kind in (OP, INPUT) and meta_of(root) is not None:
+                        kept_by.setdefault(root, []).append((cap.node(value[0]), Out(value[1]), value))
+            continue     # recomputed in backward: keeps nothing now
         if node.op != "call_function" or node.name not in grad:
             continue     # no grad_fn, nothing kept
         args = tensor_args(node)
@@ -483,10 +505,12 @@ def activation_model(cap: Captured, hardware) -> ActivationModel:
                     cuts = input_cuts(spec, keep.follows, out.ndim, range(keep.dims))
                 charges.setdefault(node.name, []).append(
                     Charge(keep.meta, cuts, f"{op_name(node)} kernel tensor", when=keep.when))
+                keepers.add(node.name)
                 continue
             value = kept_value(node, keep, args, grad)
             if value is None:
                 continue
+            keepers.add(node.name)
             root = owner.get(value, value)
             if cap.info[root[0]].kind in (PARAM, BUFFER):
                 continue           # parameter memory, counted with the parameters
@@ -508,7 +532,7 @@ def activation_model(cap: Captured, hardware) -> ActivationModel:
         m = meta_of(value)
         view = None
         if isinstance(keep, Out):
-            cuts = output_cuts(out.ndim, range(out.ndim))
+            cuts = output_cuts(m.ndim, range(m.ndim))
         else:
             spec = op_spec(node, cap)
             cuts = input_cuts(spec, keep.index, out.ndim, range(m.ndim))
@@ -520,7 +544,23 @@ def activation_model(cap: Captured, hardware) -> ActivationModel:
             Charge(meta_of(root) if partial else m, cuts, f"{value[0]} kept by {node.name}",
                    unless=keep.unless if isinstance(keep, Arg) else frozenset(), view=view))
     kept = {root[0] for root in kept_by} | {value[0] for uses in kept_by.values() for _, _, value in uses}
-    return ActivationModel(kernels, {n: tuple(c) for n, c in charges.items()}, frozenset(kept))
+    return ActivationModel(kernels, {n: tuple(c) for n, c in charges.items()}, frozenset(kept), frozenset(keepers))
+
+
+def region_inputs(cap: Captured, region) -> list[Value]:
+    """Tensor values a region of ops reads from outside it (parameters and buffers included)."""
+    out, seen = [], set()
+    for name in region:
+        for a in cap.node(name).all_input_nodes:
+            if a.name in region or a.name in seen or cap.info[a.name].meta is None:
+                continue
+            seen.add(a.name)
+            if a.op == "call_function" and a.target is operator.getitem:
+                # one piece of a tuple: its own value, so the whole tuple is not charged
+                out.append((a.args[0].name, a.args[1]))
+            else:
+                out.append((a.name, None))
+    return out
 
 
 def node_activation_bytes(model: ActivationModel, node: str, output, axis_sizes, symbolic=False):

@@ -9,6 +9,7 @@ import torch
 import cost_models as cm
 
 from .blocks import find_blocks
+from .checkpointing import check_mode, checkpointable_stacks
 from .capture import PARAM, Captured, capture
 from .classics import axis_roles, check_tensor_parallel_divisibility, role_assignments
 from .collectives import AxisGroup, Comm
@@ -19,6 +20,7 @@ from .mesh import MeshSpec, mesh_spec
 from .plan_result import CollectiveRecord, Plan
 from .precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
 from .predict import predict
+from .repeat import capture_repeated
 from .rewrite import rewrite
 from .runtime import ParallelModule
 from .search import Problem, Solution, build_edges, solve
@@ -62,8 +64,9 @@ def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
 
 
 def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_limit=None,
-         strategy: str = "auto", precision=None, optimizer="adamw", dynamic_shapes=None, links=None,
-         time_limit: float = 60.0, **options) -> Plan:
+         strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
+         dynamic_shapes=None, links=None, time_limit: float = 60.0, trace_every_layer: bool = False,
+         **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
 
     `mesh` is a DeviceMesh with named axes or a mapping {axis_name: size}; the
@@ -71,6 +74,14 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     None for the model's own dtype) and `optimizer` ("adamw", "adam", "sgd",
     "sgd-momentum" or a torch optimizer) set the bytes each parameter costs;
     AdamW is the default because it is what large models train with.
+    `checkpointing`: "auto" lets the search recompute stacks of repeated
+    blocks when that is what fits memory_limit (it only costs time, so never
+    without a limit); "full" recomputes every such stack; "none" never.
+    The model is traced with each stack of alike layers (an nn.ModuleList of
+    one class, same parameter shapes) cut to three, the rest copied from the
+    last (autopar.repeat), so depth adds little time. `trace_every_layer=True`
+    traces every layer, for a model whose alike layers run different code
+    (e.g. a per-layer attention type in its config).
     See docs/ARCHITECTURE.md.
     """
     if options:
@@ -78,19 +89,22 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     # bad values fail before the capture, which takes seconds
     precision_of(precision)
     optimizer_spec(optimizer)
+    check_mode(checkpointing)
     t0 = time.perf_counter()
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    cap = capture(model, example_inputs, dynamic_shapes)
+    cap = (capture if trace_every_layer else capture_repeated)(model, example_inputs, dynamic_shapes)
     t_capture = time.perf_counter() - t0
     return _plan_captured(cap, mesh, hardware=hardware, memory_limit=memory_limit, strategy=strategy,
-                          precision=precision, optimizer=optimizer, links=links, time_limit=time_limit,
-                          t_capture=t_capture)
+                          precision=precision, optimizer=optimizer, checkpointing=checkpointing, links=links,
+                          time_limit=time_limit, t_capture=t_capture)
 
 
 def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
-                   optimizer="adamw", links=None, time_limit=60.0, t_capture=0.0, tie_blocks=True) -> Plan:
+                   optimizer="adamw", checkpointing="auto", links=None, time_limit=60.0, t_capture=0.0,
+                   tie_blocks=True) -> Plan:
     spec = mesh_spec(mesh)
+    check_mode(checkpointing)
     policy, opt = precision_of(precision), optimizer_spec(optimizer)
     param_bytes = {n: param_bytes_of(policy, opt, first_meta(i.meta).dtype) for n, i in cap.info.items()
                    if i.kind == PARAM}
@@ -108,7 +122,11 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     canonical = find_blocks(cap).canonical if tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
-                   needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap))
+                   needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
+                   stacks=checkpointable_stacks(cap) if checkpointing != "none" else ())
+    if checkpointing == "full" and not prob.stacks:
+        raise PlanError("checkpointing='full' found no stack of repeated blocks to checkpoint (an nn.ModuleList "
+                        "of 2+ layers whose ops run one layer after another); use checkpointing='auto' or 'none'")
     t_rules = time.perf_counter() - t0
     tiers = [[roles]]
     if strategy == "auto" and spec.num_axes >= AUTO_BY_ROLE_AXES:
@@ -117,7 +135,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
         # the ones that leave one axis to the search
         tiers = [role_assignments(spec, intra), role_assignments(spec, intra, num_free=1)]
     for candidates in tiers:
-        sol, roles = _best(prob, candidates, limit, time_limit)
+        sol, roles = _best(prob, candidates, limit, time_limit, checkpointing=checkpointing)
         if sol.choice:
             break
     if not sol.choice:
@@ -127,15 +145,15 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
                 f"strategy {strategy!r} cannot be laid out on mesh {spec}: some tensor dim does not divide by "
                 "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree); "
                 "use strategy='auto', another mesh, or sizes divisible by the axis sizes")
-        least, _ = _best(prob, candidates, None, time_limit, minimize_memory=True)
+        least, _ = _best(prob, candidates, None, time_limit, minimize_memory=True, checkpointing=checkpointing)
         raise InfeasiblePlanError(
             f"no {strategy!r} plan on mesh {spec} fits memory_limit={cm.format_bytes(limit)} per device: "
             f"the smallest any such plan needs is {cm.format_bytes(least.objective)} "
             f"({least.objective:.0f} bytes). Raise the limit, add devices, or try another strategy.",
             min_memory_bytes=least.objective)
     t0 = time.perf_counter()
-    pred, colls = predict(prob, sol.choice, symbolic=False)
-    sym, _ = predict(prob, sol.choice, symbolic=True)
+    pred, colls = predict(prob, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
+    sym, _ = predict(prob, sol.choice, symbolic=True, checkpointed=sol.checkpointed)
     t_predict = time.perf_counter() - t0
     node_strategies = {n: ns.strategies[sol.choice[n]] for n, ns in strategies.items()}
     param_placements = {cap.info[n].target_name: s.output for n, s in node_strategies.items()
@@ -163,7 +181,8 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
                 module_paths={n: cap.info[n].module_path for n in strategies},
                 collectives=records, predicted=pred, symbolic=sym,
                 symbols={str(s): v for s, v in cap.hints.items()}, stats=stats, param_zero=param_zero,
-                precision=policy.to_dict(), optimizer={"name": opt.name, "states_per_param": opt.states_per_param})
+                precision=policy.to_dict(), optimizer={"name": opt.name, "states_per_param": opt.states_per_param},
+                checkpointed=sol.checkpointed)
 
 
 # from this many mesh axes on, `auto` fixes each axis's role first (classics.role_assignments):
@@ -171,7 +190,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
 AUTO_BY_ROLE_AXES = 3
 
 
-def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=False):
+def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=False, checkpointing="none"):
     """The best solution over several role assignments (the first assignment's if none solves)."""
     best = None
     total_seconds = build_seconds = 0.0
@@ -181,7 +200,7 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
                 f"{a}={r or 'any'}" for a, r in zip(roles.axis_names, roles.roles)))
         try:
             sol = solve(prob, roles, limit, time_limit, minimize_memory=minimize_memory,
-                        gap=1e-6 if minimize_memory else 1e-3)
+                        gap=1e-6 if minimize_memory else 1e-3, checkpointing=checkpointing)
         except (ShardingError, InfeasiblePlanError):   # these roles cannot lay out some node
             if len(candidates) == 1:
                 raise
@@ -247,7 +266,8 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict) -> Plan:
     waits forever for a plan that will not come.
     """
     import torch.distributed as dist
-    known = {"hardware", "memory_limit", "strategy", "links", "time_limit", "precision", "optimizer"}
+    known = {"hardware", "memory_limit", "strategy", "links", "time_limit", "precision", "optimizer",
+             "checkpointing"}
     unknown = sorted(set(plan_kwargs) - known)
     if unknown:
         raise AutoparError(f"unknown option(s) {unknown} for autopar.parallelize; it takes plan=, "

@@ -2,7 +2,8 @@
 
 Measured, on this rank:
 - bytes each collective moved (the runtime logs every call: kind, axis, tensor size),
-- activation bytes autograd saved for backward (a saved-tensor hook), counted by
+- activation bytes autograd saved for backward (a saved-tensor hook; for a
+  checkpointed block, the tensors its checkpoint holds), counted by
   storage: a saved view keeps its base's whole storage alive, and tensors that share
   a storage (an attention output and the reshaped view the next linear keeps) are one
   allocation, counted once. Parameters and buffers (the "parameters" row) and FSDP
@@ -20,6 +21,7 @@ import torch
 import cost_models as cm
 
 from .collectives import CommLog
+from .recompute import CheckpointRegion
 from .runtime import ParallelModule
 
 
@@ -80,9 +82,20 @@ def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None) -
             saved[storage.data_ptr()] = shards.get(storage.data_ptr(), storage.nbytes())
         return packed
 
+    def counting_region_inputs(inputs):
+        # a checkpointed block keeps no activations but holds the tensors it reads until backward
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in weights:
+                    saved[storage.data_ptr()] = shards.get(storage.data_ptr(), storage.nbytes())
+
+    regions = [m for m in module.modules() if isinstance(m, CheckpointRegion)]
     log = module.comm.log
     module.comm.log = CommLog()
     gathered.pack = counting_pack
+    for region in regions:
+        region.observer = counting_region_inputs
     try:
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
@@ -98,6 +111,8 @@ def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None) -
     finally:
         gathered.pack = inner_pack
         module.comm.log = log
+        for region in regions:
+            region.observer = None
 
     comm = {a: 0.0 for a in names}
     for kind, axis, nbytes, _ in records:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .capture import OP, PARAM, Captured
+from .capture import BUFFER, OP, PARAM, Captured
 
 _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
@@ -28,7 +28,8 @@ class Blocks:
     stacks: tuple            # (stack path, number of blocks in it) for stacks with some repeat
 
 
-def _block_of(path: str):
+def block_of(path: str):
+    """(stack path, block index) of a module or parameter path, from its outermost numbered segment."""
     m = _NUMBERED.match(path + ".") if path else None
     return (m.group(1), int(m.group(2))) if m else None
 
@@ -40,8 +41,11 @@ def _path(cap: Captured, node: fx.Node) -> str:
     return info.module_path if info.kind == OP else ""
 
 
-def _signature(cap: Captured, node: fx.Node, members: dict, stack: str, index: int) -> tuple:
-    """What must match for two nodes to share variables: everything but the block number."""
+def node_signature(cap: Captured, node: fx.Node, members: dict, stack: str, index: int) -> tuple:
+    """What must match for two nodes to share variables: everything but the block number.
+
+    `members`: node name -> position in its block, for the nodes of block `index`.
+    """
     info = cap.info[node.name]
     prefix = f"{stack}.{index}."
 
@@ -54,25 +58,31 @@ def _signature(cap: Captured, node: fx.Node, members: dict, stack: str, index: i
     kwargs = fx.node.map_aggregate(node.kwargs, describe)
     metas = info.meta if isinstance(info.meta, list) else [info.meta]
     shapes = tuple((tuple(m.shape), m.dtype) if m is not None else None for m in metas)
-    target = (info.target_name or "").replace(prefix, "", 1) if info.kind == PARAM else str(node.target)
+    target = (info.target_name or "").replace(prefix, "", 1) if info.kind in (PARAM, BUFFER) else str(node.target)
     return (node.op, info.kind, target, repr(args), repr(kwargs), shapes)
 
 
-def find_blocks(cap: Captured) -> Blocks:
-    groups: dict = {}   # stack -> {index: [node, ...] in graph order}
+def block_nodes(cap: Captured) -> dict:
+    """Stack path -> {block index: [its nodes (parameters, then ops), in graph order]}."""
+    groups: dict = {}
     for node in cap.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
-        key = _block_of(_path(cap, node))
+        key = block_of(_path(cap, node))
         if key is not None:
             groups.setdefault(key[0], {}).setdefault(key[1], []).append(node)
+    return groups
+
+
+def find_blocks(cap: Captured) -> Blocks:
+    groups = block_nodes(cap)
     canonical, stacks = {}, []
     for stack, blocks in groups.items():
         firsts: dict = {}   # a block's signature -> the first block with it
         tied = 0
         for index, nodes in sorted(blocks.items()):
             members = {n.name: i for i, n in enumerate(nodes)}
-            sig = tuple(_signature(cap, n, members, stack, index) for n in nodes)
+            sig = tuple(node_signature(cap, n, members, stack, index) for n in nodes)
             first = firsts.setdefault(sig, nodes)
             if first is not nodes:
                 canonical.update({n.name: f.name for n, f in zip(nodes, first)})

@@ -40,6 +40,8 @@ class CommLog:
 class Comm:
     axes: list          # AxisGroup per mesh axis
     log: CommLog | None = None
+    # what forward collectives are logged as: "recompute" while backward reruns a checkpointed block
+    forward_phase: str = "forward"
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the old names
@@ -100,7 +102,7 @@ class Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, step: Step, comm: Comm):
         ctx.step, ctx.comm = step, comm
-        return transform(x, step.src, step.dst, step.axis, comm, "forward")
+        return transform(x, step.src, step.dst, step.axis, comm, comm.forward_phase)
 
     @staticmethod
     def backward(ctx, grad):

@@ -54,6 +54,7 @@ class Plan:
     param_zero: dict = field(default_factory=dict)  # parameter FQN -> (ZeRO level, axis names)
     precision: dict = field(default_factory=dict)   # Precision.to_dict(): None = the parameter's dtype
     optimizer: dict = field(default_factory=dict)   # {"name", "states_per_param"}
+    checkpointed: tuple = ()          # stacks (module paths) whose blocks are recomputed in backward
 
     # ------------------------------------------------------------ inputs
     def local_inputs(self, *global_inputs, rank: int | None = None):
@@ -139,6 +140,9 @@ class Plan:
                 key = f"ZeRO-{lvl} over {'x'.join(axes)}"
                 by_kind[key] = by_kind.get(key, 0) + 1
             lines.append("optimizer state split: " + ", ".join(f"{k} ({n} parameters)" for k, n in by_kind.items()))
+        if self.checkpointed:
+            lines.append("activation checkpointing: every block of " + ", ".join(self.checkpointed)
+                         + " is recomputed in backward")
         lines.append("communication per step: " + ", ".join(
             f"{a} {format_bytes(self.predicted.comm_bytes[a])} ({self.predicted.comm_time[a] * 1e3:.3f} ms)"
             for a in names))
@@ -164,7 +168,7 @@ class Plan:
                                     **({"zero": s.zero, "zero_axes": list(s.zero_axes)} if s.zero else {})}
                                 for n, s in self.node_strategies.items()},
             "param_zero": {k: [lvl, list(axes)] for k, (lvl, axes) in self.param_zero.items()},
-            "precision": self.precision, "optimizer": self.optimizer,
+            "precision": self.precision, "optimizer": self.optimizer, "checkpointed": list(self.checkpointed),
             "param_placements": {k: list(v) for k, v in self.param_placements.items()},
             "input_placements": [list(p) for p in self.input_placements],
             "output_placements": [list(p) for p in self.output_placements],
@@ -197,6 +201,7 @@ class Plan:
                              for n, s in d["node_strategies"].items()},
             param_zero={k: (lvl, tuple(axes)) for k, (lvl, axes) in d.get("param_zero", {}).items()},
             precision=d.get("precision", {}), optimizer=d.get("optimizer", {}),
+            checkpointed=tuple(d.get("checkpointed", ())),
             param_placements={k: tuple(v) for k, v in d["param_placements"].items()},
             input_placements=tuple(tuple(p) for p in d["input_placements"]),
             output_placements=tuple(tuple(p) for p in d["output_placements"]),

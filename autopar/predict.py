@@ -6,15 +6,20 @@ plan predicts are the bytes the module moves.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import sympy
 
-from .capture import BUFFER, OP, PARAM
+import cost_models as cm
+
+from .capture import BUFFER, INPUT, OP, PARAM
 from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta, is_saved,
                    gathered_weight_bytes, node_compute_time, output_bytes, param_memory, reduce_itemsize, regathers,
                    zero_collectives)
 from .placement import numel
 from .redistribute import ALL_GATHER, Collective
+from .checkpointing import recomputed_ops
+from .search import checkpoint_model
 
 
 @dataclass(frozen=True)
@@ -82,9 +87,15 @@ class Predicted:
     comm_bytes_by_kind: dict = field(default_factory=dict)  # collective kind -> bytes
 
 
-def predict(prob, choice, symbolic: bool) -> tuple[Predicted, list[Collective]]:
+def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Predicted, list[Collective]]:
+    """`checkpointed`: paths of the stacks (prob.stacks) whose blocks recompute in backward."""
     cap, mesh = prob.cap, prob.mesh
     num = (lambda x: x) if symbolic else (lambda x: float(x))
+    stacks = [st for st in prob.stacks if st.path in checkpointed]
+    saved = checkpoint_model(prob, tuple(checkpointed)) if stacks else prob.saved
+    region_of = {n: (st.path, i) for st in stacks for i, block in enumerate(st.blocks) for n in block}
+    rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
+    order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
     params = master = grads = opt = acts = 0
     transient = 0
     compute = 0
@@ -101,13 +112,27 @@ def predict(prob, choice, symbolic: bool) -> tuple[Predicted, list[Collective]]:
         elif info.kind == BUFFER and info.meta is not None:
             meta = first_meta(info.meta)
             params = params + numel(meta.shape if symbolic else meta.hint) * meta.itemsize
-        elif info.kind == OP:
-            acts = acts + activation_bytes(name, cap, s.output, mesh, prob.saved, symbolic)
-            compute = compute + node_compute_time(cap.node(name), cap, s, mesh, prob.hardware, symbolic)
+        elif info.kind in (OP, INPUT):
+            acts = acts + activation_bytes(name, cap, s.output, mesh, saved, symbolic)
+            t = node_compute_time(cap.node(name), cap, s, mesh, prob.hardware, symbolic)
+            # a recomputed op runs its forward (a third of forward + backward) once more
+            compute = compute + (t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t)
     groups = group_redistributions(prob, choice)
     for r in groups:
+        regions = {region_of.get(c) for c, _ in r.consumers}
+        if len(regions) == 1 and None not in regions:
+            # inside a checkpointed block: its forward collectives run again in backward's recompute, and
+            # a weight gathered whole there is kept by the recompute rather than gathered a third time
+            r = replace(r, regather_count=0)
+            if min((c for c, _ in r.consumers), key=order.get) in rerun:   # it runs before its first reader
+                forward = [c for c in redistribution_collectives(prob, r, symbolic) if c.phase == "forward"]
+                colls += [replace(c, phase="recompute") for c in forward]
         colls += redistribution_collectives(prob, r, symbolic)
     transient = peak_working_set(prob, choice, groups, symbolic)
+    for st in stacks:   # backward holds one recomputed block's activations at a time
+        block = sum(activation_bytes(n, cap, prob.strategies[n].strategies[choice[n]].output, mesh, prob.saved,
+                                     symbolic) for n in st.blocks[0] if n in prob.strategies)
+        transient = sympy.Max(transient, block) if symbolic else max(transient, block)
     comm_bytes = collectives_bytes(colls, mesh)
     comm_time = {a: 0 for a in mesh.axis_names}
     by_kind: dict = {}

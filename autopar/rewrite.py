@@ -9,6 +9,7 @@ global terms, as it was traced.
 """
 from __future__ import annotations
 
+import bisect
 import operator
 import weakref
 
@@ -16,9 +17,11 @@ import torch
 import torch.fx as fx
 
 from .capture import PARAM, Captured
+from .checkpointing import checkpointable_stacks
 from .collectives import Comm, Redistribute, scale_grad, transform
 from .errors import PlanError
 from .placement import R, chunk_index, dim_factor
+from .recompute import outline
 from .redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
 from .rules import op_name, tensor_args
 
@@ -157,7 +160,9 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
             return a
         return visit(node.args), visit(node.kwargs)
 
+    made_for = []   # (number of nodes in g before, original node): which node each new one was made for
     for node in cap.graph.nodes:
+        made_for.append((len(g.nodes), node.name))
         if node.op == "placeholder":
             env[node.name] = g.placeholder(node.name)
             continue
@@ -215,7 +220,29 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         env[node.name] = new
     g.lint()
-    return fx.GraphModule(root, g, class_name="LocalGraph"), gathered
+    gm = fx.GraphModule(root, g, class_name="LocalGraph")
+    if plan.checkpointed:
+        gm = _checkpoint_blocks(gm, cap, plan.checkpointed, made_for, comm)
+    return gm, gathered
+
+
+def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, paths: tuple, made_for: list,
+                       comm: Comm) -> fx.GraphModule:
+    """Run every block of the stacks at `paths` under activation checkpointing (recompute.py)."""
+    stacks = {st.path: st for st in checkpointable_stacks(cap)}
+    missing = [p for p in paths if p not in stacks]
+    if missing:
+        raise PlanError(f"the plan checkpoints {missing}, which this model's capture has no checkpointable "
+                        "stack for: the plan was made for another model")
+    block_of = {n: (p, i) for p in paths for i, block in enumerate(stacks[p].blocks) for n in block}
+    starts = [k for k, _ in made_for]
+    members: dict = {}
+    for k, new in enumerate(gm.graph.nodes):
+        origin = made_for[bisect.bisect_right(starts, k) - 1][1]
+        if origin in block_of:
+            members.setdefault(block_of[origin], []).append(new)
+    keys = sorted(members, key=lambda key: (paths.index(key[0]), key[1]))
+    return outline(gm, [members[key] for key in keys], [f"{p}.{i}" for p, i in keys], comm)
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int) -> torch.Tensor:

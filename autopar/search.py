@@ -17,7 +17,10 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+import cost_models as cm
+
 from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
+from .checkpointing import checkpointed_model, recomputed_ops
 from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
 from .cost import (activation_bytes, collectives_time, edge_collectives, first_meta, gathered_weight_bytes,
                    is_saved, node_compute_time, output_bytes, param_memory, reduce_itemsize, regathers,
@@ -25,7 +28,7 @@ from .cost import (activation_bytes, collectives_time, edge_collectives, first_m
 from .errors import InfeasiblePlanError
 from .mesh import MeshSpec
 from .placement import numel
-from .redistribute import UnsupportedRedistribution
+from .redistribute import ALL_GATHER, UnsupportedRedistribution
 from .rules import tensor_args
 from .strategies import NodeStrategies
 
@@ -54,6 +57,8 @@ class Problem:
     canonical: dict = field(default_factory=dict)    # node of a repeated block -> its first copy (blocks.py)
     live: list = field(default_factory=list)         # (op, storages alive there) per forward op (liveness.py)
     edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
+    stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
+    checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
 
 
 @dataclass
@@ -67,6 +72,7 @@ class Solution:
     num_constraints: int = 0
     mip_gap: float = 0.0            # proven distance from the optimum when HiGHS stopped
     build_seconds: float = 0.0      # building the ILP (edge costs, rows), before HiGHS
+    checkpointed: tuple = ()        # paths of the stacks whose blocks are recomputed in backward
 
 
 def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
@@ -113,6 +119,24 @@ def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
     return float(collectives_time(colls, prob.mesh, prob.links))
 
 
+def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=(), signature=None) -> float:
+    """Seconds more that edge e costs when backward reruns its consumer's checkpointed block: its
+    forward collectives run again, and a weight gathered whole there is kept by the rerun instead
+    of gathered again for backward (so FSDP pays nothing more)."""
+    key = ("recompute",) + (signature or edge_signature(prob, e)) + (src, dst, grad_partial, keep_partial)
+    cost = prob.edge_cost_cache.get(key)
+    if cost is None:
+        colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
+                                 e.producer in prob.grad_nodes, False, e.consumer, keep_partial=keep_partial,
+                                 reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
+        forward = [c for c in colls if c.phase == "forward"]
+        cost = float(collectives_time(forward, prob.mesh, prob.links))
+        if regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes):
+            cost -= float(collectives_time([c for c in forward if c.kind == ALL_GATHER], prob.mesh, prob.links))
+        prob.edge_cost_cache[key] = cost
+    return cost
+
+
 def node_time(prob: Problem, name: str, s) -> float:
     """Compute time of an op; for a ZeRO parameter, its reduce-scatter and all-gather."""
     info = prob.cap.info[name]
@@ -124,14 +148,25 @@ def node_time(prob: Problem, name: str, s) -> float:
     return float(node_compute_time(prob.cap.node(name), prob.cap, s, prob.mesh, prob.hardware))
 
 
-def node_memory(prob: Problem, name: str, s) -> float:
+def node_memory(prob: Problem, name: str, s, saved=None) -> float:
+    """Bytes a node's strategy costs: a parameter's storage, or the activations the node pays for
+    under `saved` (an activations.ActivationModel; the problem's own, without checkpointing)."""
     info = prob.cap.info[name]
     if info.kind == PARAM:
         m = param_memory(first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
         return float(m.params + m.master + m.grads + m.optimizer)
-    if info.kind == OP:
-        return float(activation_bytes(name, prob.cap, s.output, prob.mesh, prob.saved))
+    if info.kind in (OP, INPUT):   # a checkpoint holds the user inputs its block reads
+        return float(activation_bytes(name, prob.cap, s.output, prob.mesh, saved or prob.saved))
     return 0.0
+
+
+def checkpoint_model(prob: Problem, paths: tuple):
+    """The activation model with the stacks at `paths` checkpointed (built once per set of stacks)."""
+    model = prob.checkpoint_models.get(paths)
+    if model is None:
+        stacks = [st for st in prob.stacks if st.path in paths]
+        model = prob.checkpoint_models[paths] = checkpointed_model(prob.cap, prob.hardware, stacks)
+    return model
 
 
 def memory_reserve(prob: Problem) -> float:
@@ -149,12 +184,15 @@ class _ILP:
 
     def __init__(self):
         self.cost, self.mem, self.integer = [], [], []
+        self.lower, self.upper = [], []
         self.rows, self.lb, self.ub = [], [], []   # each row: {column: coefficient}
 
-    def var(self, cost=0.0, mem=0.0, integer=True) -> int:
+    def var(self, cost=0.0, mem=0.0, integer=True, lower=0.0, upper=1.0) -> int:
         self.cost.append(cost)
         self.mem.append(mem)
         self.integer.append(1 if integer else 0)
+        self.lower.append(lower)
+        self.upper.append(upper)
         return len(self.cost) - 1
 
     def row(self, coefs: dict, lb: float, ub: float):
@@ -162,7 +200,7 @@ class _ILP:
         self.lb.append(lb)
         self.ub.append(ub)
 
-    def solve(self, objective, upper, time_limit, gap):
+    def solve(self, objective, time_limit, gap):
         data, ri, ci = [], [], []
         for r, row in enumerate(self.rows):
             for c, val in row.items():
@@ -170,7 +208,7 @@ class _ILP:
         n = len(self.cost)
         A = sp.csr_array((data, (ri, ci)), shape=(len(self.rows), n))
         return milp(np.array(objective, dtype=float), integrality=np.array(self.integer),
-                    bounds=Bounds(np.zeros(n), np.array(upper, dtype=float)),
+                    bounds=Bounds(np.array(self.lower, dtype=float), np.array(self.upper, dtype=float)),
                     constraints=[LinearConstraint(A, np.array(self.lb, float), np.array(self.ub, float))],
                     options={"time_limit": time_limit, "mip_rel_gap": gap})
 
@@ -251,23 +289,30 @@ def tied_edges(prob: Problem) -> list[list[Edge]]:
     return list(groups.values())
 
 
-def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list) -> dict:
+def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: dict, recompute: dict) -> dict:
     """y[e, p, k] for producer layout p and consumer key k (input layout, partial-gradient axes).
 
     Marginals tie y to x: sum_k y[p, k] = x-mass of the producer on p, and
     sum_p y[p, k] = x-mass of the consumer on k. Pairs that cannot be
     redistributed (or that the roles forbid) get no variable. `edges` are
     repeats of one edge (tied blocks): one set of y, paying for all of them.
-    Returns {y: MiB} for the y that gather a weight whole (FSDP).
+    Returns {y: MiB} for the y that gather a weight whole (FSDP). `rerun`: op ->
+    stack path, for the ops a checkpointed stack would rerun; `recompute` gets
+    {stack path: [{y: microseconds more} per edge]} for edges into them.
     """
     cap = prob.cap
     e = edges[0]
     u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
-    alike: dict = {}   # repeats that cost the same: signature -> [one of them, how many]
+    alike: dict = {}   # repeats that cost the same: signature -> [one of them, how many, how many rerun]
     for member in edges:
-        entry = alike.setdefault(edge_signature(prob, member), [member, 0])
+        entry = alike.setdefault(edge_signature(prob, member), [member, 0, 0])
         entry[1] += 1
-    alike = [(sig, member, n) for sig, (member, n) in alike.items()]
+        entry[2] += member.consumer in rerun
+    stack = rerun.get(e.consumer)
+    rerun_cost: dict = {}   # y -> microseconds more when the consumer's block is rerun
+    if stack is not None:
+        recompute.setdefault(stack, []).append(rerun_cost)
+    alike = [(sig, member, n, m) for sig, (member, n, m) in alike.items()]
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
         if var is not None:
@@ -289,10 +334,15 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list) -> di
             if is_tuple and (p != dst or gp):
                 continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
             try:
-                c = sum(n * edge_cost(prob, member, p, dst, gp, zero_axes, sig) for sig, member, n in alike)
+                c = sum(n * edge_cost(prob, member, p, dst, gp, zero_axes, sig) for sig, member, n, _ in alike)
             except UnsupportedRedistribution:
                 continue
             y = ilp.var(c * TIME_SCALE, integer=False)
+            if stack is not None:
+                extra = sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig)
+                            for sig, member, _, m in alike if m)
+                if extra:
+                    rerun_cost[y] = extra * TIME_SCALE
             by_src[src_key][y] = by_dst[k][y] = 1.0
             gb = float(gathered_weight_bytes(cap, e.producer, p, dst, prob.mesh))
             if gb:
@@ -325,37 +375,120 @@ def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transien
 
 
 
+def _charge_key(model, name: str) -> tuple:
+    """A node's charges without their labels: tied repeats of a node pay alike."""
+    return tuple((c.meta, c.cut_by, c.when, c.unless, c.view) for c in model.charges.get(name, ()))
+
+
+def _checkpoint_vars(prob: Problem, stacks, ilp: _ILP, xvars, transient: int, pinned: bool,
+                     recompute_y: dict) -> dict:
+    """c[stack] = 1 when every block of the stack is checkpointed (pinned: always). Returns {path: c}.
+
+    Checkpointing changes activation bytes by D(x) (negative where it saves; the
+    boundary tensors it holds are charged to their producers), adds recompute
+    time R(x, y) (one more forward of every block: its ops up to the last that
+    keeps a tensor, and the collectives before them) and a working set in backward of
+    one block's activations B(x). Their products with c are linearised with
+    bounds over the x choices (L <= D <= U, R <= R_max, B <= B_max):
+      memory    Z >= D(x) - U (1 - c),   Z >= L c
+      time      T >= R(x) - R_max (1 - c)
+      transient t >= B(x) - B_max (1 - c)
+    """
+    chosen = {}
+    for st in stacks:
+        c = ilp.var()
+        if pinned:
+            ilp.row({c: 1.0}, 1, 1)
+        chosen[st.path] = c
+        model = checkpoint_model(prob, (st.path,))
+        delta, recompute, block = {}, {}, {}
+        memo: dict = {}
+        for name in set(model.charges) | set(prob.saved.charges):
+            if name not in prob.strategies:
+                continue
+            canon = prob.canonical.get(name, name)
+            key = (canon, _charge_key(prob.saved, name), _charge_key(model, name))
+            if key not in memo:
+                memo[key] = [(node_memory(prob, name, s, model) - node_memory(prob, name, s)) * MEM_SCALE
+                             for s in prob.strategies[name].strategies]
+            for d, var in zip(memo[key], xvars[name]):
+                if var is not None and d:
+                    delta[var] = delta.get(var, 0.0) + d
+        repeats: dict = {}   # first copy of an op -> how many blocks rerun it
+        for name in recomputed_ops(st, prob.saved):
+            if name in prob.strategies:
+                canon = prob.canonical.get(name, name)
+                repeats[canon] = repeats.get(canon, 0) + 1
+        for canon, n in repeats.items():
+            for s, var in zip(prob.strategies[canon].strategies, xvars[canon]):
+                if var is not None:
+                    t = node_time(prob, canon, s) / cm.TRAIN_FLOPS_FACTOR * n * TIME_SCALE
+                    if t:
+                        recompute[var] = t
+        for per_edge in recompute_y.get(st.path, ()):
+            recompute.update(per_edge)
+        for name in st.blocks[0]:
+            if name in prob.strategies:
+                for s, var in zip(prob.strategies[name].strategies, xvars[name]):
+                    b = node_memory(prob, name, s) * MEM_SCALE if var is not None else 0.0
+                    if b:
+                        block[var] = block.get(var, 0.0) + b
+        groups = {tuple(v for v in vs if v is not None) for vs in xvars.values()}
+        groups |= {tuple(per_edge) for per_edge in recompute_y.get(st.path, ())}   # one edge's y sum to 1
+        bound = lambda coefs, pick: sum(pick([coefs.get(v, 0.0) for v in g] + [0.0]) for g in groups)  # noqa: E731
+        upper, lower = bound(delta, max), bound(delta, min)
+        z = ilp.var(mem=1.0, integer=False, lower=lower, upper=max(upper, 0.0))
+        ilp.row({z: 1.0, **{v: -d for v, d in delta.items()}, c: -upper}, -upper, np.inf)
+        ilp.row({z: 1.0, c: -lower}, 0.0, np.inf)
+        for coefs, var in ((recompute, ilp.var(cost=1.0, integer=False, upper=np.inf)), (block, transient)):
+            top = bound(coefs, max)
+            ilp.row({var: 1.0, **{v: -a for v, a in coefs.items()}, c: -top}, -top, np.inf)
+    return chosen
+
+
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
-          minimize_memory: bool = False, gap: float = 1e-3) -> Solution:
+          minimize_memory: bool = False, gap: float = 1e-3, checkpointing: str = "none") -> Solution:
     """Cheapest plan under the roles and memory limit (or, with minimize_memory, the least memory).
 
     `gap`: HiGHS stops once the plan is provably within this fraction of the
-    optimum; the plan reports the gap it reached.
+    optimum; the plan reports the gap it reached. `checkpointing`: "none",
+    "full" (every stack in prob.stacks) or "auto" (the search decides per stack;
+    only worth variables when memory is limited, since it only adds time).
     """
     t_build = time.perf_counter()
     ilp = _ILP()
     xvars = _node_vars(prob, roles, ilp)
     bvars = _batch_vars(prob, roles, ilp, xvars)
     # the largest working set of any forward op, in MiB like all memory terms
-    transient = ilp.var(0.0, 1.0, integer=False)
+    transient = ilp.var(0.0, 1.0, integer=False, upper=np.inf)
     gathered_at: dict = {}   # (first copy of) op -> {y: MiB of the weight that y gathers for it}
+    limited = minimize_memory or memory_limit is not None
+    stacks = prob.stacks if checkpointing == "full" or (checkpointing == "auto" and limited) else ()
+    rerun = {n: st.path for st in stacks for n in recomputed_ops(st, prob.saved)}
+    recompute_y: dict = {}
     for edges in tied_edges(prob):
-        gathered = _edge_vars(prob, roles, ilp, xvars, edges)
+        gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun, recompute_y)
         if gathered:
             consumer = prob.canonical.get(edges[0].consumer, edges[0].consumer)
             gathered_at.setdefault(consumer, {}).update(gathered)
     _transient_rows(prob, ilp, xvars, gathered_at, transient)
+    chosen = _checkpoint_vars(prob, stacks, ilp, xvars, transient, checkpointing == "full", recompute_y)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
         ilp.row({i: m for i, m in enumerate(ilp.mem) if m}, -np.inf, (memory_limit - reserve) * MEM_SCALE)
-    upper = [1.0] * len(ilp.cost)
-    upper[transient] = np.inf
     t0 = time.perf_counter()
     built = t0 - t_build
-    res = ilp.solve(ilp.mem if minimize_memory else ilp.cost, upper, time_limit, gap)
+    res = ilp.solve(ilp.mem if minimize_memory else ilp.cost, time_limit, gap)
     elapsed = time.perf_counter() - t0
     nvar, nrow = len(ilp.cost), len(ilp.rows)
     if res.x is None:
+        # stopped at the time limit, not infeasible; the greedy never recomputes, so not under "full"
+        if res.status == 1 and not minimize_memory and checkpointing != "full":
+            fallback = _fallback(prob, roles, memory_limit, res, ilp, time_limit)
+            if fallback is not None:
+                fallback.solve_seconds = time.perf_counter() - t0
+                fallback.num_variables, fallback.num_constraints, fallback.build_seconds = nvar, nrow, built
+                return fallback
         return Solution({}, (), float("inf"), elapsed, "infeasible" if res.status == 2 else res.message,
                         nvar, nrow, build_seconds=built)
     x = res.x
@@ -365,4 +498,34 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
     status = "optimal" if res.status == 0 else "time limit reached"
     return Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
-                    float(getattr(res, "mip_gap", 0.0) or 0.0), built)
+                    float(getattr(res, "mip_gap", 0.0) or 0.0), built,
+                    tuple(path for path, c in chosen.items() if x[c] > 0.5))
+
+
+def _fallback(prob: Problem, roles: Roles, memory_limit, res, ilp: _ILP, time_limit: float) -> Solution | None:
+    """HiGHS stopped at its time limit with no plan: the greedy's (greedy.py), or None if it finds
+    none within the memory limit either. Its mip_gap is its distance from a lower bound on the
+    ILP's optimum: HiGHS's dual bound, or else -- scipy reports none when HiGHS has no solution
+    yet -- the LP relaxation's optimum; status GREEDY_NO_BOUND (mip_gap 1: costs are never
+    negative, so 0 is the only bound) if that runs out of time too."""
+    from .greedy import GREEDY_NO_BOUND, bound_gap, greedy   # greedy.py imports this module
+    sol = greedy(prob, roles, memory_limit)
+    if sol is None:
+        return None
+    bound = getattr(res, "mip_dual_bound", None)
+    if bound is None or not np.isfinite(bound):
+        bound = _relaxation_bound(ilp, time_limit)
+    if bound is None:
+        sol.status, sol.mip_gap = GREEDY_NO_BOUND, 1.0
+    else:
+        sol.mip_gap = bound_gap(sol.objective, bound / TIME_SCALE)
+    return sol
+
+
+def _relaxation_bound(ilp: _ILP, time_limit: float) -> float | None:
+    """The optimum of the ILP with integrality dropped (a lower bound on it, in its units), or None."""
+    import copy
+    relaxed = copy.copy(ilp)   # shares the rows; only the integrality differs
+    relaxed.integer = [0] * len(ilp.integer)
+    lp = relaxed.solve(ilp.cost, time_limit, 0.0)
+    return float(lp.fun) if lp.status == 0 and lp.fun is not None else None

@@ -1,0 +1,102 @@
+"""Recompute: run the plan's checkpointed blocks under torch.utils.checkpoint.
+
+The rewritten graph is flat; each checkpointed block is a contiguous run of
+its nodes (checkpointing.checkpointable_stacks ensures it). That run is cut
+out into a GraphModule of its own and called through `CheckpointRegion`,
+which runs it under torch.utils.checkpoint (non-reentrant): forward keeps
+only the region's inputs, and backward runs the region again -- its
+collectives included (a TP all-reduce is paid twice; an FSDP weight is
+gathered in the recompute instead of being gathered again for backward).
+
+A redistribution that the first block made for a tensor later blocks read as
+well (the rewriter makes one per producer and layout) is moved in front of
+the region, so it runs once and the region takes its result as an input.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
+
+from .collectives import Comm
+
+
+class CheckpointRegion(torch.nn.Module):
+    """One block's nodes, run without keeping activations; `observer(inputs)`, if set, sees what
+    the checkpoint holds (audit counts it)."""
+
+    def __init__(self, body: fx.GraphModule, label: str, comm: Comm):
+        super().__init__()
+        self.body, self.label, self.comm = body, label, comm
+        self.observer = None
+
+    def forward(self, *inputs):
+        if self.observer is not None:
+            self.observer(inputs)
+        calls = [0]
+
+        def run(*args):
+            calls[0] += 1
+            if calls[0] == 1:
+                return self.body(*args)
+            # backward's rerun: its collectives are logged as the recompute's, not forward's
+            self.comm.forward_phase = "recompute"
+            try:
+                return self.body(*args)
+            finally:
+                self.comm.forward_phase = "forward"
+        return checkpoint(run, *inputs, use_reentrant=False)
+
+    def extra_repr(self) -> str:
+        return self.label
+
+
+def _hoist_shared(graph: fx.Graph, region: list) -> list:
+    """Move nodes that read nothing from the region but feed nodes outside it in front of the region."""
+    members = set(region)
+    hoisted, kept = [], []
+    for node in region:
+        reads_region = any(a in members for a in node.all_input_nodes)
+        if not reads_region and any(u not in members for u in node.users):
+            hoisted.append(node)
+            members.discard(node)
+        else:
+            kept.append(node)
+    for node in hoisted:   # in order, so each still follows what it reads
+        kept[0].prepend(node)
+    return kept
+
+
+def outline(gm: fx.GraphModule, regions: list, labels: list, comm: Comm) -> fx.GraphModule:
+    """Replace each region (nodes of gm.graph, contiguous, in order) with one CheckpointRegion call."""
+    graph = gm.graph
+    for i, (region, label) in enumerate(zip(regions, labels)):
+        region = _hoist_shared(graph, region)
+        if not region:
+            continue
+        members = set(region)
+        inputs = []
+        for node in region:
+            for a in node.all_input_nodes:
+                if a not in members and a not in inputs:
+                    inputs.append(a)
+        outputs = [n for n in region if any(u not in members for u in n.users)]
+        body = fx.Graph()
+        env = {a: body.placeholder(a.name) for a in inputs}
+        for node in region:
+            env[node] = body.node_copy(node, lambda a: env[a])
+        body.output(tuple(env[n] for n in outputs))
+        name = f"checkpoint_{i}"
+        gm.add_module(name, CheckpointRegion(fx.GraphModule(gm, body, class_name="Block"), label, comm))
+        with graph.inserting_before(region[0]):
+            call = graph.call_module(name, tuple(inputs))
+            results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
+        for node, result in zip(outputs, results):
+            node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
+        for node in reversed(region):
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm

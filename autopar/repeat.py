@@ -1,0 +1,451 @@
+"""Capture a deep stack by tracing a shallow copy and repeating its block.
+
+torch.export takes time in proportion to depth (seconds for 80 layers), yet a
+stack's layers run the same code on different weights. So `capture_repeated`
+traces the model with each stack cut to its first TRACED layers, checks on
+that graph that the last traced block repeats the one before it (same ops,
+arguments, shapes, and the same wiring to its predecessor), and writes the
+remaining blocks as copies of the last one, named as torch.export names
+them. The result equals `capture` of the whole model node for node.
+
+Three layers, because block 0 may differ from the rest (it reads the prefix,
+not a previous block), and blocks 1 and 2 then show both the repeat and how a
+block reads the one before it.
+
+The assumption: layers of one class with the same parameters, buffers and
+submodules run the same code. A model whose layers differ in a way these do
+not show (a per-layer switch in its config, e.g. full attention on every
+fourth layer only) must be captured whole: `autopar.plan(trace_every_layer=True)`.
+Wherever the shallow graph contradicts the assumption, the whole model is
+captured anyway.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ._private import storage_id, trace_lock
+from .blocks import block_of, node_signature
+from .capture import BUFFER, OP, PARAM, Captured, NodeInfo, _canonical_names, capture
+from .errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+TRACED = 3   # layers traced per stack: block 0 (may differ), 1 and 2 (a repeat and its wiring)
+
+# how fx names a node: a base and an optional counter ("linear_12"), torch.fx.graph's _name_regex
+_NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")
+_PLACEHOLDER_PREFIX = {PARAM: "p_", BUFFER: "b_"}
+
+
+class NotRepeated(Exception):
+    """The shallow graph does not show a repeat that copying can extend: capture whole.
+    capture_repeated catches it; it never reaches the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatedProgram:
+    """What a repeated capture holds in place of the whole model's ExportedProgram.
+
+    Planning reads only `state_dict` (which parameters train). It cannot run
+    the model: `parallelize` captures the whole model, as running needs.
+    """
+    traced: torch.export.ExportedProgram   # the program of the shortened model
+    state_dict: dict                        # the whole model's parameters and buffers, by name
+
+
+def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=None) -> Captured:
+    """`capture(model, example_inputs, dynamic_shapes)` for planning, in the time a model with
+    TRACED layers per stack takes to trace.
+
+    The stacks are cut short in place while the model is traced (under the
+    trace lock) and restored after. A model whose graph does not show a repeat
+    is captured whole. The result's `exported` is a RepeatedProgram: it plans,
+    it does not run.
+    """
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    stacks = find_stacks(model)
+    if not stacks:
+        return capture(model, example_inputs, dynamic_shapes)
+    try:
+        # under the trace lock: another thread's capture must not see the shortened model
+        with trace_lock, _shortened(model, stacks):
+            cap = capture(model, example_inputs, dynamic_shapes)
+        for path, length in stacks.items():
+            cap = expand_stack(cap, path, length)
+        _check_tensors(cap, model)
+    except (CaptureError, NotRepeated) as e:   # a shortened model that does not trace is no verdict
+        log.debug("capturing %s layer by layer: %s", type(model).__name__, e)
+        return capture(model, example_inputs, dynamic_shapes)
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    return dataclasses.replace(cap, exported=RepeatedProgram(cap.exported, state))
+
+
+# --------------------------------------------------------------------------- stacks in the model
+
+def find_stacks(model: nn.Module) -> dict[str, int]:
+    """Module path -> number of layers, for each list of more than TRACED layers that look alike."""
+    out = {}
+    for path, module in model.named_modules():
+        if type(module) not in (nn.ModuleList, nn.Sequential) or len(module) <= TRACED:
+            continue
+        # a block is named by the outermost numbered segment of its path (blocks.py): a list
+        # inside a numbered path is part of an outer block, and the root has no parent to edit
+        if not path or any(part.isdigit() for part in path.split(".")):
+            continue
+        # named_children skips a layer listed twice (shared weights)
+        if [name for name, _ in module.named_children()] != [str(i) for i in range(len(module))]:
+            continue
+        if len({_layout(layer) for layer in module}) == 1:
+            out[path] = len(module)
+    return out
+
+
+def _layout(layer: nn.Module) -> tuple:
+    """What two layers must share to be taken for repeats: module classes and modes, tensors."""
+    modules = tuple((name, type(m), m.training) for name, m in layer.named_modules())
+    params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad)
+                   for name, p in layer.named_parameters(remove_duplicate=False))
+    buffers = tuple((name, tuple(b.shape), b.dtype) for name, b in layer.named_buffers(remove_duplicate=False))
+    return modules, params, buffers
+
+
+@contextlib.contextmanager
+def _shortened(model: nn.Module, stacks: dict[str, int]):
+    """The model with each stack cut to its first TRACED layers, restored on exit.
+
+    The lists are swapped in place rather than the model copied: it may be huge.
+    """
+    swapped = []
+    try:
+        for path in stacks:
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            whole = getattr(parent, name)
+            first = list(whole)[:TRACED]
+            swapped.append((parent, name, whole))
+            setattr(parent, name, nn.ModuleList(first) if type(whole) is nn.ModuleList else nn.Sequential(*first))
+        yield
+    finally:
+        for parent, name, whole in reversed(swapped):
+            setattr(parent, name, whole)
+
+
+def _check_tensors(cap: Captured, model: nn.Module) -> None:
+    """The expanded graph has a placeholder for each of the model's parameters and buffers, and
+    ties the same ones (a layer tied to something the shortened model lacks is not a repeat)."""
+    canonical = _canonical_names(model)   # capture's own rule for tied names, so the two agree
+    aliases = {a: c for a, c in canonical.items() if a != c}
+    if aliases != cap.aliases:
+        raise NotRepeated("parameters tied across a stack")
+    for kind, named in ((PARAM, model.named_parameters()), (BUFFER, model.named_buffers())):
+        have = {i.target_name for i in cap.info.values() if i.kind == kind}
+        if have != {canonical[n] for n, _ in named}:
+            raise NotRepeated(f"the expanded graph's {kind}s are not the model's")
+
+
+# --------------------------------------------------------------------------- the traced blocks
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """One stack's traced blocks in a graph."""
+    blocks: tuple            # per traced block, its nodes (parameters, buffers, ops) in graph order
+    where: dict              # node name -> (block, position in its block)
+    ends: dict               # node name -> the section (PARAM / BUFFER / OP) it ends in the last layer
+    last_op: str             # name of the stack's last op: nodes after it follow the stack
+
+
+def _section(cap: Captured, node: fx.Node) -> str | None:
+    if node.op == "placeholder":
+        kind = cap.info[node.name].kind
+        return kind if kind in (PARAM, BUFFER) else None
+    return OP if node.op != "output" else None
+
+
+def _block(cap: Captured, node: fx.Node, stack: str) -> int | None:
+    """Which block of `stack` a node belongs to: parameters and buffers by name, ops by module."""
+    info = cap.info[node.name]
+    path = info.target_name if node.op == "placeholder" else info.module_path
+    key = block_of(path or "")
+    if key is None or key[0] != stack:
+        return None
+    if node.op == "placeholder" and info.kind not in (PARAM, BUFFER):
+        raise NotRepeated(f"{node.name}: a lifted constant in a layer")
+    if node.op not in ("placeholder", "call_function"):
+        raise NotRepeated(f"{node.name}: a {node.op} node in a layer (e.g. a higher-order op)")
+    return key[1]
+
+
+def traced_blocks(cap: Captured, stack: str) -> _Traced:
+    """The traced blocks of `stack`, each one run of consecutive nodes per section, in order."""
+    sections: dict = {}   # section -> [(block or None, node)] in graph order
+    for node in cap.graph.nodes:
+        section = _section(cap, node)
+        if section is not None:
+            sections.setdefault(section, []).append((_block(cap, node, stack), node))
+    blocks = [[] for _ in range(TRACED)]
+    ends, last_op = {}, None
+    for section, labelled in sections.items():
+        indices = [b for b, _ in labelled]
+        members = [i for i, b in enumerate(indices) if b is not None]
+        if not members:
+            continue
+        run = indices[members[0]:members[-1] + 1]
+        # consecutive (nothing between two layers) and in order 0, 1, 2
+        if None in run or run != sorted(run) or set(run) != set(range(TRACED)):
+            raise NotRepeated(f"the {section} nodes of {stack!r} are not one run per layer, in order")
+        for b, node in labelled[members[0]:members[-1] + 1]:
+            blocks[b].append(node)
+        end = labelled[members[-1]][1].name
+        ends[end] = section
+        if section == OP:
+            last_op = end
+    if last_op is None:
+        raise NotRepeated(f"no ops in {stack!r}")
+    # a block's nodes in graph order: placeholders (parameters, then buffers), then ops
+    order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
+    blocks = tuple(sorted(b, key=lambda n: order[n.name]) for b in blocks)
+    where = {n.name: (b, j) for b, nodes in enumerate(blocks) for j, n in enumerate(nodes)}
+    return _Traced(blocks, where, ends, last_op)
+
+
+def _node_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes among a node's arguments, every occurrence, in order (all_input_nodes dedups)."""
+    out = []
+    fx.node.map_arg((node.args, node.kwargs), out.append)
+    return out
+
+
+def check_repeat(cap: Captured, stack: str, traced: _Traced) -> None:
+    """Block 2 repeats block 1 op by op, and reads block 1 as block 1 reads block 0; nothing after
+    the stack reads blocks 0 or 1. Raises NotRepeated otherwise."""
+    _, one, two = traced.blocks
+    if len(one) != len(two):
+        raise NotRepeated(f"layers 1 and 2 of {stack!r} have {len(one)} and {len(two)} nodes")
+    members = [{n.name: j for j, n in enumerate(b)} for b in traced.blocks]
+    for a, b in zip(one, two):
+        if node_signature(cap, a, members[1], stack, 1) != node_signature(cap, b, members[2], stack, 2):
+            raise NotRepeated(f"{b.name} (layer 2 of {stack!r}) does not repeat {a.name} (layer 1)")
+        for x1, x2 in zip(_node_inputs(a), _node_inputs(b)):
+            if x2.name in members[2]:
+                continue  # the signature compared positions inside the block
+            if x2.name in members[1]:
+                wired = members[0].get(x1.name) == members[1][x2.name]
+            else:
+                wired = x1 is x2 and x2.name not in members[0]
+            if not wired:
+                raise NotRepeated(f"{b.name} reads {x2.name}, which layer 1's {a.name} does not mirror")
+    after = False
+    for node in cap.graph.nodes:
+        if after and any(x.name in members[0] or x.name in members[1] for x in node.all_input_nodes):
+            raise NotRepeated(f"{node.name} follows {stack!r} but reads an early layer")
+        after = after or node.name == traced.last_op
+
+
+# --------------------------------------------------------------------------- names
+
+def _split_name(name: str) -> tuple[str, int]:
+    match = _NAME.match(name)
+    if match is None:
+        raise NotRepeated(f"{name!r} is not an fx node name")
+    base, num = match.groups()
+    return base, int(num or 0)
+
+
+def _join_name(base: str, num: int) -> str:
+    return f"{base}_{num}" if num else base
+
+
+def name_strides(traced: _Traced) -> dict[str, int]:
+    """Op name base -> how far its counter moves per layer.
+
+    torch.export numbers ops per base in trace order (`linear`, `linear_1`, ...),
+    so layer k's names are layer 2's moved on by (k - 2) strides, and the ops
+    after the stack move on by the strides of the layers that were not traced.
+    """
+    strides: dict = {}
+    for a, b in zip(traced.blocks[1], traced.blocks[2]):
+        if b.op == "placeholder":
+            continue
+        (base, m1), (base2, m2) = _split_name(a.name), _split_name(b.name)
+        if base != base2 or m2 <= m1 or strides.setdefault(base, m2 - m1) != m2 - m1:
+            raise NotRepeated(f"names {a.name} and {b.name} do not step by one layer")
+    return strides
+
+
+def _moved_name(name: str, strides: dict, layers: int) -> str:
+    base, num = _split_name(name)
+    return _join_name(base, num + layers * strides[base]) if base in strides else name
+
+
+def _placeholder_name(kind: str, fqn: str) -> str:
+    """torch.export's name for a parameter / buffer placeholder (placeholder_naming_pass)."""
+    return _PLACEHOLDER_PREFIX[kind] + re.sub(r"[^a-zA-Z0-9]", "_", fqn).lower()
+
+
+def _renamed_block(path: str | None, stack: str, block: int) -> str | None:
+    """A path or parameter name of layer 2 of `stack`, moved to layer `block`."""
+    if path is None:
+        return None
+    head = f"{stack}.{TRACED - 1}"
+    if path == head or path.startswith(head + "."):
+        return f"{stack}.{block}" + path[len(head):]
+    return path
+
+
+# --------------------------------------------------------------------------- the expanded graph
+
+class _Storages:
+    """Storages for the copies' traced tensors.
+
+    The activation model reads which tensors share a storage from the traced
+    (fake) tensors; a copied layer must not share layer 2's. A tensor whose
+    storage was made in a layer gets the storage of the same tensor `shift`
+    layers on: a traced one, or a new one made once per copy.
+    """
+
+    def __init__(self, cap: Captured, traced: _Traced):
+        self.traced = traced
+        self.owner: dict = {}   # storage id -> (node name, tuple index) that made it
+        self.holders: dict = {}  # storage id -> how many traced tensors hold it
+        for node in cap.graph.nodes:
+            for k, t in _tensors(node.meta.get("val")):
+                sid = storage_id(t)
+                self.owner.setdefault(sid, (node.name, k))
+                self.holders[sid] = self.holders.get(sid, 0) + 1
+        self.made: dict = {}    # (block, position, tuple index) -> a tensor on that storage
+
+    def moved(self, val, shift: int):
+        if shift == 0 or val is None:
+            return val
+        if isinstance(val, torch.Tensor):
+            return self._moved_tensor(val, shift)
+        if isinstance(val, (list, tuple)):
+            return type(val)(self.moved(v, shift) if isinstance(v, torch.Tensor) else v for v in val)
+        return val   # a SymInt or a Python value is the same in every layer
+
+    def _moved_tensor(self, t: torch.Tensor, shift: int) -> torch.Tensor:
+        sid = storage_id(t)
+        name, k = self.owner[sid]
+        if name not in self.traced.where:
+            return t   # made outside the stack: every layer reads the same storage
+        if self.holders[sid] == 1 and isinstance(t.storage_offset(), int) and t.storage_offset() == 0:
+            return t.new_empty_strided(t.shape, t.stride())   # no view shares it: a new storage will do
+        block, j = self.traced.where[name]
+        key = (block + shift, j, k)
+        if key not in self.made:
+            maker = _element(self.traced.blocks[block][j].meta["val"], k)
+            if key[0] < TRACED:
+                self.made[key] = _element(self.traced.blocks[key[0]][j].meta["val"], k)
+            else:
+                self.made[key] = maker.new_empty((maker.untyped_storage().nbytes() // maker.itemsize,))
+        base = self.made[key]
+        if base.dtype != t.dtype:
+            raise NotRepeated("a view of another dtype in a layer")
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _tensors(val):
+    if isinstance(val, torch.Tensor):
+        return [(None, val)]
+    if isinstance(val, (list, tuple)):
+        return [(k, v) for k, v in enumerate(val) if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _element(val, k):
+    return val if k is None else val[k]
+
+
+def expand_stack(cap: Captured, stack: str, length: int) -> Captured:
+    """`cap` with `stack`'s traced layers extended to `length` by copies of its last one."""
+    traced = traced_blocks(cap, stack)
+    check_repeat(cap, stack, traced)
+    strides = name_strides(traced)
+    last = traced.blocks[TRACED - 1]
+    top = {}   # op name base -> its highest counter in the last traced layer
+    for node in last:
+        base, num = _split_name(node.name)
+        if base in strides:
+            top[base] = max(top.get(base, 0), num)
+    templates: dict = {}   # section -> [(position in the last layer, node)]
+    for j, node in enumerate(last):
+        templates.setdefault(_section(cap, node), []).append((j, node))
+        node_info = cap.info[node.name]
+        if node.op == "placeholder" and node.name != _placeholder_name(node_info.kind, node_info.target_name):
+            raise NotRepeated(f"{node.name} is not named after {node_info.target_name}")
+    storages = _Storages(cap, traced)
+    graph = fx.Graph()
+    info: dict[str, NodeInfo] = {}
+    copies: dict = {}   # (block, position) -> node of the expanded graph, for the copied layers
+    env: dict = {}      # node name in cap -> node of the expanded graph
+
+    def lookup(shift):
+        """A node `shift` layers on from the node an argument names (itself outside the stack)."""
+        def to_new(x: fx.Node) -> fx.Node:
+            if shift and x.name in traced.where:
+                b, j = traced.where[x.name]
+                return copies[(b + shift, j)] if b + shift >= TRACED else env[traced.blocks[b + shift][j].name]
+            return env[x.name]
+        return to_new
+
+    def emit(template: fx.Node, name: str, shift: int, block: int | None) -> fx.Node:
+        """`template` moved on `shift` layers (its arguments, tensors, and when it is a copy of
+        layer `block`, its module path and parameter name)."""
+        args = fx.node.map_arg(template.args, lookup(shift))
+        kwargs = fx.node.map_arg(template.kwargs, lookup(shift))
+        target = name if template.op == "placeholder" else template.target
+        node = graph.create_node(template.op, target, args, kwargs, name=name, type_expr=template.type)
+        if node.name != name:
+            raise NotRepeated(f"{name} would clash with another node's name")
+        node.meta = dict(template.meta)
+        node.meta["val"] = storages.moved(template.meta.get("val"), shift)
+        node_info = cap.info[template.name]
+        if block is not None:
+            node_info = dataclasses.replace(node_info,
+                                            module_path=_renamed_block(node_info.module_path, stack, block),
+                                            target_name=_renamed_block(node_info.target_name, stack, block))
+            if "nn_module_stack" in node.meta:
+                node.meta["nn_module_stack"] = _moved_module_stack(node.meta["nn_module_stack"], stack, block)
+        if node_info.kind == OP and shift:
+            reads = tuple(info[a.name].target_name for a in node.all_input_nodes if info[a.name].kind == PARAM)
+            node_info = dataclasses.replace(node_info, params_read=reads)
+        info[node.name] = node_info
+        return node
+
+    after = False   # past the stack's last op: what follows reads the last layer, names move on
+    for template in cap.graph.nodes:
+        name = template.name
+        if after and template.op not in ("placeholder", "output"):
+            base, num = _split_name(name)
+            if num <= top.get(base, -1):
+                raise NotRepeated(f"{name} follows {stack!r} but is numbered as if before its last layer")
+            name = _moved_name(name, strides, length - TRACED)
+        env[template.name] = emit(template, name, length - TRACED if after else 0, None)
+        # after the last traced layer's parameters, buffers, ops: those of the layers not traced
+        for block in range(TRACED, length) if template.name in traced.ends else ():
+            shift = block - (TRACED - 1)
+            for j, t in templates[traced.ends[template.name]]:
+                t_info = cap.info[t.name]
+                if t.op == "placeholder":
+                    name = _placeholder_name(t_info.kind, _renamed_block(t_info.target_name, stack, block))
+                else:
+                    name = _moved_name(t.name, strides, shift)
+                copies[(block, j)] = emit(t, name, shift, block)
+        after = after or template.name == traced.last_op
+    return Captured(cap.exported, graph, info, cap.symbols, cap.hints, list(cap.input_names), dict(cap.aliases))
+
+
+def _moved_module_stack(module_stack: dict, stack: str, block: int) -> dict:
+    """nn_module_stack's paths moved to layer `block` (its keys are left as traced; nothing reads them)."""
+    return {key: (_renamed_block(entry[0], stack, block),) + tuple(entry[1:])
+            if isinstance(entry, tuple) and entry and isinstance(entry[0], str) else entry
+            for key, entry in module_stack.items()}

@@ -1,0 +1,150 @@
+"""Activation checkpointing: the search trades recompute for memory, and the run keeps what it predicts.
+
+A checkpointed block keeps only the tensors it reads from outside; backward
+reruns it (up to its last op that keeps a tensor, torch's early stop), with
+its forward collectives. Predictions are checked against the run: bytes
+autograd and the checkpoints keep (autopar.audit), bytes every collective
+moved, and 3 AdamW steps against the single-device model.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+import autopar
+from autopar.testing import (GPT, GPTConfig, LogitsOnly, gpt_loss, parallel_record, run_gloo, run_threaded,
+                             single_device_reference)
+
+REL = 0.03   # activations, as in test_activations: everything else must match exactly
+
+
+def _gpt(dropout=0.0, n_layer=3):
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=dropout)
+    return GPT(cfg).train(), torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   use_cache=False, attn_implementation="sdpa")
+    return LogitsOnly(transformers.LlamaForCausalLM(cfg)).train(), torch.randint(0, 64, (4, 16)), None
+
+
+def _audit(rank, model, x, mesh_shape, names, plan_kwargs):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), hardware="cpu", **plan_kwargs)
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
+    report = autopar.audit(pm, pm.plan.local_inputs(x), optimizer=opt)
+    return {r.quantity: (r.predicted, r.measured) for r in report.rows}, pm.plan
+
+
+def _check_audit(rows, names, what):
+    predicted, measured = rows["activations saved for backward"]
+    assert measured == pytest.approx(predicted, rel=REL), f"{what}: predicted {predicted:.0f} B, kept {measured:.0f} B"
+    for quantity in [f"comm bytes on {a}" for a in names] + ["parameters", "gradients", "optimizer state"]:
+        predicted, measured = rows[quantity]
+        assert measured == predicted, f"{what} {quantity}: predicted {predicted}, measured {measured}"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "tp+sp"])
+@pytest.mark.parametrize("make", [lambda: _gpt(dropout=0.1), _llama], ids=["gpt", "llama"])
+def test_checkpointed_plans_predict_what_the_run_keeps_and_moves(make, strategy):
+    model, x, _ = make()
+    names = ("tp",) if strategy.startswith("tp") else ("dp",)
+    kept = {}
+    for mode in ("none", "full"):
+        for rank, (rows, plan) in enumerate(run_threaded(2, _audit, model, x, (2,), names,
+                                                         {"strategy": strategy, "checkpointing": mode})):
+            assert bool(plan.checkpointed) == (mode == "full")
+            _check_audit(rows, names, f"{strategy} checkpointing={mode} rank {rank}")
+            kept[mode] = rows["activations saved for backward"][1]
+    assert kept["full"] < kept["none"] / 3   # 3 blocks: each keeps only its input
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", [("ddp", (2,)), ("fsdp", (2,)), ("tp", (2,)), ("tp+sp", (2,)),
+                                                  ("fsdp+tp", (2, 2))])
+def test_checkpointed_training_matches_one_device(strategy, mesh_shape):
+    model, x, y = _gpt()
+    ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=1e-3)
+    names = ("a", "b")[:len(mesh_shape)]
+    world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1)
+    for rec in run_threaded(world, parallel_record, model, mesh_shape, names, x, y, gpt_loss, 3, 1e-3,
+                            {"strategy": strategy, "hardware": "cpu", "checkpointing": "full"}):
+        plan = rec["plan"]
+        assert plan.checkpointed == ("h",)
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(rec["grads"][name], g, atol=1e-5, rtol=0, msg=name)
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, atol=1e-5, rtol=0, msg=name)
+        launched = Counter((k, axis, float(b), phase) for k, axis, b, phase in rec["comm"])
+        predicted = Counter((c.kind, plan.mesh.axis_names.index(c.axis), c.bytes, c.phase) for c in plan.collectives)
+        assert launched == predicted
+        if strategy.startswith("tp"):   # the rerun repeats a forward collective of each block
+            assert any(c.phase == "recompute" for c in plan.collectives)
+
+
+def _least_memory(model, x, mesh, **kw):
+    with pytest.raises(autopar.InfeasiblePlanError) as err:
+        autopar.plan(model, (x,), mesh, hardware="cpu", memory_limit=1, **kw)
+    return err.value.min_memory_bytes
+
+
+def test_auto_checkpoints_exactly_when_the_limit_needs_it():
+    model, x, _ = _gpt(n_layer=4)
+    mesh = {"dp": 2}
+    free = autopar.plan(model, (x,), mesh, hardware="cpu")
+    assert free.checkpointed == ()          # it only costs time: not without a limit
+    without = _least_memory(model, x, mesh, checkpointing="none")
+    with_ = _least_memory(model, x, mesh)
+    assert with_ < without
+    # a limit no plan meets without recomputing blocks
+    limit = int((with_ + without) / 2)
+    tight = autopar.plan(model, (x,), mesh, hardware="cpu", memory_limit=limit)
+    assert tight.checkpointed == ("h",)
+    assert tight.predicted.memory.total <= limit
+    assert tight.predicted.step_time > free.predicted.step_time   # memory is bought with time
+    with pytest.raises(autopar.InfeasiblePlanError):
+        autopar.plan(model, (x,), mesh, hardware="cpu", memory_limit=limit, checkpointing="none")
+    # where the best plan without a limit fits, auto keeps it
+    roomy = autopar.plan(model, (x,), mesh, hardware="cpu", memory_limit=int(free.predicted.memory.total * 1.01))
+    assert roomy.checkpointed == () and roomy.stats["objective_seconds"] == free.stats["objective_seconds"]
+    text = str(tight)
+    assert "activation checkpointing" in text and "h" in text
+    assert autopar.Plan.from_json(tight.to_json()).checkpointed == ("h",)
+
+
+def _train_under_limit(rank, model, x, y, limit):
+    rec = parallel_record(rank, model, (2,), ("dp",), x, y, gpt_loss, 3, 1e-3,
+                          {"hardware": "cpu", "memory_limit": limit})
+    rows, _ = _audit(rank, model, x, (2,), ("dp",), {"memory_limit": limit})
+    return rec, rows
+
+
+def test_auto_chooses_checkpointing_under_a_limit_only_it_meets_and_trains_on_gloo():
+    model, x, y = _gpt(n_layer=4)
+    limit = int((_least_memory(model, x, {"dp": 2}) + _least_memory(model, x, {"dp": 2}, checkpointing="none")) / 2)
+    ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=1e-3)
+    for rank, (rec, rows) in enumerate(run_gloo(2, _train_under_limit, model, x, y, limit)):
+        plan = rec["plan"]
+        assert plan.checkpointed == ("h",) and plan.predicted.memory.total <= limit
+        _check_audit(rows, ("dp",), f"rank {rank}")
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, atol=1e-5, rtol=0, msg=name)
+
+
+def test_checkpointing_requests_are_checked():
+    model, x, _ = _gpt()
+    with pytest.raises(autopar.AutoparError, match="checkpointing='sometimes'"):
+        autopar.plan(model, (x,), {"dp": 2}, checkpointing="sometimes")
+    with pytest.raises(autopar.PlanError, match="no stack of repeated blocks"):
+        autopar.plan(torch.nn.Linear(8, 8), (torch.randn(4, 8),), {"dp": 2}, checkpointing="full")

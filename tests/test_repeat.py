@@ -1,0 +1,183 @@
+"""capture_repeated: a deep stack traced three layers deep and repeated equals the whole model's capture."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import autopar
+from autopar.activations import requires_grad, storage_owners
+from autopar.capture import capture
+from autopar.repeat import RepeatedProgram, capture_repeated, find_stacks
+from autopar.testing import GPT, MLP, GPTConfig, LogitsOnly
+
+
+def _gpt(n_layer=5):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=32, block_size=8)), \
+        torch.randint(0, 32, (4, 8))
+
+
+def _llama(n_layer=5):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      use_cache=False, attn_implementation="sdpa")
+    return LogitsOnly(LlamaForCausalLM(cfg)).train(), torch.randint(0, 64, (2, 8))
+
+
+class Layer(nn.Module):
+    """A residual linear; `gelu` is an attribute, not a module, so the layers look alike either way."""
+
+    def __init__(self, gelu=True, buffer=False):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gelu = gelu
+        if buffer:
+            self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if hasattr(self, "scale"):
+            y = y * self.scale
+        return x + (F.gelu(y) if self.gelu else F.relu(y))
+
+
+class TwoStacks(nn.Module):
+    """An encoder list and a decoder Sequential around a linear, with a buffer per layer."""
+
+    def __init__(self, n_enc=5, n_dec=6):
+        super().__init__()
+        self.enc = nn.ModuleList([Layer(buffer=True) for _ in range(n_enc)])
+        self.mid = nn.Linear(8, 8)
+        self.dec = nn.Sequential(*[Layer(buffer=True) for _ in range(n_dec)])
+
+    def forward(self, x):
+        for layer in self.enc:
+            x = layer(x)
+        return self.dec(self.mid(x))
+
+
+class Alternating(nn.Module):
+    """Layers of one class and shape whose code differs (gelu, relu, gelu, ...)."""
+
+    def __init__(self, n=6):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(gelu=i % 2 == 0) for i in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class NeedsEveryLayer(Alternating):
+    """A forward that fails on a shortened stack: traced whole, and left whole."""
+
+    def __init__(self, n=6):
+        super().__init__(n)
+        for layer in self.layers:
+            layer.gelu = True
+        self.n = n
+
+    def forward(self, x):
+        if len(self.layers) != self.n:
+            raise ValueError("a layer is missing")
+        return super().forward(x)
+
+
+def _names(a):
+    return fx.node.map_arg(a, lambda n: n.name)
+
+
+def assert_same_capture(repeated, whole):
+    assert [n.name for n in repeated.graph.nodes] == [n.name for n in whole.graph.nodes]
+    for r, w in zip(repeated.graph.nodes, whole.graph.nodes):
+        assert (r.op, r.target, _names(r.args), _names(r.kwargs)) == (w.op, w.target, _names(w.args),
+                                                                      _names(w.kwargs)), w.name
+        assert repeated.info[r.name] == whole.info[w.name], w.name
+    assert repeated.input_names == whole.input_names
+    assert repeated.aliases == whole.aliases
+    assert repeated.symbols == whole.symbols and repeated.hints == whole.hints
+    # what planning reads off the traced tensors and the program: views, and which parameters train
+    assert storage_owners(repeated) == storage_owners(whole)
+    assert requires_grad(repeated) == requires_grad(whole)
+
+
+@pytest.mark.parametrize("build", [_gpt, _llama])
+def test_repeated_capture_equals_whole(build):
+    model, x = build()
+    whole = capture(model, (x,))
+    repeated = capture_repeated(model, (x,))
+    assert isinstance(repeated.exported, RepeatedProgram)   # copied, not traced whole
+    assert_same_capture(repeated, whole)
+
+
+def test_frozen_parameters_of_copied_layers_stay_frozen():
+    model, x = _gpt()
+    for block in model.h:
+        block.ln_1.weight.requires_grad_(False)
+    repeated = capture_repeated(model, (x,))
+    assert isinstance(repeated.exported, RepeatedProgram)
+    assert "p_h_4_ln_1_weight" not in requires_grad(repeated)
+    assert_same_capture(repeated, capture(model, (x,)))
+
+
+def test_dynamic_batch():
+    model, x = _gpt()
+    dynamic = {"idx": {0: torch.export.Dim("batch")}}
+    repeated = capture_repeated(model, (x,), dynamic)
+    assert isinstance(repeated.exported, RepeatedProgram)
+    assert "batch" in repeated.symbols
+    assert_same_capture(repeated, capture(model, (x,), dynamic))
+
+
+def test_two_stacks_with_buffers():
+    torch.manual_seed(0)
+    model, x = TwoStacks(), torch.randn(4, 8)
+    assert find_stacks(model) == {"enc": 5, "dec": 6}
+    repeated = capture_repeated(model, (x,))
+    assert isinstance(repeated.exported, RepeatedProgram)
+    assert_same_capture(repeated, capture(model, (x,)))
+    assert len(model.enc) == 5 and len(model.dec) == 6   # the model is left as it was
+
+
+@pytest.mark.parametrize("model", [
+    Alternating(),                           # alike layers that run different code
+    TwoStacks(n_enc=3, n_dec=2),             # stacks too short to gain from copying
+    MLP([8, 16, 16, 16, 16, 16, 8]),         # linears and activations alternate in one list
+    NeedsEveryLayer(),                       # the shortened model does not trace
+], ids=["alternating-code", "short", "alternating-classes", "needs-every-layer"])
+def test_other_models_are_traced_whole(model):
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    stacks = {path: len(model.get_submodule(path)) for path in find_stacks(model)}
+    repeated = capture_repeated(model, (x,))
+    assert not isinstance(repeated.exported, RepeatedProgram)
+    assert_same_capture(repeated, capture(model, (x,)))
+    assert {path: len(model.get_submodule(path)) for path in stacks} == stacks
+
+
+def _plan_json(plan) -> dict:
+    """A plan's JSON less its timings."""
+    out = json.loads(plan.to_json())
+    out["stats"] = {k: v for k, v in out["stats"].items() if not k.endswith("_seconds")}
+    return out
+
+
+@pytest.mark.parametrize("build, strategy", [(_gpt, "fsdp+tp"), (_llama, "auto")])
+def test_plan_is_the_same_as_from_every_layer(build, strategy):
+    """The same plan, so one made by autopar.plan names the nodes parallelize's capture has."""
+    model, x = build()
+    mesh = {"dp": 2, "tp": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        fast = autopar.plan(model, (x,), mesh, hardware="cpu", strategy=strategy)
+        slow = autopar.plan(model, (x,), mesh, hardware="cpu", strategy=strategy, trace_every_layer=True)
+    assert _plan_json(fast) == _plan_json(slow)
