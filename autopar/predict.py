@@ -19,7 +19,7 @@ from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_c
 from .placement import numel
 from .redistribute import ALL_GATHER, Collective
 from .checkpointing import recomputed_ops
-from .search import checkpoint_model
+from .search import charge_key, checkpoint_model
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
     transient = 0
     compute = 0
     colls = []
+    op_terms: dict = {}   # kind of op -> [activation bytes, compute time, how many]
     for name, ns in prob.strategies.items():
         s = ns.strategies[choice[name]]
         info = cap.info[name]
@@ -113,10 +114,17 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
             meta = first_meta(info.meta)
             params = params + numel(meta.shape if symbolic else meta.hint) * meta.itemsize
         elif info.kind in (OP, INPUT):
-            acts = acts + activation_bytes(name, cap, s.output, mesh, saved, symbolic)
-            t = node_compute_time(cap.node(name), cap, s, mesh, prob.hardware, symbolic)
-            # a recomputed op runs its forward (a third of forward + backward) once more
-            compute = compute + (t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t)
+            # repeats of a block's op cost alike: price each kind once, count how many (80 layers
+            # of sympy sums would otherwise dominate the planning time)
+            key = (prob.canonical.get(name, name), choice[name], charge_key(saved, name), name in rerun)
+            if key not in op_terms:
+                a = activation_bytes(name, cap, s.output, mesh, saved, symbolic)
+                t = node_compute_time(cap.node(name), cap, s, mesh, prob.hardware, symbolic)
+                # a recomputed op runs its forward (a third of forward + backward) once more
+                op_terms[key] = [a, t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t, 0]
+            op_terms[key][2] += 1
+    acts = acts + sum(n * a for a, _, n in op_terms.values())
+    compute = compute + sum(n * t for _, t, n in op_terms.values())
     groups = group_redistributions(prob, choice)
     for r in groups:
         regions = {region_of.get(c) for c, _ in r.consumers}
@@ -165,7 +173,13 @@ def peak_working_set(prob, choice, groups, symbolic: bool):
             n0, e0 = gathered.get(consumer, (0, 0))
             gathered[consumer] = (n0 + n, e0 + e)
     best, best_expr = 0, 0
+    canon = prob.canonical
+    seen = set()
     for point, alive in prob.live:
+        key = (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)))
+        if key in seen:   # a repeated block's rows repeat its first copy's (same layouts, same bytes)
+            continue
+        seen.add(key)
         value, expr = gathered.get(point, (0, 0))
         for u in alive:
             if u not in prob.strategies or is_saved(prob, u):

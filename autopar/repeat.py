@@ -337,8 +337,12 @@ class _Storages:
         name, k = self.owner[sid]
         if name not in self.traced.where:
             return t   # made outside the stack: every layer reads the same storage
-        if self.holders[sid] == 1 and isinstance(t.storage_offset(), int) and t.storage_offset() == 0:
-            return t.new_empty_strided(t.shape, t.stride())   # no view shares it: a new storage will do
+        # planning reads only shapes, dtypes and storage identity of a copy: a meta tensor has them and
+        # costs microseconds, where a fake tensor costs ~0.2 ms (thousands of them at 80 layers); a
+        # symbolic size needs the fake tensor's shape environment
+        concrete = all(isinstance(d, int) for d in (*t.shape, *t.stride(), t.storage_offset()))
+        if self.holders[sid] == 1 and concrete and t.storage_offset() == 0:   # no view shares it: a new one will do
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         block, j = self.traced.where[name]
         key = (block + shift, j, k)
         if key not in self.made:
@@ -346,7 +350,9 @@ class _Storages:
             if key[0] < TRACED:
                 self.made[key] = _element(self.traced.blocks[key[0]][j].meta["val"], k)
             else:
-                self.made[key] = maker.new_empty((maker.untyped_storage().nbytes() // maker.itemsize,))
+                size = (maker.untyped_storage().nbytes() // maker.itemsize,)
+                self.made[key] = (torch.empty(size, dtype=maker.dtype, device="meta") if concrete
+                                  else maker.new_empty(size))
         base = self.made[key]
         if base.dtype != t.dtype:
             raise NotRepeated("a view of another dtype in a layer")

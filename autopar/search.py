@@ -375,7 +375,7 @@ def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transien
 
 
 
-def _charge_key(model, name: str) -> tuple:
+def charge_key(model, name: str) -> tuple:
     """A node's charges without their labels: tied repeats of a node pay alike."""
     return tuple((c.meta, c.cut_by, c.when, c.unless, c.view) for c in model.charges.get(name, ()))
 
@@ -407,7 +407,7 @@ def _checkpoint_vars(prob: Problem, stacks, ilp: _ILP, xvars, transient: int, pi
             if name not in prob.strategies:
                 continue
             canon = prob.canonical.get(name, name)
-            key = (canon, _charge_key(prob.saved, name), _charge_key(model, name))
+            key = (canon, charge_key(prob.saved, name), charge_key(model, name))
             if key not in memo:
                 memo[key] = [(node_memory(prob, name, s, model) - node_memory(prob, name, s)) * MEM_SCALE
                              for s in prob.strategies[name].strategies]
