@@ -59,6 +59,7 @@ class Problem:
     edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
     stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
     checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
+    node_cost_cache: dict = field(default_factory=dict, repr=False)    # see repeat_memory
 
 
 @dataclass
@@ -160,6 +161,16 @@ def node_memory(prob: Problem, name: str, s, saved=None) -> float:
     return 0.0
 
 
+def repeat_memory(prob: Problem, name: str, first: str) -> list:
+    """node_memory of each strategy of `name`, a repeat of `first`: repeats that pay the same charges
+    (all but a block's edges) are priced once -- per problem, so once for all role assignments."""
+    key = ("memory", first, charge_key(prob.saved, name))
+    mems = prob.node_cost_cache.get(key)
+    if mems is None:
+        mems = prob.node_cost_cache[key] = [node_memory(prob, name, s) for s in prob.strategies[name].strategies]
+    return mems
+
+
 def checkpoint_model(prob: Problem, paths: tuple):
     """The activation model with the stacks at `paths` checkpointed (built once per set of stacks)."""
     model = prob.checkpoint_models.get(paths)
@@ -226,10 +237,10 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
             # the same time (same op on the same shapes), but memory of its own (what autograd
             # keeps of a block's last op depends on who reads it next)
             vs = xvars[first]
-            for s, var in zip(ns.strategies, vs):
+            for mem, var in zip(repeat_memory(prob, name, first), vs):
                 if var is not None:
                     ilp.cost[var] += times[first][var] * TIME_SCALE
-                    ilp.mem[var] += node_memory(prob, name, s) * MEM_SCALE
+                    ilp.mem[var] += mem * MEM_SCALE
             xvars[name] = vs
             continue
         if info.kind == PARAM:
