@@ -44,11 +44,12 @@ from .cost import first_meta
 from .predict import predict
 from .redistribute import UnsupportedRedistribution
 from .rules import tensor_args
-from .search import Problem, Solution, edge_cost, edge_signature, memory_reserve, node_memory, node_time
+from .search import (Problem, Solution, edge_cost, edge_signature, memory_reserve, node_memory, node_time,
+                     repeat_memory)
 
 GREEDY = "greedy"
 GREEDY_NO_BOUND = "greedy (no bound)"
-BEAM_WIDTH = 32
+BEAM_WIDTH = 256
 # lambda in seconds per byte: at the low end memory never tips a choice, at the high end it always does
 LAMBDA_RANGE = (1e-21, 1e3)
 NUM_BISECTIONS = 10   # 24 decades / 2^10: lambda within 6% of the boundary
@@ -95,8 +96,9 @@ def greedy(prob: Problem, roles: Roles, memory_limit: float | None,
                 best = (found[0], found[1], batch_axes)
     if best is None:
         return None
-    objective_seconds, choice, batch_axes = best
-    return Solution(choice, batch_axes, objective_seconds, time.perf_counter() - t0, GREEDY)
+    _, choice, batch_axes = best
+    # priced again in full, as the ILP would price it (the pass's sum, but for rounding)
+    return Solution(choice, batch_axes, objective(prob, choice), time.perf_counter() - t0, GREEDY)
 
 
 def bound_gap(objective: float, bound: float) -> float:
@@ -178,7 +180,9 @@ def make_costs(prob: Problem, roles: Roles) -> Costs:
         strategies = [prob.strategies[name].strategies[i] for i in idx]
         # every copy pays its first copy's time, as in the ILP; memory is each copy's own
         times[name] = np.array([len(copies[name]) * node_time(prob, name, s) for s in strategies])
-        memory[name] = np.array([sum(node_memory(prob, c, s) for c in copies[name]) for s in strategies])
+        memory[name] = np.array([node_memory(prob, name, s) for s in strategies])
+        for c in copies[name][1:]:
+            memory[name] = memory[name] + np.array(repeat_memory(prob, c, name))[idx]
         ids: dict = {}
         out_group[name] = np.array([ids.setdefault((s.output, s.zero_axes), len(ids)) for s in strategies])
     # edges by the variables they join, as the ILP ties them (search.tied_edges)
@@ -271,12 +275,12 @@ def fit(prob: Problem, tables: Tables, penalty: dict, memory_limit: float | None
     budget = math.inf if memory_limit is None else memory_limit - memory_reserve(prob)
 
     def attempt(lam):
-        choice = beam_pass(prob, tables, penalty, lam, beam_width, budget)
-        if choice is None:
+        found = beam_pass(prob, tables, penalty, lam, beam_width, budget)
+        if found is None:
             return None
-        if memory_limit is not None and predict(prob, choice, symbolic=False)[0].memory.total > memory_limit:
+        if memory_limit is not None and predict(prob, found[1], symbolic=False)[0].memory.total > memory_limit:
             return None
-        return objective(prob, choice), choice
+        return found
 
     best = attempt(0.0)
     if best is not None or memory_limit is None:
@@ -300,10 +304,11 @@ def fit(prob: Problem, tables: Tables, penalty: dict, memory_limit: float | None
 
 
 def beam_pass(prob: Problem, tables: Tables, penalty: dict, lam: float, beam_width: int,
-              budget: float = math.inf) -> dict | None:
-    """One pass at memory price `lam`: node -> strategy index, or None if no partial plan places
-    every op (each strategy of some op is forbidden by what is placed, or would take the nodes'
-    memory past `budget`)."""
+              budget: float = math.inf) -> tuple[float, dict] | None:
+    """One pass at memory price `lam`: (seconds, node -> strategy index) -- the seconds being
+    objective()'s, summed as the pass goes -- or None if no partial plan places every op (each
+    strategy of some op is forbidden by what is placed, or would take the nodes' memory past
+    `budget`)."""
     costs = tables.costs
 
     def own_time(name):
@@ -342,8 +347,9 @@ def beam_pass(prob: Problem, tables: Tables, penalty: dict, lam: float, beam_wid
         history.append((v, plans[keep], picks[keep], placed))
         chosen = {u: columns[u][keep] for u in frontier}
         seconds, nbytes = t[plans, picks][keep], m[plans, picks][keep]
-    return _trace_back(prob, costs, history, int(np.argmin(seconds + lam * nbytes)),
-                       lambda name: own_time(name) + lam * costs.memory[name])
+    plan = int(np.argmin(seconds + lam * nbytes))
+    return float(seconds[plan]), _trace_back(prob, costs, history, plan,
+                                             lambda name: own_time(name) + lam * costs.memory[name])
 
 
 def _argmin_then_smallest(score: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
@@ -361,34 +367,39 @@ def _select(seconds: np.ndarray, nbytes: np.ndarray, groups: list, newest: np.nd
     larger, or as fast and smaller: a plan that is slower but smaller may be the one that fits.
     The cheapest plan for each layout of the node just placed (`newest`) goes first, so the beam
     does not fill with variants of one layout."""
-    gid = _group_ids(groups, len(seconds))
+    gid = _group_key(groups, len(seconds))
     score = seconds + lam * nbytes
     if pareto:
         order = np.lexsort((nbytes, seconds, gid))
+        start = np.concatenate(([True], gid[order][1:] != gid[order][:-1]))
+        group = np.cumsum(start) - 1   # dense, in sorted order
         # the smallest plan so far within each group, in int64 so the groups can be offset apart
         # exactly: earlier groups sit higher, so a running minimum never carries into the next group
         size = np.rint(nbytes[order]).astype(np.int64)
-        shifted = size + (gid.max() - gid[order]) * (int(size.max()) + 1)
+        shifted = size + (group[-1] - group) * (int(size.max()) + 1)
         before = np.concatenate(([np.iinfo(np.int64).max], np.minimum.accumulate(shifted)[:-1]))
         kept = order[shifted < before]
     else:
         order = np.lexsort((score, gid))
-        kept = order[np.unique(gid[order], return_index=True)[1]]
+        kept = order[np.concatenate(([True], gid[order][1:] != gid[order][:-1]))]
     kept = kept[np.argsort(score[kept], kind="stable")]
-    _, first = np.unique(newest[kept], return_index=True)
-    leaders = np.sort(first)[:beam_width]
-    rest = np.setdiff1d(np.arange(len(kept)), leaders)[:beam_width - len(leaders)]
-    return kept[np.sort(np.concatenate((leaders, rest)))]
+    # the first (cheapest) of each layout of the newest node, then the cheapest of the rest
+    first = np.full(int(newest.max()) + 1, len(kept))
+    np.minimum.at(first, newest[kept], np.arange(len(kept)))
+    lead = np.zeros(len(kept), dtype=bool)
+    lead[np.sort(first[first < len(kept)])[:beam_width]] = True
+    chosen = lead | (np.cumsum(~lead) <= beam_width - lead.sum())
+    return kept[chosen]
 
 
-def _group_ids(columns: list, n: int) -> np.ndarray:
-    """Dense ids 0.. of the rows of `columns` (n rows each), equal where every column is."""
+def _group_key(columns: list, n: int) -> np.ndarray:
+    """An int64 per row of `columns` (n rows each), equal exactly where every column is."""
     gid = np.zeros(n, dtype=np.int64)
     for col in columns:
         gid = gid * (int(col.max()) + 1) + col
         if gid.max() > 2 ** 40:   # re-number before the mixed-radix key can overflow
             gid = np.unique(gid, return_inverse=True)[1].ravel()
-    return np.unique(gid, return_inverse=True)[1].ravel()
+    return gid
 
 
 def _trace_back(prob: Problem, costs: Costs, history: list, plan: int, own) -> dict:

@@ -16,6 +16,7 @@ from sympy.printing.str import StrPrinter
 from cost_models import format_bytes
 
 from .errors import PlanError
+from .greedy import GREEDY, GREEDY_NO_BOUND
 from .mesh import MeshSpec
 from .placement import format_placements, shard_full_tensor
 from .predict import Memory, Predicted
@@ -146,9 +147,9 @@ class Plan:
         lines.append("communication per step: " + ", ".join(
             f"{a} {format_bytes(self.predicted.comm_bytes[a])} ({self.predicted.comm_time[a] * 1e3:.3f} ms)"
             for a in names))
-        lines.append(f"compute {self.predicted.compute_time * 1e3:.3f} ms, step {self.predicted.step_time * 1e3:.3f} ms"
-                     + (f"  (ILP {self.stats.get('status', '')} within {100 * self.stats.get('mip_gap', 0):.2g}%,"
-                        f" solved in {self.stats['solve_seconds']:.2f} s)" if "solve_seconds" in self.stats else ""))
+        lines.append(f"compute {self.predicted.compute_time * 1e3:.3f} ms, step {self.predicted.step_time * 1e3:.3f} ms")
+        if "status" in self.stats:
+            lines.append(search_line(self.stats))
         return "\n".join(lines)
 
     # ------------------------------------------------------------ json
@@ -209,6 +210,19 @@ class Plan:
             collectives=tuple(CollectiveRecord(**c) for c in d["collectives"]),
             predicted=pred(d["predicted"], False), symbolic=pred(d["symbolic"], True),
             symbols=d.get("symbols", {}), stats=d.get("stats", {}))
+
+
+def search_line(stats: dict) -> str:
+    """How the plan was found and how far from the best plan it may be: the gap HiGHS proved, or for
+    the greedy fallback (greedy.py) its distance from a lower bound on the ILP's optimum."""
+    status, gap = stats["status"], f"{100 * stats.get('mip_gap', 0.0):.2g}%"
+    what = {"optimal": f"ILP optimal (gap {gap})",
+            "time limit reached": f"ILP stopped at time limit (gap {gap})",
+            GREEDY: f"greedy fallback, within {gap} of the ILP bound",
+            GREEDY_NO_BOUND: "greedy fallback (the ILP stopped at its time limit, no bound to compare with)",
+            }.get(status, status)
+    seconds = stats.get("solve_seconds")
+    return f"search: {what}" + (f", solved in {seconds:.2f} s" if seconds is not None else "")
 
 
 class _DoublePrinter(StrPrinter):
