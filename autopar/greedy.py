@@ -38,14 +38,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .capture import INPUT, OP, OUTPUT, PARAM
+from .capture import OP, OUTPUT, PARAM
 from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
-from .cost import first_meta
 from .predict import predict
 from .redistribute import UnsupportedRedistribution
 from .rules import tensor_args
-from .search import (Problem, Solution, edge_cost, edge_signature, memory_reserve, node_memory, node_time,
-                     repeat_memory)
+from .search import (Problem, Solution, edge_cost, edge_signature, follows_batch, memory_reserve, node_memory,
+                     node_time, repeat_memory)
 
 GREEDY = "greedy"
 GREEDY_NO_BOUND = "greedy (no bound)"
@@ -152,12 +151,7 @@ def batch_penalty(prob: Problem, costs: Costs, batch_axes: tuple) -> dict | None
     exactly `batch_axes` (search._batch_vars); None if one of them cannot."""
     out = {}
     for name, idx in costs.allowed.items():
-        info = prob.cap.info[name]
-        if info.kind == INPUT:
-            meta = first_meta(info.meta)
-            if meta is None or meta.ndim == 0:
-                continue
-        elif info.kind != OUTPUT:
+        if not follows_batch(prob, name):
             continue
         strategies = prob.strategies[name].strategies
         ok = np.array([all((strategies[i].output[a] == "S(0)") == (a in batch_axes)

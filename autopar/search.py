@@ -268,6 +268,15 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
     return xvars
 
 
+def follows_batch(prob: Problem, name: str) -> bool:
+    """Is this node split over exactly the batch axes: a user input with a batch dim, or the output?"""
+    info = prob.cap.info[name]
+    if info.kind == INPUT:
+        meta = first_meta(info.meta)
+        return meta is not None and meta.ndim > 0
+    return info.kind == OUTPUT
+
+
 def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
     """b[a]: every user input and the output split their batch dim on exactly the axes with b[a] = 1."""
     bvars, pinned = [], roles.batch_axes()
@@ -277,12 +286,7 @@ def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
         if a in pinned:
             ilp.row({b: 1.0}, float(pinned[a]), float(pinned[a]))
     for name, ns in prob.strategies.items():
-        info = prob.cap.info[name]
-        if info.kind == INPUT:
-            meta = first_meta(info.meta)
-            if meta is None or meta.ndim == 0:
-                continue
-        elif info.kind != OUTPUT:
+        if not follows_batch(prob, name):
             continue
         for a in range(prob.mesh.num_axes):
             row = {v: 1.0 for v, s in zip(xvars[name], ns.strategies) if v is not None and s.output[a] == "S(0)"}
@@ -459,6 +463,25 @@ def _checkpoint_vars(prob: Problem, stacks, ilp: _ILP, xvars, transient: int, pi
 
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
           minimize_memory: bool = False, gap: float = 1e-3, checkpointing: str = "none") -> Solution:
+    """Cheapest plan under the roles and memory limit; see _solve. With checkpointing="auto" under a
+    limit, the better of two searches: no stack recomputed, and every stack recomputed. Each is
+    quick (the recompute binaries are fixed); one search with them free is exact for mixed choices
+    too but its big-M rows make HiGHS branch for tens of seconds on small models. With one stack
+    (most models) the two are the same choice."""
+    limited = minimize_memory or memory_limit is not None
+    if checkpointing != "auto" or not limited or not prob.stacks:
+        return _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap,
+                      "none" if checkpointing == "auto" else checkpointing)
+    plain = _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, "none")
+    recompute = _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, "full")
+    best = min((plain, recompute), key=lambda sol: sol.objective if sol.choice else float("inf"))
+    best.solve_seconds = plain.solve_seconds + recompute.solve_seconds
+    best.build_seconds = plain.build_seconds + recompute.build_seconds
+    return best
+
+
+def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float,
+           minimize_memory: bool, gap: float, checkpointing: str) -> Solution:
     """Cheapest plan under the roles and memory limit (or, with minimize_memory, the least memory).
 
     `gap`: HiGHS stops once the plan is provably within this fraction of the
