@@ -64,6 +64,8 @@ def _hoist_shared(graph: fx.Graph, region: list) -> list:
             members.discard(node)
         else:
             kept.append(node)
+    if not kept:
+        return []   # nothing of the block to recompute: leave it as it is
     for node in hoisted:   # in order, so each still follows what it reads
         kept[0].prepend(node)
     return kept
