@@ -38,13 +38,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .capture import OP, OUTPUT, PARAM
-from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
+from .capture import OP, OUTPUT
+from .classics import Roles, allow_edge
 from .predict import predict
 from .redistribute import UnsupportedRedistribution
-from .rules import tensor_args
-from .search import (Problem, Solution, edge_cost, edge_signature, follows_batch, memory_reserve, node_memory,
-                     node_time, repeat_memory)
+from .search import (Problem, Solution, allowed_flags, edge_cost, edge_signature, follows_batch, memory_reserve,
+                     node_memory, node_time, repeat_memory)
 
 GREEDY = "greedy"
 GREEDY_NO_BOUND = "greedy (no bound)"
@@ -122,21 +121,8 @@ def objective(prob: Problem, choice: dict) -> float:
 
 def allowed_strategies(prob: Problem, roles: Roles) -> dict[str, tuple[int, ...]]:
     """Per node with variables of its own, the strategies the roles allow (as search._node_vars)."""
-    cap = prob.cap
-    out = {}
-    for name, ns in prob.strategies.items():
-        if name in prob.canonical:
-            continue
-        info = cap.info[name]
-        if info.kind == PARAM:
-            ok = allowed_param_storage(roles, info, ns.strategies)
-        elif info.kind == OP:
-            takes_tuple = any(isinstance(cap.info[a.name].meta, list) for a in tensor_args(cap.node(name)))
-            ok = allowed_op_strategies(roles, ns.strategies, takes_tuple)
-        else:
-            ok = [True] * len(ns.strategies)
-        out[name] = tuple(i for i, good in enumerate(ok) if good)
-    return out
+    return {name: tuple(i for i, ok in enumerate(allowed_flags(prob, roles, name)) if ok)
+            for name in prob.strategies if name not in prob.canonical}
 
 
 def batch_options(prob: Problem, roles: Roles) -> list[tuple[int, ...]]:

@@ -195,14 +195,13 @@ class _ILP:
 
     def __init__(self):
         self.cost, self.mem, self.integer = [], [], []
-        self.lower, self.upper = [], []
+        self.upper = []
         self.rows, self.lb, self.ub = [], [], []   # each row: {column: coefficient}
 
-    def var(self, cost=0.0, mem=0.0, integer=True, lower=0.0, upper=1.0) -> int:
+    def var(self, cost=0.0, mem=0.0, integer=True, upper=1.0) -> int:
         self.cost.append(cost)
         self.mem.append(mem)
         self.integer.append(1 if integer else 0)
-        self.lower.append(lower)
         self.upper.append(upper)
         return len(self.cost) - 1
 
@@ -219,9 +218,20 @@ class _ILP:
         n = len(self.cost)
         A = sp.csr_array((data, (ri, ci)), shape=(len(self.rows), n))
         return milp(np.array(objective, dtype=float), integrality=np.array(self.integer),
-                    bounds=Bounds(np.array(self.lower, dtype=float), np.array(self.upper, dtype=float)),
+                    bounds=Bounds(np.zeros(n), np.array(self.upper, dtype=float)),
                     constraints=[LinearConstraint(A, np.array(self.lb, float), np.array(self.ub, float))],
                     options={"time_limit": time_limit, "mip_rel_gap": gap})
+
+
+def allowed_flags(prob: Problem, roles: Roles, name: str) -> list[bool]:
+    """Per strategy of node `name`, whether the roles allow it (classics.py)."""
+    info, strategies = prob.cap.info[name], prob.strategies[name].strategies
+    if info.kind == PARAM:
+        return allowed_param_storage(roles, info, strategies)
+    if info.kind == OP:
+        takes_tuple = any(isinstance(prob.cap.info[a.name].meta, list) for a in tensor_args(prob.cap.node(name)))
+        return allowed_op_strategies(roles, strategies, takes_tuple)
+    return [True] * len(strategies)
 
 
 def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
@@ -230,7 +240,6 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
     xvars, times = {}, {}
     for name, ns in prob.strategies.items():
         info = cap.info[name]
-        node = cap.node(name)
         first = prob.canonical.get(name)
         if first is not None:
             # a repeated block: the variables of its first copy, which pay this node's costs too --
@@ -243,15 +252,8 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
                     ilp.mem[var] += mem * MEM_SCALE
             xvars[name] = vs
             continue
-        if info.kind == PARAM:
-            allowed = allowed_param_storage(roles, info, ns.strategies)
-        elif info.kind == OP:
-            takes_tuple = any(isinstance(cap.info[a.name].meta, list) for a in tensor_args(node))
-            allowed = allowed_op_strategies(roles, ns.strategies, takes_tuple)
-        else:
-            allowed = [True] * len(ns.strategies)
         vs, times[name] = [], {}
-        for s, ok in zip(ns.strategies, allowed):
+        for s, ok in zip(ns.strategies, allowed_flags(prob, roles, name)):
             if not ok:
                 vs.append(None)
                 continue
@@ -304,16 +306,15 @@ def tied_edges(prob: Problem) -> list[list[Edge]]:
     return list(groups.values())
 
 
-def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: dict, recompute: dict) -> dict:
+def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: set) -> dict:
     """y[e, p, k] for producer layout p and consumer key k (input layout, partial-gradient axes).
 
     Marginals tie y to x: sum_k y[p, k] = x-mass of the producer on p, and
     sum_p y[p, k] = x-mass of the consumer on k. Pairs that cannot be
     redistributed (or that the roles forbid) get no variable. `edges` are
     repeats of one edge (tied blocks): one set of y, paying for all of them.
-    Returns {y: MiB} for the y that gather a weight whole (FSDP). `rerun`: op ->
-    stack path, for the ops a checkpointed stack would rerun; `recompute` gets
-    {stack path: [{y: microseconds more} per edge]} for edges into them.
+    Returns {y: MiB} for the y that gather a weight whole (FSDP). An edge into
+    an op of `rerun` (checkpointed blocks) also pays its rerun (recompute_edge_cost).
     """
     cap = prob.cap
     e = edges[0]
@@ -323,10 +324,6 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
         entry = alike.setdefault(edge_signature(prob, member), [member, 0, 0])
         entry[1] += 1
         entry[2] += member.consumer in rerun
-    stack = rerun.get(e.consumer)
-    rerun_cost: dict = {}   # y -> microseconds more when the consumer's block is rerun
-    if stack is not None:
-        recompute.setdefault(stack, []).append(rerun_cost)
     alike = [(sig, member, n, m) for sig, (member, n, m) in alike.items()]
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
@@ -352,12 +349,9 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
                 c = sum(n * edge_cost(prob, member, p, dst, gp, zero_axes, sig) for sig, member, n, _ in alike)
             except UnsupportedRedistribution:
                 continue
+            c += sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig)
+                     for sig, member, _, m in alike if m)
             y = ilp.var(c * TIME_SCALE, integer=False)
-            if stack is not None:
-                extra = sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig)
-                            for sig, member, _, m in alike if m)
-                if extra:
-                    rerun_cost[y] = extra * TIME_SCALE
             by_src[src_key][y] = by_dst[k][y] = 1.0
             gb = float(gathered_weight_bytes(cap, e.producer, p, dst, prob.mesh))
             if gb:
@@ -395,40 +389,25 @@ def charge_key(model, name: str) -> tuple:
     return tuple((c.meta, c.cut_by, c.when, c.unless, c.view) for c in model.charges.get(name, ()))
 
 
-def _checkpoint_vars(prob: Problem, stacks, ilp: _ILP, xvars, transient: int, pinned: bool,
-                     recompute_y: dict) -> dict:
-    """c[stack] = 1 when every block of the stack is checkpointed (pinned: always). Returns {path: c}.
-
-    Checkpointing changes activation bytes by D(x) (negative where it saves; the
-    boundary tensors it holds are charged to their producers), adds recompute
-    time R(x, y) (one more forward of every block: its ops up to the last that
-    keeps a tensor, and the collectives before them) and a working set in backward of
-    one block's activations B(x). Their products with c are linearised with
-    bounds over the x choices (L <= D <= U, R <= R_max, B <= B_max):
-      memory    Z >= D(x) - U (1 - c),   Z >= L c
-      time      T >= R(x) - R_max (1 - c)
-      transient t >= B(x) - B_max (1 - c)
+def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) -> None:
+    """Every block of `stacks` checkpointed: activation bytes change by D(x) (negative where it saves;
+    the tensors a checkpoint holds are charged to their producers), time grows by one more forward
+    of each block's ops up to the last that keeps a tensor (the collectives before them are priced
+    on the edges, _edge_vars), and backward's working set holds one block's activations B(x).
     """
-    chosen = {}
     for st in stacks:
-        c = ilp.var()
-        if pinned:
-            ilp.row({c: 1.0}, 1, 1)
-        chosen[st.path] = c
         model = checkpoint_model(prob, (st.path,))
-        delta, recompute, block = {}, {}, {}
         memo: dict = {}
         for name in set(model.charges) | set(prob.saved.charges):
             if name not in prob.strategies:
                 continue
-            canon = prob.canonical.get(name, name)
-            key = (canon, charge_key(prob.saved, name), charge_key(model, name))
+            key = (prob.canonical.get(name, name), charge_key(prob.saved, name), charge_key(model, name))
             if key not in memo:
-                memo[key] = [(node_memory(prob, name, s, model) - node_memory(prob, name, s)) * MEM_SCALE
+                memo[key] = [node_memory(prob, name, s, model) - node_memory(prob, name, s)
                              for s in prob.strategies[name].strategies]
             for d, var in zip(memo[key], xvars[name]):
-                if var is not None and d:
-                    delta[var] = delta.get(var, 0.0) + d
+                if var is not None:
+                    ilp.mem[var] += d * MEM_SCALE
         repeats: dict = {}   # first copy of an op -> how many blocks rerun it
         for name in recomputed_ops(st, prob.saved):
             if name in prob.strategies:
@@ -437,43 +416,27 @@ def _checkpoint_vars(prob: Problem, stacks, ilp: _ILP, xvars, transient: int, pi
         for canon, n in repeats.items():
             for s, var in zip(prob.strategies[canon].strategies, xvars[canon]):
                 if var is not None:
-                    t = node_time(prob, canon, s) / cm.TRAIN_FLOPS_FACTOR * n * TIME_SCALE
-                    if t:
-                        recompute[var] = t
-        for per_edge in recompute_y.get(st.path, ()):
-            recompute.update(per_edge)
+                    ilp.cost[var] += node_time(prob, canon, s) / cm.TRAIN_FLOPS_FACTOR * n * TIME_SCALE
+        block: dict = {}
         for name in st.blocks[0]:
             if name in prob.strategies:
                 for s, var in zip(prob.strategies[name].strategies, xvars[name]):
-                    b = node_memory(prob, name, s) * MEM_SCALE if var is not None else 0.0
-                    if b:
-                        block[var] = block.get(var, 0.0) + b
-        groups = {tuple(v for v in vs if v is not None) for vs in xvars.values()}
-        groups |= {tuple(per_edge) for per_edge in recompute_y.get(st.path, ())}   # one edge's y sum to 1
-        bound = lambda coefs, pick: sum(pick([coefs.get(v, 0.0) for v in g] + [0.0]) for g in groups)  # noqa: E731
-        upper, lower = bound(delta, max), bound(delta, min)
-        z = ilp.var(mem=1.0, integer=False, lower=lower, upper=max(upper, 0.0))
-        ilp.row({z: 1.0, **{v: -d for v, d in delta.items()}, c: -upper}, -upper, np.inf)
-        ilp.row({z: 1.0, c: -lower}, 0.0, np.inf)
-        for coefs, var in ((recompute, ilp.var(cost=1.0, integer=False, upper=np.inf)), (block, transient)):
-            top = bound(coefs, max)
-            ilp.row({var: 1.0, **{v: -a for v, a in coefs.items()}, c: -top}, -top, np.inf)
-    return chosen
+                    if var is not None:
+                        block[var] = block.get(var, 0.0) + node_memory(prob, name, s) * MEM_SCALE
+        ilp.row({transient: 1.0, **{v: -b for v, b in block.items() if b}}, 0.0, np.inf)
 
 
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
           minimize_memory: bool = False, gap: float = 1e-3, checkpointing: str = "none") -> Solution:
     """Cheapest plan under the roles and memory limit; see _solve. With checkpointing="auto" under a
-    limit, the better of two searches: no stack recomputed, and every stack recomputed. Each is
-    quick (the recompute binaries are fixed); one search with them free is exact for mixed choices
-    too but its big-M rows make HiGHS branch for tens of seconds on small models. With one stack
-    (most models) the two are the same choice."""
+    limit, the better of two searches: no stack recomputed, and every stack recomputed. (A binary
+    per stack in one search would also try mixes, but its big-M rows made HiGHS branch for tens of
+    seconds on small models.) With one stack, as in most models, the two are the whole choice."""
     limited = minimize_memory or memory_limit is not None
     if checkpointing != "auto" or not limited or not prob.stacks:
-        return _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap,
-                      "none" if checkpointing == "auto" else checkpointing)
-    plain = _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, "none")
-    recompute = _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, "full")
+        return _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, checkpointing == "full")
+    plain = _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, False)
+    recompute = _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, True)
     best = min((plain, recompute), key=lambda sol: sol.objective if sol.choice else float("inf"))
     best.solve_seconds = plain.solve_seconds + recompute.solve_seconds
     best.build_seconds = plain.build_seconds + recompute.build_seconds
@@ -481,13 +444,12 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
 
 
 def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float,
-           minimize_memory: bool, gap: float, checkpointing: str) -> Solution:
+           minimize_memory: bool, gap: float, recompute: bool) -> Solution:
     """Cheapest plan under the roles and memory limit (or, with minimize_memory, the least memory).
 
     `gap`: HiGHS stops once the plan is provably within this fraction of the
-    optimum; the plan reports the gap it reached. `checkpointing`: "none",
-    "full" (every stack in prob.stacks) or "auto" (the search decides per stack;
-    only worth variables when memory is limited, since it only adds time).
+    optimum; the plan reports the gap it reached. `recompute`: every stack in
+    prob.stacks checkpointed.
     """
     t_build = time.perf_counter()
     ilp = _ILP()
@@ -496,17 +458,15 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     # the largest working set of any forward op, in MiB like all memory terms
     transient = ilp.var(0.0, 1.0, integer=False, upper=np.inf)
     gathered_at: dict = {}   # (first copy of) op -> {y: MiB of the weight that y gathers for it}
-    limited = minimize_memory or memory_limit is not None
-    stacks = prob.stacks if checkpointing == "full" or (checkpointing == "auto" and limited) else ()
-    rerun = {n: st.path for st in stacks for n in recomputed_ops(st, prob.saved)}
-    recompute_y: dict = {}
+    stacks = prob.stacks if recompute else ()
+    rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
     for edges in tied_edges(prob):
-        gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun, recompute_y)
+        gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun)
         if gathered:
             consumer = prob.canonical.get(edges[0].consumer, edges[0].consumer)
             gathered_at.setdefault(consumer, {}).update(gathered)
     _transient_rows(prob, ilp, xvars, gathered_at, transient)
-    chosen = _checkpoint_vars(prob, stacks, ilp, xvars, transient, checkpointing == "full", recompute_y)
+    _recompute_terms(prob, stacks, ilp, xvars, transient)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
         ilp.row({i: m for i, m in enumerate(ilp.mem) if m}, -np.inf, (memory_limit - reserve) * MEM_SCALE)
@@ -517,7 +477,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     nvar, nrow = len(ilp.cost), len(ilp.rows)
     if res.x is None:
         # stopped at the time limit, not infeasible; the greedy never recomputes, so not under "full"
-        if res.status == 1 and not minimize_memory and checkpointing != "full":
+        if res.status == 1 and not minimize_memory and not recompute:
             fallback = _fallback(prob, roles, memory_limit, res, ilp, time_limit)
             if fallback is not None:
                 fallback.solve_seconds = time.perf_counter() - t0
@@ -532,8 +492,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
     status = "optimal" if res.status == 0 else "time limit reached"
     return Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
-                    float(getattr(res, "mip_gap", 0.0) or 0.0), built,
-                    tuple(path for path, c in chosen.items() if x[c] > 0.5))
+                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, tuple(st.path for st in stacks))
 
 
 def _fallback(prob: Problem, roles: Roles, memory_limit, res, ilp: _ILP, time_limit: float) -> Solution | None:

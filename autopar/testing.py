@@ -238,6 +238,17 @@ class LogitsOnly(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+def tiny_llama(num_layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 32) -> nn.Module:
+    """Hugging Face Llama in miniature (vocab 64, up to 32 positions), as a LogitsOnly module in train
+    mode. The defaults are grouped-query attention: 4 query heads share 2 key/value heads, so tp=2
+    gives each rank one. Needs transformers (a test dependency)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=num_layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
+                      use_cache=False, attn_implementation="sdpa")
+    return LogitsOnly(LlamaForCausalLM(cfg)).train()
+
+
 def gpt_loss(logits, targets):
     """Mean cross-entropy over all B*T positions."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -20,7 +20,7 @@ import torch
 
 import autopar
 import cost_models as cm
-from autopar.testing import GPT, MLP, GPTConfig, LogitsOnly, run_threaded
+from autopar.testing import GPT, MLP, GPTConfig, run_threaded, tiny_llama
 
 STRATEGY_MESHES = {"ddp": ((2,), ("dp",)), "zero1": ((2,), ("dp",)), "zero2": ((2,), ("dp",)), "fsdp": ((2,), ("dp",)), "tp": ((2,), ("tp",)),
                    "tp+sp": ((2,), ("tp",)), "fsdp+tp": ((2, 2), ("dp", "tp"))}
@@ -35,11 +35,7 @@ def gpt():
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                      use_cache=False, attn_implementation="sdpa")
-    return LogitsOnly(LlamaForCausalLM(cfg)).train(), torch.randint(0, 64, (4, 16))
+    return tiny_llama(), torch.randint(0, 64, (4, 16))
 
 
 MODELS = {"mlp": mlp, "gpt": gpt, "llama": llama}

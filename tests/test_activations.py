@@ -17,7 +17,7 @@ from autopar.activations import CPU, Arg, New, kept_value, op_keeps, requires_gr
 from autopar.capture import BUFFER, PARAM, capture
 from autopar.placement import R
 from autopar.rules import tensor_args
-from autopar.testing import GPT, MLP, GPTConfig, LogitsOnly, run_threaded
+from autopar.testing import GPT, MLP, GPTConfig, run_threaded, tiny_llama
 
 REL = 0.03
 
@@ -31,11 +31,8 @@ def gpt():  # dropout > 0: CPU keeps a noise tensor of the input's dtype per dro
 
 
 def llama():  # GQA: 4 query heads, 2 key/value heads (one per rank under tp=2)
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   use_cache=False, attn_implementation="sdpa")
-    return LogitsOnly(transformers.LlamaForCausalLM(cfg)).train(), torch.randint(0, 64, (4, 16))
+    pytest.importorskip("transformers")
+    return tiny_llama(), torch.randint(0, 64, (4, 16))
 
 
 MODELS = {"mlp": mlp, "gpt": gpt, "llama": llama}

@@ -9,7 +9,7 @@ from autopar.api import _plan_captured
 from autopar.blocks import find_blocks
 from autopar.capture import capture
 from autopar.classics import STRATEGIES
-from autopar.testing import GPT, MLP, GPTConfig
+from autopar.testing import GPT, MLP, GPTConfig, tiny_llama
 
 SOLVER_GAP = 1e-3   # the relative gap at which HiGHS stops (search.solve's default)
 
@@ -55,13 +55,9 @@ def test_tying_finds_as_cheap_a_plan():
 
 
 def _llama():
-    transformers = pytest.importorskip("transformers")
-    from autopar.testing import LogitsOnly
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   use_cache=False, attn_implementation="sdpa")
-    return LogitsOnly(transformers.LlamaForCausalLM(cfg)).train(), torch.randint(0, 64, (8, 16))
+    return tiny_llama(), torch.randint(0, 64, (8, 16))
 
 
 def _mlp():

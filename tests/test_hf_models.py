@@ -10,19 +10,16 @@ import warnings
 import pytest
 import torch
 import cost_models as cm
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopar
-from autopar.testing import LogitsOnly, gpt_loss, parallel_record, run_threaded, single_device_reference
+from autopar.testing import LogitsOnly, gpt_loss, parallel_record, run_threaded, single_device_reference, tiny_llama
 
 LR = 1e-4  # small enough that AdamW does not turn float noise into differences above atol
 
 
 def llama(heads=4, kv_heads=2, hidden=32):
-    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
-                      use_cache=False, attn_implementation="sdpa")
-    return LogitsOnly(LlamaForCausalLM(cfg)).train()
+    return tiny_llama(heads=heads, kv_heads=kv_heads, hidden=hidden)
 
 
 def gpt2():

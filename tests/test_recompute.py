@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.testing import (GPT, GPTConfig, LogitsOnly, gpt_loss, parallel_record, run_gloo, run_threaded,
-                             single_device_reference)
+from autopar.testing import (GPT, GPTConfig, gpt_loss, parallel_record, run_gloo, run_threaded,
+                             single_device_reference, tiny_llama)
 
 REL = 0.03   # activations, as in test_activations: everything else must match exactly
 
@@ -29,12 +29,9 @@ def _gpt(dropout=0.0, n_layer=3):
 
 
 def _llama():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   use_cache=False, attn_implementation="sdpa")
-    return LogitsOnly(transformers.LlamaForCausalLM(cfg)).train(), torch.randint(0, 64, (4, 16)), None
+    return tiny_llama(num_layers=3), torch.randint(0, 64, (4, 16)), None
 
 
 def _audit(rank, model, x, mesh_shape, names, plan_kwargs):

@@ -9,13 +9,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import autopar
 from autopar.activations import requires_grad, storage_owners
 from autopar.capture import capture
 from autopar.repeat import RepeatedProgram, capture_repeated, find_stacks
-from autopar.testing import GPT, MLP, GPTConfig, LogitsOnly
+from autopar.testing import GPT, MLP, GPTConfig, tiny_llama
 
 
 def _gpt(n_layer=5):
@@ -26,10 +25,7 @@ def _gpt(n_layer=5):
 
 def _llama(n_layer=5):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                      use_cache=False, attn_implementation="sdpa")
-    return LogitsOnly(LlamaForCausalLM(cfg)).train(), torch.randint(0, 64, (2, 8))
+    return tiny_llama(num_layers=n_layer), torch.randint(0, 64, (2, 8))
 
 
 class Layer(nn.Module):
