@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -11,15 +12,17 @@ import cost_models as cm
 from .blocks import find_blocks
 from .checkpointing import check_mode, checkpointable_stacks
 from .capture import PARAM, Captured, capture
-from .classics import axis_roles, check_tensor_parallel_divisibility, role_assignments
+from .classics import PIPE, Roles, axis_roles, check_tensor_parallel_divisibility, role_assignments, with_pipeline
 from .collectives import AxisGroup, Comm
 from .cost import first_meta, needs_grad, saved_outputs
-from .errors import AutoparError, InfeasiblePlanError, MeshError, PlanError, ShardingError
+from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
 from .liveness import live_sets
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import CollectiveRecord, Plan
 from .precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
-from .predict import predict
+from .pipeline import (ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, device_prediction,
+                       microbatch_candidates, partition)
+from .predict import group_redistributions, peak_working_set, predict
 from .repeat import capture_repeated
 from .rewrite import rewrite
 from .runtime import ParallelModule
@@ -66,6 +69,7 @@ def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
 def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_limit=None,
          strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
          dynamic_shapes=None, links=None, time_limit: float = 60.0, trace_every_layer: bool = False,
+         pipeline_axis: str | None = "auto", microbatches: int | None = None, schedule: str | None = None,
          **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
 
@@ -82,7 +86,12 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     last (autopar.repeat), so depth adds little time. `trace_every_layer=True`
     traces every layer, for a model whose alike layers run different code
     (e.g. a per-layer attention type in its config).
-    See docs/ARCHITECTURE.md.
+    `pipeline_axis`: "auto" lets the search pipeline over an axis when that
+    is faster or is what fits (its stages then train through
+    ParallelModule.train_step); a name pins the axis; None never pipelines.
+    `microbatches` (default: the search tries p, 2p and 4p) and `schedule`
+    ("1f1b" by default: it holds fewer activations than "gpipe" for the same
+    bubble; or "interleaved-1f1b") pin those choices. See docs/ARCHITECTURE.md.
     """
     if options:
         raise AutoparError(f"unknown option(s) {sorted(options)} for autopar.plan")
@@ -90,71 +99,260 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     precision_of(precision)
     optimizer_spec(optimizer)
     check_mode(checkpointing)
-    t0 = time.perf_counter()
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    cap = (capture if trace_every_layer else capture_repeated)(model, example_inputs, dynamic_shapes)
+    check_request(mesh_spec(mesh), pipeline_axis, microbatches, schedule, _first_batch(example_inputs))
+    t0 = time.perf_counter()
+    capture_fn = capture if trace_every_layer else capture_repeated
+    cap = capture_fn(model, example_inputs, dynamic_shapes)
     t_capture = time.perf_counter() - t0
     return _plan_captured(cap, mesh, hardware=hardware, memory_limit=memory_limit, strategy=strategy,
                           precision=precision, optimizer=optimizer, checkpointing=checkpointing, links=links,
-                          time_limit=time_limit, t_capture=t_capture)
+                          time_limit=time_limit, t_capture=t_capture, pipeline_axis=pipeline_axis,
+                          microbatches=microbatches, schedule=schedule,
+                          recapture=_recapture(capture_fn, model, example_inputs, dynamic_shapes))
+
+
+def _first_batch(example_inputs: tuple):
+    t = example_inputs[0] if example_inputs else None
+    return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+
+
+def microbatch_inputs(example_inputs: tuple, m: int) -> tuple:
+    """The first 1/m of the batch (dim 0) of every tensor input: one microbatch, as a pipeline stage runs."""
+    return tuple(t[: t.shape[0] // m] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in example_inputs)
+
+
+def _recapture(capture_fn, model, example_inputs: tuple, dynamic_shapes):
+    """capture at 1/m of the batch, once per m: a pipelined plan is made for the graph of one microbatch."""
+    done: dict = {}
+
+    def at(m: int) -> Captured:
+        if m not in done:
+            done[m] = capture_fn(model, microbatch_inputs(example_inputs, m), dynamic_shapes)
+        return done[m]
+    return at
 
 
 def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
                    optimizer="adamw", checkpointing="auto", links=None, time_limit=60.0, t_capture=0.0,
-                   tie_blocks=True) -> Plan:
+                   tie_blocks=True, pipeline_axis="auto", microbatches=None, schedule=None,
+                   recapture=None) -> Plan:
+    """The plan for a captured model. `recapture(m)` captures it again with batches of 1/m the size,
+    which a pipelined plan is made for (its graph runs one microbatch at a time); without it the
+    search does not pipeline."""
     spec = mesh_spec(mesh)
     check_mode(checkpointing)
-    policy, opt = precision_of(precision), optimizer_spec(optimizer)
+    check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap))
+    env = _Setting(cap, spec, hardware, memory_limit, strategy, precision, optimizer, checkpointing, links,
+                   time_limit, t_capture, tie_blocks)
+    axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule) if recapture is not None else []
+    if pipeline_axis not in (None, "auto") and recapture is None:
+        raise PipelineError("a pipelined plan needs the model to capture it again per microbatch; "
+                            "plan it with autopar.plan or autopar.parallelize")
+    best, failure = None, None
+    if pipeline_axis in (None, "auto"):
+        try:
+            best = _flat_plan(cap, env)
+        except InfeasiblePlanError as e:
+            if not axes:
+                raise
+            failure = e
+    bound = _serial_time(best, spec) if best is not None and pipeline_axis == "auto" else None
+    for axis in axes:
+        p = spec.axis_sizes[spec.axis_index(axis)]
+        for m in microbatch_candidates(STAGES_PER_DEVICE[schedule or ONE_F_ONE_B], p, _batch_size(cap) or 1,
+                                       microbatches):
+            # a pipeline idles (p-1)/m of the step at least: no faster than the serial compute spread
+            # over every device, stretched by that
+            if bound is not None and best.predicted.step_time <= bound * (1 + (p - 1) / m):
+                continue
+            try:
+                found = _pipelined_plan(recapture(m), env, axis, m, schedule or ONE_F_ONE_B)
+            except (PipelineError, InfeasiblePlanError, ShardingError) as e:
+                if pipeline_axis not in (None, "auto") and microbatches is not None:
+                    raise
+                failure = failure or e
+                continue
+            if best is None or found.predicted.step_time < best.predicted.step_time:
+                best = found
+    if best is None:
+        if failure is not None:
+            raise failure
+        raise PipelineError(f"no pipelined plan over {pipeline_axis!r} could be made (see the microbatch counts "
+                            "tried); pin microbatches= to see why")
+    return best
+
+
+@dataclass
+class _Setting:
+    """What every search of one planning request shares."""
+    cap: Captured
+    spec: MeshSpec
+    hardware: object
+    memory_limit: object
+    strategy: str
+    precision: object
+    optimizer: object
+    checkpointing: str
+    links: object
+    time_limit: float
+    t_capture: float
+    tie_blocks: bool
+
+
+def _batch_size(cap: Captured):
+    meta = first_meta(cap.info[cap.input_names[0]].meta) if cap.input_names else None
+    return meta.hint[0] if meta is not None and meta.ndim > 0 else None
+
+
+def _pipeline_axes(cap: Captured, spec: MeshSpec, strategy: str, pipeline_axis, schedule) -> list:
+    """Axes to try pipelining over: the one named, or under "auto" every axis the model has the layers for."""
+    if pipeline_axis is None:
+        return []
+    if pipeline_axis != "auto":
+        check_depth(cap, spec.axis_sizes[spec.axis_index(pipeline_axis)]
+                    * STAGES_PER_DEVICE[schedule or ONE_F_ONE_B], pipeline_axis)
+        return [pipeline_axis]
+    if strategy != "auto" or spec.num_axes < 1:
+        return []
+    out = []
+    for name, size in zip(spec.axis_names, spec.axis_sizes):
+        try:
+            if size > 1:
+                check_depth(cap, size * STAGES_PER_DEVICE[schedule or ONE_F_ONE_B], name)
+                out.append(name)
+        except PipelineError:
+            pass
+    return out
+
+
+def _serial_time(plan: Plan, spec: MeshSpec) -> float:
+    """A floor on any plan's step: the plan's compute as if every device did an equal share, no comm."""
+    return plan.predicted.compute_time * _compute_devices(plan, spec) / spec.num_devices
+
+
+def _compute_devices(plan: Plan, spec: MeshSpec) -> int:
+    # the flat plan's compute is per device; the devices that split the batch divide the work between them
+    n = 1
+    for a in plan.batch_axes:
+        n *= spec.axis_sizes[spec.axis_index(a)]
+    return n
+
+
+def _problem(cap: Captured, env: _Setting, checkpointing: str):
+    spec = env.spec
+    policy, opt = precision_of(env.precision), optimizer_spec(env.optimizer)
     param_bytes = {n: param_bytes_of(policy, opt, first_meta(i.meta).dtype) for n, i in cap.info.items()
                    if i.kind == PARAM}
     cap = as_computed(cap, policy)  # the graph as it runs: floating tensors in the compute dtype
-    hw = _hardware(hardware, mesh)
+    hw = _hardware(env.hardware, spec)
     try:
-        axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, links)
+        axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, env.links)
     except cm.CostModelError as e:
         raise MeshError(str(e)) from e
-    limit = _memory_limit(memory_limit)
-    roles = axis_roles(strategy, spec)
-    _check_batch_divisible(cap, spec, roles)
-    check_tensor_parallel_divisibility(cap, roles)
-    t0 = time.perf_counter()
-    canonical = find_blocks(cap).canonical if tie_blocks else {}
+    canonical = find_blocks(cap).canonical if env.tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
                    needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
                    stacks=checkpointable_stacks(cap) if checkpointing != "none" else ())
+    return prob, policy, opt, hw
+
+
+def _flat_plan(cap: Captured, env: _Setting) -> Plan:
+    spec, strategy, checkpointing, time_limit = env.spec, env.strategy, env.checkpointing, env.time_limit
+    limit = _memory_limit(env.memory_limit)
+    roles = axis_roles(strategy, spec)
+    _check_batch_divisible(cap, spec, roles)
+    check_tensor_parallel_divisibility(cap, roles)
+    t0 = time.perf_counter()
+    prob, policy, opt, hw = _problem(cap, env, checkpointing)
     if checkpointing == "full" and not prob.stacks:
         raise PlanError("checkpointing='full' found no stack of repeated blocks to checkpoint (an nn.ModuleList "
                         "of 2+ layers whose ops run one layer after another); use checkpointing='auto' or 'none'")
     t_rules = time.perf_counter() - t0
     tiers = [[roles]]
     if strategy == "auto" and spec.num_axes >= AUTO_BY_ROLE_AXES:
-        intra = [axis_links[a] == hw.intra_node_link for a in spec.axis_names]
-        # if no assignment fits (e.g. a batch too small to split over every data axis),
-        # the ones that leave one axis to the search
-        tiers = [role_assignments(spec, intra), role_assignments(spec, intra, num_free=1)]
+        tiers = _role_tiers(spec, prob.links, hw)
     for candidates in tiers:
         sol, roles = _best(prob, candidates, limit, time_limit, checkpointing=checkpointing)
         if sol.choice:
             break
     if not sol.choice:
-        free, _ = _best(prob, candidates, None, time_limit) if limit is not None else (sol, roles)
-        if not free.choice:
-            raise ShardingError(
-                f"strategy {strategy!r} cannot be laid out on mesh {spec}: some tensor dim does not divide by "
-                "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree); "
-                "use strategy='auto', another mesh, or sizes divisible by the axis sizes")
-        least, _ = _best(prob, candidates, None, time_limit, minimize_memory=True, checkpointing=checkpointing)
-        raise InfeasiblePlanError(
-            f"no {strategy!r} plan on mesh {spec} fits memory_limit={cm.format_bytes(limit)} per device: "
-            f"the smallest any such plan needs is {cm.format_bytes(least.objective)} "
-            f"({least.objective:.0f} bytes). Raise the limit, add devices, or try another strategy.",
-            min_memory_bytes=least.objective)
+        _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing)
     t0 = time.perf_counter()
     pred, colls = predict(prob, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
     sym, _ = predict(prob, sol.choice, symbolic=True, checkpointed=sol.checkpointed)
     t_predict = time.perf_counter() - t0
+    return _make_plan(prob, env, sol, roles, len(candidates), pred, sym, colls, policy, opt, hw,
+                      {"rules_seconds": t_rules, "predict_seconds": t_predict})
+
+
+def _role_tiers(spec: MeshSpec, axis_links, hw) -> list:
+    intra = [axis_links[a] == hw.intra_node_link for a in spec.axis_names]
+    # if no assignment fits (e.g. a batch too small to split over every data axis),
+    # the ones that leave one axis to the search
+    return [role_assignments(spec, intra), role_assignments(spec, intra, num_free=1)]
+
+
+def _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing):
+    free, _ = _best(prob, candidates, None, time_limit) if limit is not None else (Solution({}, (), 0, 0, ""), None)
+    if limit is None or not free.choice:
+        raise ShardingError(
+            f"strategy {strategy!r} cannot be laid out on mesh {spec}: some tensor dim does not divide by "
+            "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree); "
+            "use strategy='auto', another mesh, or sizes divisible by the axis sizes")
+    least, _ = _best(prob, candidates, None, time_limit, minimize_memory=True, checkpointing=checkpointing)
+    raise InfeasiblePlanError(
+        f"no {strategy!r} plan on mesh {spec} fits memory_limit={cm.format_bytes(limit)} per device: "
+        f"the smallest any such plan needs is {cm.format_bytes(least.objective)} "
+        f"({least.objective:.0f} bytes). Raise the limit, add devices, or try another strategy.",
+        min_memory_bytes=least.objective)
+
+
+def _pipelined_plan(cap: Captured, env: _Setting, axis: str, m: int, schedule: str) -> Plan:
+    """The best plan with `axis` pipelined in `m` microbatches: the ILP lays out one microbatch on the
+    other axes (the pipeline axis whole), then pipeline.partition cuts it into stages."""
+    spec, strategy = env.spec, env.strategy
+    if env.checkpointing == "full":
+        raise PipelineError("checkpointing='full' with a pipeline is not supported yet: a pipelined plan "
+                            "recomputes nothing; use checkpointing='auto' or 'none'")
+    limit = _memory_limit(env.memory_limit)
+    a = spec.axis_index(axis)
+    p = spec.axis_sizes[a]
+    rest = MeshSpec(spec.axis_names[:a] + spec.axis_names[a + 1:], spec.axis_sizes[:a] + spec.axis_sizes[a + 1:]) \
+        if spec.num_axes > 1 else None
+    t0 = time.perf_counter()
+    prob, policy, opt, hw = _problem(cap, env, "none")
+    if rest is None:
+        candidates = [Roles((PIPE,), spec.axis_names, spec.axis_sizes)]
+    else:
+        inner = [[axis_roles(strategy, rest)]]
+        if strategy == "auto" and rest.num_axes >= AUTO_BY_ROLE_AXES:
+            inner = _role_tiers(rest, prob.links, hw)
+        candidates = [with_pipeline(r, spec, a) for r in inner[0]]
+        _check_batch_divisible(cap, spec, candidates[0])
+        check_tensor_parallel_divisibility(cap, candidates[0])
+    t_rules = time.perf_counter() - t0
+    # the ILP sees the whole model on one device of each stage: p stages share p devices' memory
+    sol, roles = _best(prob, candidates, None if limit is None else limit * p, env.time_limit)
+    if not sol.choice:
+        _explain_no_plan(prob, candidates, None if limit is None else limit * p, env.time_limit, strategy, spec,
+                         "none")
+    t0 = time.perf_counter()
+    transient = float(peak_working_set(prob, sol.choice, group_redistributions(prob, sol.choice), False))
+    pipe = partition(prob, sol.choice, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,
+                     transient=transient)
+    pred = device_prediction(prob, sol.choice, pipe, transient)
+    _, colls = predict(prob, sol.choice, symbolic=False)
+    t_predict = time.perf_counter() - t0
+    return _make_plan(prob, env, sol, roles, len(candidates), pred, pred, colls, policy, opt, hw,
+                      {"rules_seconds": t_rules, "predict_seconds": t_predict}, pipeline=pipe)
+
+
+def _make_plan(prob, env: _Setting, sol, roles, searches, pred, sym, colls, policy, opt, hw, times,
+               pipeline=None) -> Plan:
+    cap, spec, strategies = prob.cap, prob.mesh, prob.strategies
     node_strategies = {n: ns.strategies[sol.choice[n]] for n, ns in strategies.items()}
     param_placements = {cap.info[n].target_name: s.output for n, s in node_strategies.items()
                         if cap.info[n].kind == PARAM}
@@ -166,15 +364,15 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     records = tuple(CollectiveRecord(c.kind, spec.axis_names[c.axis], c.phase, float(c.full_bytes), c.where,
                                      cap.info[c.where].module_path if c.where in cap.info else "", c.tensor)
                     for c in colls)
-    stats = {"capture_seconds": t_capture, "rules_seconds": t_rules, "build_seconds": sol.build_seconds,
-             "solve_seconds": sol.solve_seconds, "predict_seconds": t_predict,
+    stats = {"capture_seconds": env.t_capture, **times, "build_seconds": sol.build_seconds,
+             "solve_seconds": sol.solve_seconds,
              "axis_roles": ",".join(f"{a}={r or 'any'}" for a, r in zip(spec.axis_names, roles.roles)),
-             "searches": len(candidates),
+             "searches": searches,
              "status": sol.status, "objective_seconds": sol.objective,
              "num_nodes": len(strategies), "num_edges": len(prob.edges),
              "num_variables": sol.num_variables, "num_constraints": sol.num_constraints,
              "mip_gap": sol.mip_gap}
-    return Plan(mesh=spec, strategy=strategy, hardware=hw.name,
+    return Plan(mesh=spec, strategy=env.strategy, hardware=hw.name,
                 batch_axes=tuple(spec.axis_names[a] for a in sol.batch_axes),
                 node_strategies=node_strategies, param_placements=param_placements,
                 input_placements=input_placements, output_placements=output_placements,
@@ -182,7 +380,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
                 collectives=records, predicted=pred, symbolic=sym,
                 symbols={str(s): v for s, v in cap.hints.items()}, stats=stats, param_zero=param_zero,
                 precision=policy.to_dict(), optimizer={"name": opt.name, "states_per_param": opt.states_per_param},
-                checkpointed=sol.checkpointed)
+                checkpointed=sol.checkpointed, pipeline=pipeline)
 
 
 # from this many mesh axes on, `auto` fixes each axis's role first (classics.role_assignments):
@@ -246,8 +444,11 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
         example_inputs = (example_inputs,)
     spec = mesh_spec(mesh)
     cap = capture(model, example_inputs, dynamic_shapes)
+    recapture = _recapture(capture, model, example_inputs, dynamic_shapes)
     if plan is None:
-        plan = _plan_on_rank0(cap, mesh, plan_kwargs)
+        plan = _plan_on_rank0(cap, mesh, plan_kwargs, recapture)
+    if plan.pipeline is not None:   # its graph is one microbatch's
+        cap = recapture(plan.pipeline.microbatches)
     _check_plan_matches(plan, cap, spec)
     _check_runtime_precision(plan, cap)
     coords = mesh.get_coordinate()
@@ -259,7 +460,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     return ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh)
 
 
-def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict) -> Plan:
+def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict, recapture) -> Plan:
     """Rank 0 plans and broadcasts the plan, so ranks cannot disagree (and plan once, not N times).
 
     An error on rank 0 is broadcast too and raised on every rank, so no rank
@@ -267,7 +468,7 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict) -> Plan:
     """
     import torch.distributed as dist
     known = {"hardware", "memory_limit", "strategy", "links", "time_limit", "precision", "optimizer",
-             "checkpointing"}
+             "checkpointing", "pipeline_axis", "microbatches", "schedule"}
     unknown = sorted(set(plan_kwargs) - known)
     if unknown:
         raise AutoparError(f"unknown option(s) {unknown} for autopar.parallelize; it takes plan=, "
@@ -275,7 +476,7 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict) -> Plan:
     message = [None]
     if dist.get_rank() == 0:
         try:
-            message[0] = ("plan", _plan_captured(cap, mesh, **plan_kwargs).to_json())
+            message[0] = ("plan", _plan_captured(cap, mesh, recapture=recapture, **plan_kwargs).to_json())
         except AutoparError as e:
             message[0] = ("error", e)
     dist.broadcast_object_list(message, src=0)

@@ -22,6 +22,8 @@ DP, FSDP, TP, ZERO1, ZERO2 = "dp", "fsdp", "tp", "zero1", "zero2"
 # auto on a mesh of many axes (role_assignments): the axis splits the batch, and each parameter is
 # replicated, split (FSDP) or ZeRO-split over it as the search finds cheapest
 DATA = "data"
+# the pipeline axis (pipeline.py): stages hold different layers, so within a stage every tensor is whole on it
+PIPE = "pipe"
 DATA_ROLES = (DP, FSDP, ZERO1, ZERO2, DATA)   # axes that split the batch
 ZERO_LEVEL = {ZERO1: 1, ZERO2: 2}
 STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp")
@@ -61,6 +63,12 @@ def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
                 f"this mesh has one: {mesh}. Use 'fsdp' or 'tp', or a 2-axis mesh.")
         return Roles((FSDP,) + (DP,) * (n - 2) + (TP,), mesh.axis_names, mesh.axis_sizes)
     raise AutoparError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def with_pipeline(roles: Roles, mesh: MeshSpec, axis: int) -> Roles:
+    """`roles` (for the mesh without the pipeline axis) with the pipeline axis put back at `axis`."""
+    return Roles(roles.roles[:axis] + (PIPE,) + roles.roles[axis:], mesh.axis_names, mesh.axis_sizes,
+                 roles.sequence_parallel)
 
 
 def role_assignments(mesh: MeshSpec, intra_node: list[bool], num_free: int = 0) -> list[Roles]:
@@ -114,6 +122,8 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
         good = True
         for a, role in enumerate(roles.roles):
             p = s.output[a]
+            if role == PIPE and (p != R or a in s.zero_axes):
+                good = False
             if role in (DP, ZERO1, ZERO2) and p != R:
                 good = False
             if role not in (None, DATA) and a in s.zero_axes and ZERO_LEVEL.get(role) != s.zero:
@@ -152,6 +162,8 @@ def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False) -
             if role is None:
                 continue
             pls = list(strategy.inputs) + [strategy.output]
+            if role == PIPE and any(pl[a] != R for pl in pls):
+                return False
             if role in DATA_ROLES and any(pl[a] not in (R, "S(0)") for pl in pls):
                 return False
             if role == TP and strategy.output[a] == "S(0)":

@@ -40,3 +40,7 @@ class UnsupportedOpWarning(UserWarning):
 
 class DivisibilityWarning(UserWarning):
     """A requested layout cannot split something evenly (e.g. tp degree vs heads), so the plan works around it."""
+
+
+class PipelineError(AutoparError):
+    """A pipeline request cannot be met (axis, stages, microbatches or schedule)."""

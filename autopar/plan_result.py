@@ -19,6 +19,7 @@ from .errors import PlanError
 from .greedy import GREEDY, GREEDY_NO_BOUND
 from .mesh import MeshSpec
 from .placement import format_placements, shard_full_tensor
+from .pipeline import PipelinePlan
 from .predict import Memory, Predicted
 from .strategies import Strategy
 
@@ -56,6 +57,7 @@ class Plan:
     precision: dict = field(default_factory=dict)   # Precision.to_dict(): None = the parameter's dtype
     optimizer: dict = field(default_factory=dict)   # {"name", "states_per_param"}
     checkpointed: tuple = ()          # stacks (module paths) whose blocks are recomputed in backward
+    pipeline: PipelinePlan | None = None  # stages over a pipeline axis (pipeline.py); None: not pipelined
 
     # ------------------------------------------------------------ inputs
     def local_inputs(self, *global_inputs, rank: int | None = None):
@@ -141,6 +143,8 @@ class Plan:
                 key = f"ZeRO-{lvl} over {'x'.join(axes)}"
                 by_kind[key] = by_kind.get(key, 0) + 1
             lines.append("optimizer state split: " + ", ".join(f"{k} ({n} parameters)" for k, n in by_kind.items()))
+        if self.pipeline is not None:
+            lines += pipeline_lines(self.pipeline)
         if self.checkpointed:
             lines.append("activation checkpointing: every block of " + ", ".join(self.checkpointed)
                          + " is recomputed in backward")
@@ -176,6 +180,7 @@ class Plan:
             "module_paths": self.module_paths,
             "collectives": [asdict(c) for c in self.collectives],
             "predicted": pred(self.predicted, False), "symbolic": pred(self.symbolic, True),
+            "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
             "symbols": self.symbols, "stats": {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str))},
         }
         return json.dumps(d, indent=1)
@@ -209,7 +214,23 @@ class Plan:
             module_paths=d["module_paths"],
             collectives=tuple(CollectiveRecord(**c) for c in d["collectives"]),
             predicted=pred(d["predicted"], False), symbolic=pred(d["symbolic"], True),
-            symbols=d.get("symbols", {}), stats=d.get("stats", {}))
+            symbols=d.get("symbols", {}), stats=d.get("stats", {}),
+            pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None)
+
+
+def pipeline_lines(pipe: PipelinePlan) -> list:
+    """The stages as a table: what runs where, and what the schedule predicts for each."""
+    p = pipe.num_stages // pipe.stages_per_device
+    lines = ["", f"pipeline over {pipe.axis} ({p} devices, {pipe.num_stages} stages): {pipe.schedule}, "
+                 f"{pipe.microbatches} microbatches, bubble (p-1)/{'v' if pipe.stages_per_device > 1 else ''}m = "
+                 f"{pipe.bubble:.3f}, step {pipe.step_time * 1e3:.3f} ms"]
+    header = ("stage", "device", "modules", "time/microbatch", "memory", "in flight", "sends/microbatch")
+    rows = [(str(s.index), f"{pipe.axis}={s.index % p}", s.modules, f"{s.time * 1e3:.3f} ms",
+             format_bytes(s.memory), str(s.in_flight), format_bytes(s.send_bytes)) for s in pipe.stages]
+    widths = [min(max(len(r[i]) for r in rows + [header]), 60) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines += [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+    return lines
 
 
 def search_line(stats: dict) -> str:

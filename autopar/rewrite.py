@@ -221,6 +221,10 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
         env[node.name] = new
     g.lint()
     gm = fx.GraphModule(root, g, class_name="LocalGraph")
+    starts = [k for k, _ in made_for]
+    # which captured node each local node was made for: a pipeline cuts the local graph by it (stages.py)
+    gm.meta["origin"] = {new.name: made_for[bisect.bisect_right(starts, k) - 1][1]
+                         for k, new in enumerate(gm.graph.nodes)}
     if plan.checkpointed:
         gm = _checkpoint_blocks(gm, cap, plan.checkpointed, made_for, comm)
     return gm, gathered

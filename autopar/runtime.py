@@ -54,6 +54,7 @@ class ParallelModule(torch.nn.Module):
         self._coords = tuple(a.coord for a in comm.axes)
         self.store = _Store()
         ep = cap.exported
+        needed = self._cut_stages(gm, cap, plan) if plan.pipeline is not None else None
         full_params = dict(model.named_parameters(remove_duplicate=False))
         full_buffers = dict(model.named_buffers(remove_duplicate=False))
         self._aliases = dict(cap.aliases)   # tied names -> canonical name (state_dict lists both)
@@ -65,7 +66,7 @@ class ParallelModule(torch.nn.Module):
             info = cap.info[node.name]
             if info.kind == PARAM:
                 fqn = info.target_name
-                if fqn not in self._param_names():
+                if fqn not in self._param_names() and (needed is None or fqn in needed):
                     full = full_params[fqn]
                     local = shard_full_tensor(full.detach(), plan.param_placements[fqn], self._coords,
                                               plan.mesh.axis_sizes)
@@ -73,7 +74,7 @@ class ParallelModule(torch.nn.Module):
                 self._placeholder_sources.append((PARAM, fqn))
             elif info.kind == BUFFER:
                 fqn = info.target_name
-                if fqn not in dict(self.store.named_buffers()):
+                if fqn not in dict(self.store.named_buffers()) and (needed is None or fqn in needed):
                     _set_by_path(self.store, fqn, full_buffers[fqn].detach().clone(), False)
                 self._placeholder_sources.append((BUFFER, fqn))
             elif info.kind == CONSTANT:  # tensors export lifted out of forward (kept whole)
@@ -98,7 +99,97 @@ class ParallelModule(torch.nn.Module):
     def _param_names(self):
         return {n for n, _ in self.store.named_parameters()}
 
+    # ------------------------------------------------------------ pipeline
+    def _cut_stages(self, gm, cap: Captured, plan) -> set:
+        """This device's stages of the local graph (stages.py); returns the weights they read."""
+        import weakref
+        from .stages import StageModule, cut, stage_graph
+        pipe = plan.pipeline
+        placeholders_of = {n.name: (cap.info[n.name].kind, cap.info[n.name].target_name)
+                           for n in gm.graph.nodes if n.op == "placeholder" and cap.info[n.name].kind != INPUT}
+        specs = cut(gm, cap, pipe.stage_of(), pipe.num_stages)
+        built = [stage_graph(gm, spec, placeholders_of) for spec in specs]
+        p = pipe.num_stages // pipe.stages_per_device
+        holders: dict = {}
+        for s, (_, weights) in enumerate(built):
+            for kind, fqn in weights:
+                if kind == PARAM:
+                    holders.setdefault(fqn, set()).add(s % p)
+        shared = sorted(f for f, devices in holders.items() if len(devices) > 1)
+        if shared:
+            raise PlanError(f"parameters {shared[:3]} are read by stages on different devices of pipeline axis "
+                            f"{pipe.axis!r} (tied weights, e.g. an embedding shared with the output head); autopar "
+                            "cannot keep such copies in step yet: untie them, or plan without a pipeline "
+                            "(pipeline_axis=None)")
+        coord = self._coords[plan.mesh.axis_index(pipe.axis)]
+        self._stage_indices = pipe.stages_on(coord)
+        self._stage_modules = [StageModule(built[s][0], built[s][1], weakref.ref(self), s == pipe.num_stages - 1)
+                               for s in self._stage_indices]
+        self._pipeline_stages = None   # torch PipelineStages, made at the first train_step
+        self._schedules = {}
+        return {fqn for s in self._stage_indices for _, fqn in built[s][1]}
+
+    def _weight(self, kind, fqn):
+        if kind == PARAM:
+            return dict(self.store.named_parameters())[fqn]
+        if kind == BUFFER:
+            return dict(self.store.named_buffers())[fqn]
+        return self._constants[fqn]
+
+    def train_step(self, *local_inputs, loss_fn, targets=None):
+        """Forward and backward of this rank's batch; returns its mean loss (the same on every rank of a
+        pipeline), with every parameter's gradient that of that mean.
+
+        `loss_fn(outputs, targets)` (or `loss_fn(outputs)` without targets) must average over the batch,
+        as cross-entropy does: a pipeline applies it per microbatch and averages the microbatches.
+        Call optimizer.zero_grad() before and optimizer.step() after, as with forward/backward.
+        """
+        if self.plan.pipeline is None:
+            out = self(*local_inputs)
+            loss = loss_fn(out) if targets is None else loss_fn(out, targets)
+            loss.backward()
+            return loss.detach()
+        return self._pipeline_step(local_inputs, loss_fn, targets)
+
+    def _pipeline_step(self, local_inputs, loss_fn, targets):
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage
+        from .stages import make_schedule
+        pipe = self.plan.pipeline
+        group = self.device_mesh.get_group(pipe.axis)
+        if self._pipeline_stages is None:
+            device = torch.device(self.device_mesh.device_type)
+            if device.type == "cuda":
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._pipeline_stages = [PipelineStage(m, s, pipe.num_stages, device, group=group)
+                                     for s, m in zip(self._stage_indices, self._stage_modules)]
+        key = (loss_fn, targets is None)
+        if key not in self._schedules:
+            def stage_loss(out, target):   # each microbatch's share of the mean
+                return (loss_fn(out) if targets is None else loss_fn(out, target)) / pipe.microbatches
+            self._schedules[key] = make_schedule(self._pipeline_stages, pipe.schedule, pipe.microbatches, stage_loss)
+        schedule = self._schedules[key]
+        first, last = 0 in self._stage_indices, pipe.num_stages - 1 in self._stage_indices
+        if first and local_inputs and local_inputs[0].shape[0] % pipe.microbatches:
+            raise PlanError(f"this rank's batch of {local_inputs[0].shape[0]} does not divide into "
+                            f"{pipe.microbatches} microbatches (plan.pipeline.microbatches); give the global batch "
+                            "the plan was made for, cut by plan.local_inputs")
+        if targets is None and last:
+            targets = torch.zeros(local_inputs[0].shape[0] if local_inputs else pipe.microbatches)
+        losses = []
+        schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses)
+        loss = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros((), dtype=torch.float32)
+        if last:
+            loss = loss.to(torch.float32)
+        p = pipe.num_stages // pipe.stages_per_device
+        dist.broadcast(loss, group=group, group_src=(pipe.num_stages - 1) % p)
+        return loss
+
     def forward(self, *local_inputs):
+        if self.plan.pipeline is not None:
+            raise PlanError(f"this plan pipelines over axis {self.plan.pipeline.axis!r}: a forward alone cannot run "
+                            "its stages; train with model.train_step(*local_inputs, loss_fn=..., targets=...), "
+                            "or plan with pipeline_axis=None")
         if len(local_inputs) != self._num_inputs:
             raise PlanError(f"the parallel module takes {self._num_inputs} inputs (this rank's shard of each, "
                             f"from plan.local_inputs), got {len(local_inputs)}")
@@ -133,6 +224,9 @@ class ParallelModule(torch.nn.Module):
         full=True gathers every parameter, which costs one all-gather per split axis.
         """
         out = OrderedDict()
+        if self.plan.pipeline is not None and not full:
+            raise PlanError("a pipelined module holds only its stages' parameters, which DTensors over the whole "
+                            "mesh cannot describe; use state_dict(full=True) (this device's stages, whole)")
         for fqn, p in self.store.named_parameters():
             out[fqn] = self._export_tensor(p.detach(), self.plan.param_placements[fqn], full)
         for fqn, b in self.store.named_buffers():

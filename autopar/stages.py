@@ -1,0 +1,167 @@
+"""Pipeline parallelism, runtime side: this device's stages of the local graph, run by torch's schedules.
+
+The rewritten local graph (rewrite.py: collectives of the other axes
+already in it) is cut by the plan's stages (pipeline.py). Each node goes to
+the stage of the captured op it was made for; a node that depends on no
+activation -- a weight, its FSDP all-gather, a shape read, an arange -- is
+instead copied into every stage that reads it, so weights never travel
+between stages and no stage waits on another for a shape. What a stage
+needs from earlier stages comes in as its inputs; what later stages need
+(its own results, or earlier ones passing through) goes out as its outputs.
+
+torch.distributed.pipelining does the rest: PipelineStage sends and
+receives those tensors and their gradients, and a schedule (GPipe, 1F1B,
+interleaved 1F1B) orders the microbatches.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ._private import unflatten_outputs
+from .capture import INPUT, Captured
+from .errors import PlanError
+from .pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B
+
+FIRST = -1   # owner of the model's inputs: they enter before stage 0
+
+
+def _owners(gm: fx.GraphModule, cap: Captured, stage_of: dict, last: int) -> dict:
+    """Local node -> the stage that computes it, or None for nodes every reader computes itself."""
+    origin = gm.meta["origin"]
+    owner = {}
+    for node in gm.graph.nodes:
+        src = origin.get(node.name)
+        if node.op == "placeholder":
+            owner[node.name] = FIRST if cap.info[src].kind == INPUT else None
+        elif node.op == "get_attr":
+            owner[node.name] = None
+        elif node.op == "output":
+            owner[node.name] = last
+        elif _not_tensor(cap, src) or all(owner[a.name] is None for a in node.all_input_nodes):
+            owner[node.name] = None
+        elif src == "output":
+            owner[node.name] = last
+        else:
+            owner[node.name] = stage_of[src]
+    return owner
+
+
+def _not_tensor(cap: Captured, src: str) -> bool:
+    if src not in cap.info or src == "output":
+        return False
+    return cap.info[src].meta is None and cap.node(src).op == "call_function" and not isinstance(
+        cap.node(src).meta.get("val"), (torch.Tensor, list, tuple))
+
+
+def _reads(node: fx.Node, owner: dict) -> set:
+    """The owned values `node` reads, directly or through the unowned nodes it recomputes."""
+    out = set()
+    for a in node.all_input_nodes:
+        if owner[a.name] is None:
+            out |= _reads(a, owner)
+        else:
+            out.add(a.name)
+    return out
+
+
+def cut(gm: fx.GraphModule, cap: Captured, stage_of: dict, num_stages: int) -> list[dict]:
+    """Per stage: {"inputs": [value names], "outputs": [...], "nodes": [local nodes it computes]}."""
+    last = num_stages - 1
+    owner = _owners(gm, cap, stage_of, last)
+    nodes = list(gm.graph.nodes)
+    reads_by_stage = [set() for _ in range(num_stages)]
+    for node in nodes:
+        s = owner[node.name]
+        if s is not None and s >= 0:
+            reads_by_stage[s] |= _reads(node, owner)
+    for s, reads in enumerate(reads_by_stage):
+        later = [v for v in reads if owner[v] > s]
+        if later:
+            raise PlanError(f"stage {s} reads {later[:3]}, which a later stage computes: the plan's stages are not "
+                            "in graph order (was it made for another model?)")
+    last_reader = {}
+    for s, reads in enumerate(reads_by_stage):
+        for v in reads:
+            last_reader[v] = max(last_reader.get(v, FIRST), s)
+    order = {n.name: i for i, n in enumerate(nodes)}
+    inputs = [n.name for n in nodes if owner[n.name] == FIRST]
+    crossing = [inputs]   # crossing[s]: what stage s receives
+    for s in range(1, num_stages):
+        crossing.append(sorted((v for v, r in last_reader.items() if owner[v] < s <= r), key=order.get))
+    out = []
+    for s in range(num_stages):
+        outputs = crossing[s + 1] if s < last else ["output"]
+        out.append({"inputs": crossing[s], "outputs": outputs, "owner": owner})
+    return out
+
+
+def stage_graph(gm: fx.GraphModule, spec: dict, placeholders_of: dict) -> tuple[fx.GraphModule, list]:
+    """The local graph of one stage: its inputs, then the weights it reads, as placeholders.
+
+    `placeholders_of`: local placeholder name -> (kind, name) for weights, buffers and constants.
+    Returns the graph module and the (kind, name) of each weight placeholder, in order.
+    """
+    by_name = {n.name: n for n in gm.graph.nodes}
+    is_last = spec["outputs"] == ["output"]
+    roots = list(by_name["output"].all_input_nodes) if is_last else [by_name[v] for v in spec["outputs"]]
+    needed, todo = set(), [n for n in roots if n.name not in spec["inputs"]]
+    while todo:
+        node = todo.pop()
+        if node.name in needed:
+            continue
+        needed.add(node.name)
+        todo += [a for a in node.all_input_nodes if a.name not in spec["inputs"]]
+    g = fx.Graph()
+    env = {name: g.placeholder(name) for name in spec["inputs"]}
+    weights = []
+    for node in gm.graph.nodes:
+        if node.name in needed and node.op == "placeholder":
+            env[node.name] = g.placeholder(node.name)
+            weights.append(placeholders_of[node.name])
+    for node in gm.graph.nodes:
+        if node.name in needed and node.op != "placeholder":
+            env[node.name] = g.node_copy(node, lambda a: env[a.name])
+    if is_last:
+        g.node_copy(by_name["output"], lambda a: env[a.name])
+    else:
+        g.output(tuple(env[v] for v in spec["outputs"]))
+    g.lint()
+    return fx.GraphModule(gm, g, class_name="StageGraph"), weights
+
+
+class StageModule(torch.nn.Module):
+    """One pipeline stage: the crossing tensors in, the next stage's (or the model's) outputs out."""
+
+    def __init__(self, graph_module: fx.GraphModule, weights: list, owner, is_last: bool):
+        super().__init__()
+        self.graph_module = graph_module
+        self._weights = weights   # (kind, name) per weight placeholder
+        self._owner = owner       # the ParallelModule: it holds the weights and the FSDP hooks
+        self._is_last = is_last
+
+    def forward(self, *inputs):
+        pm = self._owner()
+        args = list(inputs) + [pm._weight(kind, name) for kind, name in self._weights]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pm._gathered.pack, pm._gathered.unpack):
+                flat = self.graph_module(*args)
+        finally:
+            pm._gathered.clear()
+        if self._is_last:
+            return unflatten_outputs(pm._exported, flat)
+        return tuple(flat)
+
+
+SCHEDULE_CLASSES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B"}
+
+
+def make_schedule(stages: list, schedule: str, microbatches: int, loss_fn):
+    """torch's schedule over this device's PipelineStages. `loss_fn` must already divide by the number of
+    microbatches: torch would otherwise scale the gradients of the stage modules' own parameters, and
+    ours hold none (the ParallelModule does)."""
+    import torch.distributed.pipelining as pipelining
+    cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
+    first = stages if schedule == INTERLEAVED else stages[0]
+    return cls(first, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
