@@ -69,7 +69,7 @@ def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
 def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_limit=None,
          strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
          dynamic_shapes=None, links=None, time_limit: float = 60.0, trace_every_layer: bool = False,
-         pipeline_axis: str | None = "auto", microbatches: int | None = None, schedule: str | None = None,
+         pipeline_axis: str | None = None, microbatches: int | None = None, schedule: str | None = None,
          **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
 
@@ -86,9 +86,11 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     last (autopar.repeat), so depth adds little time. `trace_every_layer=True`
     traces every layer, for a model whose alike layers run different code
     (e.g. a per-layer attention type in its config).
-    `pipeline_axis`: "auto" lets the search pipeline over an axis when that
-    is faster or is what fits (its stages then train through
-    ParallelModule.train_step); a name pins the axis; None never pipelines.
+    `pipeline_axis`: None (the default) never pipelines; "auto" lets the
+    search pipeline over an axis when that is faster or is what fits; a name
+    pins the axis. A pipelined module trains through
+    ParallelModule.train_step, not forward + backward, which is why the
+    search does not pick one unasked: a loop written for forward would break.
     `microbatches` (default: the search tries p, 2p and 4p) and `schedule`
     ("1f1b" by default: it holds fewer activations than "gpipe" for the same
     bubble; or "interleaved-1f1b") pin those choices. See docs/ARCHITECTURE.md.
@@ -136,7 +138,7 @@ def _recapture(capture_fn, model, example_inputs: tuple, dynamic_shapes):
 
 def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
                    optimizer="adamw", checkpointing="auto", links=None, time_limit=60.0, t_capture=0.0,
-                   tie_blocks=True, pipeline_axis="auto", microbatches=None, schedule=None,
+                   tie_blocks=True, pipeline_axis=None, microbatches=None, schedule=None,
                    recapture=None) -> Plan:
     """The plan for a captured model. `recapture(m)` captures it again with batches of 1/m the size,
     which a pipelined plan is made for (its graph runs one microbatch at a time); without it the
@@ -144,7 +146,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     spec = mesh_spec(mesh)
     check_mode(checkpointing)
     check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap))
-    env = _Setting(cap, spec, hardware, memory_limit, strategy, precision, optimizer, checkpointing, links,
+    env = _Setting(cap, spec, mesh, hardware, memory_limit, strategy, precision, optimizer, checkpointing, links,
                    time_limit, t_capture, tie_blocks)
     axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule) if recapture is not None else []
     if pipeline_axis not in (None, "auto") and recapture is None:
@@ -189,6 +191,7 @@ class _Setting:
     """What every search of one planning request shares."""
     cap: Captured
     spec: MeshSpec
+    mesh: object          # as given: a DeviceMesh's device type picks the default hardware
     hardware: object
     memory_limit: object
     strategy: str
@@ -246,7 +249,7 @@ def _problem(cap: Captured, env: _Setting, checkpointing: str):
     param_bytes = {n: param_bytes_of(policy, opt, first_meta(i.meta).dtype) for n, i in cap.info.items()
                    if i.kind == PARAM}
     cap = as_computed(cap, policy)  # the graph as it runs: floating tensors in the compute dtype
-    hw = _hardware(env.hardware, spec)
+    hw = _hardware(env.hardware, env.mesh)
     try:
         axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, env.links)
     except cm.CostModelError as e:

@@ -22,6 +22,7 @@ the bubble to (p-1)/(v m) for more sends.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import asdict, dataclass
 
@@ -290,6 +291,12 @@ def partition(prob, choice, *, axis: str, microbatches: int, schedule: str, memo
         extra = sum(st for readers, st in shared if readers[0] < i and any(i <= r < j for r in readers))
         return s_sum[j] - s_sum[i] + extra
 
+    reads = sorted({r for rs in costs.users.values() for r in rs})
+
+    def holds_weights(i, j):   # a device with no weights to train wastes its share (and an optimizer refuses it)
+        k = bisect.bisect_left(reads, i)
+        return k < len(reads) and reads[k] < j
+
     def memory(i, j, s):
         return state(i, j) + in_flight(schedule, s, num_stages, microbatches) * (a_sum[j] - a_sum[i]) + transient
 
@@ -303,7 +310,7 @@ def partition(prob, choice, *, axis: str, microbatches: int, schedule: str, memo
             if j == 0 or (s == num_stages) != (j == n):
                 continue
             for i in cuts:
-                if i >= j or (s - 1, i) not in best:
+                if i >= j or (s - 1, i) not in best or not holds_weights(i, j):
                     continue
                 if memory_limit is not None and memory(i, j, s - 1) > memory_limit:
                     continue

@@ -1,0 +1,227 @@
+"""Pipeline parallelism: the stage cut, the plan's text and JSON, bad requests, and training on 4 gloo
+ranks that matches one device (pp x dp, pp x tp, pp alone; 1F1B and GPipe).
+
+Tolerances as in test_equivalence: fp32, atol 1e-5, rtol 0, AdamW at lr 1e-4 (a larger rate turns
+float noise in near-zero gradients into differences above atol; microbatching sums in another order).
+"""
+import pytest
+import torch
+
+import autopar
+from autopar import Plan
+from autopar.errors import MeshError, PipelineError, PlanError
+from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo, single_device_reference
+
+ATOL = 1e-5
+LR = 1e-4
+STEPS = 3
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=4))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
+
+
+def _train(rank, mesh_shape, axis_names, plan_kwargs, x, y):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
+    pm = autopar.parallelize(_gpt(), mesh, (x,), hardware="cpu", **plan_kwargs)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    out = {"losses": [], "grads": {}, "plan": pm.plan.to_json()}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = pm.train_step(pm.plan.local_inputs(x), loss_fn=gpt_loss, targets=pm.plan.local_targets(y))
+        out["losses"].append(loss.item())
+        if step == 0:
+            out["grads"] = pm.full_grads()
+        opt.step()
+    out["params"] = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    return out
+
+
+CASES = {
+    "pp2 x dp2, 1f1b": ((2, 2), ("pp", "dp"), dict(pipeline_axis="pp", strategy="ddp", schedule="1f1b")),
+    "pp2 x dp2, gpipe": ((2, 2), ("pp", "dp"), dict(pipeline_axis="pp", strategy="ddp", schedule="gpipe")),
+    "dp2 x pp2 (fsdp), 1f1b": ((2, 2), ("dp", "pp"), dict(pipeline_axis="pp", strategy="fsdp")),
+    "pp2 x tp2, gpipe": ((2, 2), ("pp", "tp"), dict(pipeline_axis="pp", strategy="tp", schedule="gpipe")),
+    "pp2 x tp2, 1f1b": ((2, 2), ("pp", "tp"), dict(pipeline_axis="pp", strategy="tp", microbatches=2)),
+    "pp4, 1f1b": ((4,), ("pp",), dict(pipeline_axis="pp", microbatches=4)),
+    "pp4, gpipe": ((4,), ("pp",), dict(pipeline_axis="pp", microbatches=8, schedule="gpipe")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_training_matches_one_device(case):
+    mesh_shape, names, kwargs = CASES[case]
+    x, y = _batch()
+    ref = single_device_reference(_gpt, x, y, gpt_loss, steps=STEPS, lr=LR)
+    results = run_gloo(4, _train, mesh_shape, names, kwargs, x, y)
+    plan = Plan.from_json(results[0]["plan"])
+    pipe = plan.pipeline
+    assert pipe is not None and pipe.axis == "pp"
+    assert pipe.schedule == kwargs.get("schedule", "1f1b")
+    if "microbatches" in kwargs:
+        assert pipe.microbatches == kwargs["microbatches"]
+    held = {}
+    for r in results:
+        for name, p in r["params"].items():
+            held.setdefault(name, []).append(p)
+            torch.testing.assert_close(p, ref["params"][name], atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+        for name, g in r["grads"].items():
+            torch.testing.assert_close(g, ref["grads"][name], atol=ATOL, rtol=0, msg=lambda m: f"grad {name}: {m}")
+        if plan.batch_axes:   # each rank's loss is the mean over its shard: together they average to one device's
+            continue
+        assert r["losses"] == pytest.approx(ref["losses"], abs=ATOL)
+    if plan.batch_axes:
+        for step in range(STEPS):
+            assert sum(r["losses"][step] for r in results) / len(results) == pytest.approx(ref["losses"][step], abs=ATOL)
+    # every parameter lives on some stage, and a device holds only its own stages' parameters
+    assert set(held) == set(ref["params"])
+    p = pipe.num_stages
+    per_device = [set(r["params"]) for r in results]
+    assert all(len(s) < len(ref["params"]) for s in per_device), f"a device holds every parameter with {p} stages"
+
+
+def test_pipelined_module_refuses_a_bare_forward():
+    assert all(run_gloo(2, _refuse_forward))
+
+
+def _refuse_forward(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    x, _ = _batch()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pm = autopar.parallelize(_gpt(), mesh, (x,), hardware="cpu", pipeline_axis="pp")
+    with pytest.raises(PlanError, match="train_step"):
+        pm(pm.plan.local_inputs(x))
+    with pytest.raises(PlanError, match="full=True"):
+        pm.state_dict()
+    return True
+
+
+def test_train_step_without_a_pipeline_is_forward_and_backward():
+    from autopar.testing import run_threaded
+    x, y = _batch()
+    ref = single_device_reference(_gpt, x, y, gpt_loss, steps=1, lr=LR)
+    model = _gpt()   # seeded once: threads share torch's random generator
+
+    def fn(rank):
+        import copy
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), hardware="cpu", strategy="ddp")
+        loss = pm.train_step(pm.plan.local_inputs(x), loss_fn=gpt_loss, targets=pm.plan.local_targets(y))
+        return loss.item(), pm.full_grads()
+    results = run_threaded(2, fn)
+    assert sum(r[0] for r in results) / 2 == pytest.approx(ref["losses"][0], abs=ATOL)
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(g, ref["grads"][name], atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- the cut
+
+
+def test_partitioner_balances_a_model_with_a_big_embedding_and_head():
+    """Vocabulary 32768 on a hidden size of 256: the embedding and the output head weigh like blocks,
+    so an even split of the 8 blocks over 4 stages would make the first and last stages the slowest."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=32768, n_layer=8, n_embd=256, block_size=64))
+    x = torch.zeros((32, 64), dtype=torch.long, device="meta")
+    plan = autopar.plan(model, x, {"pp": 4}, hardware="h100", pipeline_axis="pp")
+    stages = plan.pipeline.stages
+    times = [s.time for s in stages]
+    assert max(times) <= 1.15 * min(times), [f"{t:.3g}" for t in times]
+
+    def blocks(stage):
+        return {plan.module_paths[n].split(".")[1] for n in stage.nodes if plan.module_paths[n].startswith("h.")}
+    assert "wte" in stages[0].modules and "lm_head" in stages[-1].modules
+    # the stages holding the embedding and the head take fewer blocks than those in between
+    assert len(blocks(stages[0])) < len(blocks(stages[1])) and len(blocks(stages[-1])) < len(blocks(stages[2]))
+    # every op runs in exactly one stage, in graph order
+    ops = [n for s in stages for n in s.nodes]
+    assert len(ops) == len(set(ops))
+
+
+def test_plan_text_and_json_show_the_stages():
+    x, _ = _batch()
+    plan = autopar.plan(_gpt(), x, {"pp": 2, "dp": 2}, hardware="cpu", pipeline_axis="pp", strategy="ddp",
+                        microbatches=4)
+    text = str(plan)
+    assert "pipeline over pp (2 devices, 2 stages): 1f1b, 4 microbatches" in text
+    assert "bubble (p-1)/m = 0.250" in text
+    for s in plan.pipeline.stages:
+        assert s.modules in text
+    assert plan.pipeline.bubble == pytest.approx(1 / 4)
+    # the step: (m + p - 1) slots of the slowest stage
+    slowest = max(s.time for s in plan.pipeline.stages)
+    assert plan.predicted.step_time == pytest.approx((4 + 1) * slowest)
+    assert Plan.from_json(plan.to_json()).pipeline == plan.pipeline
+    # 1F1B: stage s keeps at most p - s microbatches in flight; GPipe keeps all
+    assert [s.in_flight for s in plan.pipeline.stages] == [2, 1]
+    gpipe = autopar.plan(_gpt(), x, {"pp": 2, "dp": 2}, hardware="cpu", pipeline_axis="pp", strategy="ddp",
+                         microbatches=4, schedule="gpipe")
+    assert [s.in_flight for s in gpipe.pipeline.stages] == [4, 4]
+    assert gpipe.predicted.memory.total > plan.predicted.memory.total
+
+
+def test_memory_limit_moves_the_cut():
+    """Under a limit the first stage (two microbatches in flight under 1F1B, the last stage one)
+    sheds ops to the second, though that makes the stages less even."""
+    x = torch.randint(0, 64, (64, 16))   # activations outweigh the weights
+    kwargs = dict(hardware="cpu", pipeline_axis="pp", microbatches=2)
+    free = autopar.plan(_gpt(), x, {"pp": 2}, **kwargs)
+    limit = int(max(s.memory for s in free.pipeline.stages)) - 1   # the unlimited cut no longer fits
+    tight = autopar.plan(_gpt(), x, {"pp": 2}, memory_limit=limit, **kwargs)
+    assert max(s.memory for s in tight.pipeline.stages) <= limit
+    assert len(tight.pipeline.stages[0].nodes) < len(free.pipeline.stages[0].nodes)
+    assert tight.predicted.step_time >= free.predicted.step_time
+    with pytest.raises(PipelineError, match="fits memory_limit"):
+        autopar.plan(_gpt(), x, {"pp": 2}, memory_limit=limit * 2 // 3, **kwargs)
+
+
+# ---------------------------------------------------------------- bad requests
+
+
+def test_more_stages_than_layers():
+    x, _ = _batch()
+    with pytest.raises(PipelineError, match="asks for 8 stages but the model has 4 layer"):
+        autopar.plan(_gpt(), x, {"pp": 8}, hardware="cpu", pipeline_axis="pp")
+    with pytest.raises(PipelineError, match="asks for 8 stages"):
+        autopar.plan(_gpt(), x, {"pp": 4}, hardware="cpu", pipeline_axis="pp", schedule="interleaved-1f1b")
+
+
+def test_microbatches_must_divide_the_batch():
+    x, _ = _batch()
+    with pytest.raises(PipelineError, match="microbatches=3 does not divide the batch of 8"):
+        autopar.plan(_gpt(), x, {"pp": 2}, hardware="cpu", pipeline_axis="pp", microbatches=3)
+    with pytest.raises(PipelineError, match="positive integer"):
+        autopar.plan(_gpt(), x, {"pp": 2}, hardware="cpu", pipeline_axis="pp", microbatches=0)
+
+
+def test_pipeline_axis_must_exist():
+    x, _ = _batch()
+    with pytest.raises(PipelineError, match="'pipe' is not an axis of mesh dp=2 x tp=2"):
+        autopar.plan(_gpt(), x, {"dp": 2, "tp": 2}, hardware="cpu", pipeline_axis="pipe")
+    with pytest.raises(PipelineError, match="schedule="):
+        autopar.plan(_gpt(), x, {"pp": 2}, hardware="cpu", pipeline_axis="pp", schedule="zero-bubble")
+    with pytest.raises(PipelineError, match="pipeline_axis=None"):
+        autopar.plan(_gpt(), x, {"pp": 2}, hardware="cpu", microbatches=2)
+    assert issubclass(PipelineError, autopar.AutoparError) and not issubclass(PipelineError, MeshError)
+
+
+def test_auto_picks_the_fastest_of_flat_and_pipelined_plans():
+    """pipeline_axis='auto' compares the flat plan with a pipeline over each axis (and microbatch count)
+    by predicted step time, and keeps the fastest."""
+    x, _ = _batch()
+    mesh = {"a": 2, "b": 2}
+    auto = autopar.plan(_gpt(), x, mesh, hardware="cpu", pipeline_axis="auto")
+    options = [autopar.plan(_gpt(), x, mesh, hardware="cpu")]
+    options += [autopar.plan(_gpt(), x, mesh, hardware="cpu", pipeline_axis=a, microbatches=m)
+                for a in mesh for m in (2, 4, 8)]
+    best = min(p.predicted.step_time for p in options)
+    assert auto.predicted.step_time == pytest.approx(best)
+    assert auto.pipeline is not None   # on this toy model a pipeline is predicted faster (no gradient all-reduce)
