@@ -320,12 +320,12 @@ def partition(prob, choice, *, axis: str, microbatches: int, schedule: str, memo
                 if (s, j) not in best or cand[:2] < best[(s, j)][:2]:
                     best[(s, j)] = cand
     if (num_stages, n) not in best:
-        least = min(memory(0, n, 0) / num_stages, memory(0, n, 0))
+        share = memory(0, n, 0) / num_stages   # the whole model, stage 0's microbatches in flight, split evenly
         raise PipelineError(f"no cut of the model into {num_stages} stages on pipeline axis {axis!r} fits "
                             f"memory_limit={cm.format_bytes(memory_limit)} per device with {microbatches} "
-                            f"microbatches under {schedule} (even an even split would need about "
-                            f"{cm.format_bytes(least)}); raise the limit, use 1f1b or fewer microbatches in flight, "
-                            "or more devices")
+                            f"microbatches under {schedule} (an even share of the model would be about "
+                            f"{cm.format_bytes(share)}, and layers cannot be split finer than the cut points); "
+                            "raise the limit, use 1f1b (fewer microbatches in flight than gpipe), or more devices")
     bounds, k = [n], n
     for s in range(num_stages, 0, -1):
         k = best[(s, k)][2]

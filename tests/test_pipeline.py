@@ -50,6 +50,8 @@ CASES = {
     "dp2 x pp2 (fsdp), 1f1b": ((2, 2), ("dp", "pp"), dict(pipeline_axis="pp", strategy="fsdp")),
     "pp2 x tp2, gpipe": ((2, 2), ("pp", "tp"), dict(pipeline_axis="pp", strategy="tp", schedule="gpipe")),
     "pp2 x tp2, 1f1b": ((2, 2), ("pp", "tp"), dict(pipeline_axis="pp", strategy="tp", microbatches=2)),
+    "pp2 x dp2, interleaved 1f1b": ((2, 2), ("pp", "dp"), dict(pipeline_axis="pp", strategy="ddp", microbatches=4,
+                                                              schedule="interleaved-1f1b")),
     "pp4, 1f1b": ((4,), ("pp",), dict(pipeline_axis="pp", microbatches=4)),
     "pp4, gpipe": ((4,), ("pp",), dict(pipeline_axis="pp", microbatches=8, schedule="gpipe")),
 }
