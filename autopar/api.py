@@ -21,7 +21,7 @@ from .mesh import MeshSpec, mesh_spec
 from .plan_result import CollectiveRecord, Plan
 from .precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
 from .pipeline import (ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, device_prediction,
-                       microbatch_candidates, partition)
+                       microbatch_candidates, num_layers, op_costs, partition)
 from .predict import group_redistributions, peak_working_set, predict
 from .repeat import capture_repeated
 from .rewrite import rewrite
@@ -163,8 +163,7 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
     bound = _serial_time(best, spec) if best is not None and pipeline_axis == "auto" else None
     for axis in axes:
         p = spec.axis_sizes[spec.axis_index(axis)]
-        for m in microbatch_candidates(STAGES_PER_DEVICE[schedule or ONE_F_ONE_B], p, _batch_size(cap) or 1,
-                                       microbatches):
+        for m in microbatch_candidates(p, _batch_size(cap) or 1, microbatches):
             # a pipeline idles (p-1)/m of the step at least: no faster than the serial compute spread
             # over every device, stretched by that
             if bound is not None and best.predicted.step_time <= bound * (1 + (p - 1) / m):
@@ -217,30 +216,20 @@ def _pipeline_axes(cap: Captured, spec: MeshSpec, strategy: str, pipeline_axis, 
         check_depth(cap, spec.axis_sizes[spec.axis_index(pipeline_axis)]
                     * STAGES_PER_DEVICE[schedule or ONE_F_ONE_B], pipeline_axis)
         return [pipeline_axis]
-    if strategy != "auto" or spec.num_axes < 1:
+    if strategy != "auto":
         return []
-    out = []
-    for name, size in zip(spec.axis_names, spec.axis_sizes):
-        try:
-            if size > 1:
-                check_depth(cap, size * STAGES_PER_DEVICE[schedule or ONE_F_ONE_B], name)
-                out.append(name)
-        except PipelineError:
-            pass
-    return out
+    layers = max(num_layers(cap).values(), default=1)
+    per_device = STAGES_PER_DEVICE[schedule or ONE_F_ONE_B]
+    return [name for name, size in zip(spec.axis_names, spec.axis_sizes) if 1 < size and size * per_device <= layers]
 
 
 def _serial_time(plan: Plan, spec: MeshSpec) -> float:
-    """A floor on any plan's step: the plan's compute as if every device did an equal share, no comm."""
-    return plan.predicted.compute_time * _compute_devices(plan, spec) / spec.num_devices
-
-
-def _compute_devices(plan: Plan, spec: MeshSpec) -> int:
-    # the flat plan's compute is per device; the devices that split the batch divide the work between them
-    n = 1
+    """A floor on any plan's step: the plan's compute as if every device did an equal share, no comm.
+    (The plan's compute is per device; the devices that split the batch share the work.)"""
+    shards = 1
     for a in plan.batch_axes:
-        n *= spec.axis_sizes[spec.axis_index(a)]
-    return n
+        shards *= spec.axis_sizes[spec.axis_index(a)]
+    return plan.predicted.compute_time * shards / spec.num_devices
 
 
 def _problem(cap: Captured, env: _Setting, checkpointing: str):
@@ -344,9 +333,10 @@ def _pipelined_plan(cap: Captured, env: _Setting, axis: str, m: int, schedule: s
                          "none")
     t0 = time.perf_counter()
     transient = float(peak_working_set(prob, sol.choice, group_redistributions(prob, sol.choice), False))
-    pipe = partition(prob, sol.choice, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,
+    costs = op_costs(prob, sol.choice)
+    pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,
                      transient=transient)
-    pred = device_prediction(prob, sol.choice, pipe, transient)
+    pred = device_prediction(prob, costs, pipe, transient)
     _, colls = predict(prob, sol.choice, symbolic=False)
     t_predict = time.perf_counter() - t0
     return _make_plan(prob, env, sol, roles, len(candidates), pred, pred, colls, policy, opt, hw,

@@ -108,10 +108,15 @@ def check_request(spec, pipeline_axis, microbatches, schedule, batch: int | None
                                 f"the first input); use a divisor of {batch}")
 
 
+def num_layers(cap: Captured) -> dict:
+    """Stack path -> its number of layers (blocks of an nn.ModuleList)."""
+    from .blocks import block_nodes
+    return {path: len(blocks) for path, blocks in block_nodes(cap).items()}
+
+
 def check_depth(cap: Captured, num_stages: int, axis: str) -> None:
     """More stages than layers leaves a stage with nothing worth a device: say so, naming the layers."""
-    from .blocks import block_nodes
-    stacks = {path: len(blocks) for path, blocks in block_nodes(cap).items()}
+    stacks = num_layers(cap)
     layers = max(stacks.values(), default=1)
     if num_stages > layers:
         where = ", ".join(f"{p} ({n})" for p, n in stacks.items()) or "no stack of repeated layers"
@@ -120,7 +125,7 @@ def check_depth(cap: Captured, num_stages: int, axis: str) -> None:
                             "schedule='1f1b' instead of interleaving, or another axis for pipelining")
 
 
-def microbatch_candidates(num_stages_per_device: int, p: int, batch: int, pinned: int | None) -> list[int]:
+def microbatch_candidates(p: int, batch: int, pinned: int | None) -> list[int]:
     """What the search tries when the user pins no count: p, 2p and 4p microbatches (fewer than p
     leaves a stage idle most of the step; past 4p the bubble is already under a quarter of p-1 parts
     in p, while every microbatch pays its collectives' latency again)."""
@@ -136,11 +141,10 @@ class _Costs:
     order: list               # op nodes in graph order: stage k runs order[cut_k:cut_k+1]
     time: list                # per op: compute + collectives charged there, per microbatch
     acts: list                # per op: bytes kept for backward
-    state: dict               # param/buffer -> bytes (weights, grads, optimizer state)
     users: dict               # param/buffer -> sorted positions of the ops that read it
     crossing: list            # per cut position k (before op k): bytes crossing, inf where no cut may fall
     parts: list               # per op: (compute s, {axis: comm bytes}, {axis: comm s})
-    state_parts: dict         # param -> ParamMemory-like tuple (params, master, grads, optimizer)
+    state_parts: dict         # param/buffer -> bytes of (weight, master copy, gradient, optimizer state)
 
 
 def op_costs(prob, choice) -> _Costs:
@@ -163,19 +167,17 @@ def op_costs(prob, choice) -> _Costs:
             comm_time[i][a] += float(collectives_time([c], mesh, prob.links))
 
     users = _readers(cap, pos)
-    state, state_parts = {}, {}
+    state_parts = {}
     for name, ns in prob.strategies.items():
         info, s = cap.info[name], strategy[name]
         if info.kind == PARAM:
             m = param_memory(first_meta(info.meta), s, mesh, prob.param_bytes[name])
             state_parts[name] = (float(m.params), float(m.master), float(m.grads), float(m.optimizer))
-            state[name] = sum(state_parts[name])
             if name in prob.grad_nodes and users.get(name):
                 charge(users[name][0], zero_collectives(name, first_meta(info.meta), s, mesh, prob.param_bytes[name]))
         elif info.kind == BUFFER and info.meta is not None:
             meta = first_meta(info.meta)
-            state[name] = float(numel(meta.hint) * meta.itemsize)
-            state_parts[name] = (state[name], 0.0, 0.0, 0.0)
+            state_parts[name] = (float(numel(meta.hint) * meta.itemsize), 0.0, 0.0, 0.0)
         elif info.kind == OP and name in pos:
             i = pos[name]
             acts[i] = float(activation_bytes(name, cap, s.output, mesh, prob.saved))
@@ -188,7 +190,7 @@ def op_costs(prob, choice) -> _Costs:
     time = [compute[i] + sum(comm_time[i].values()) for i in range(len(order))]
     parts = [(compute[i], comm_bytes[i], comm_time[i]) for i in range(len(order))]
     crossing = _crossing_bytes(cap, order, pos, strategy, mesh)
-    return _Costs(order, time, acts, state, users, crossing, parts, state_parts)
+    return _Costs(order, time, acts, users, crossing, parts, state_parts)
 
 
 def _readers(cap: Captured, pos: dict) -> dict:
@@ -212,7 +214,7 @@ def _crossing_bytes(cap: Captured, order, pos, strategy, mesh) -> list:
     blocked = [False] * (n + 1)
     for node in cap.graph.nodes:
         info = cap.info[node.name]
-        if info.kind not in (OP, INPUT) or node.name not in strategy and info.kind == INPUT:
+        if info.kind not in (OP, INPUT):
             continue
         start = pos.get(node.name, -1) + 1   # a cut at k separates ops < k from ops >= k
         last = _last_reader(node, pos, n)
@@ -222,9 +224,9 @@ def _crossing_bytes(cap: Captured, order, pos, strategy, mesh) -> list:
             for k in range(start, last + 1):
                 blocked[k] = True
             continue
-        if info.meta is None:
+        if info.meta is None or node.name not in strategy:
             continue
-        b = float(output_bytes(node.name, cap, strategy[node.name].output, mesh)) if node.name in strategy else 0.0
+        b = float(output_bytes(node.name, cap, strategy[node.name].output, mesh))
         delta[start] += b
         delta[last + 1] -= b
     out, running = [], 0.0
@@ -265,10 +267,10 @@ def in_flight(schedule: str, stage: int, num_stages: int, microbatches: int) -> 
     return min(microbatches, math.ceil(((v - 1) * p + 2 * (p - 1 - r) + 1) / v))
 
 
-def partition(prob, choice, *, axis: str, microbatches: int, schedule: str, memory_limit=None,
+def partition(prob, costs: _Costs, *, axis: str, microbatches: int, schedule: str, memory_limit=None,
               transient: float = 0.0) -> PipelinePlan:
-    """The cut into stages that makes the slowest stage fastest, each stage fitting `memory_limit`."""
-    costs = op_costs(prob, choice)
+    """The cut into stages that makes the slowest stage fastest, each stage fitting `memory_limit`.
+    `costs`: op_costs of the chosen strategies."""
     mesh = prob.mesh
     p = mesh.axis_sizes[mesh.axis_index(axis)]
     num_stages = p * STAGES_PER_DEVICE[schedule]
@@ -276,7 +278,8 @@ def partition(prob, choice, *, axis: str, microbatches: int, schedule: str, memo
     n = len(costs.order)
     t_sum, a_sum, s_sum = _prefix(costs.time), _prefix(costs.acts), [0.0] * n
     shared = []   # weights read in more than one place: a stage holds its own copy if it reads it
-    for name, st in costs.state.items():
+    for name, parts in costs.state_parts.items():
+        st = sum(parts)
         readers = costs.users.get(name) or []
         if readers:
             s_sum[readers[0]] += st
@@ -386,11 +389,10 @@ def compress_paths(paths) -> str:
     return ", ".join(p if a is None else f"{p}.{a}" if a == b else f"{p}.{a}-{b}" for p, a, b in out)
 
 
-def device_prediction(prob, choice, pipe: PipelinePlan, transient: float):
+def device_prediction(prob, costs: _Costs, pipe: PipelinePlan, transient: float):
     """Predicted per step for the busiest device of the pipeline: its stages' weights, the activations in
     flight, every microbatch's collectives and sends, and the step time of the schedule."""
     from .predict import Memory, Predicted
-    costs = op_costs(prob, choice)
     pos = {n: i for i, n in enumerate(costs.order)}
     mesh, m = prob.mesh, pipe.microbatches
     p = pipe.num_stages // pipe.stages_per_device

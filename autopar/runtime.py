@@ -129,12 +129,11 @@ class ParallelModule(torch.nn.Module):
         self._schedules = {}
         return {fqn for s in self._stage_indices for _, fqn in built[s][1]}
 
-    def _weight(self, kind, fqn):
-        if kind == PARAM:
-            return dict(self.store.named_parameters())[fqn]
-        if kind == BUFFER:
-            return dict(self.store.named_buffers())[fqn]
-        return self._constants[fqn]
+    def _weight_table(self) -> dict:
+        """(kind, name) -> tensor, for the weights, buffers and constants a stage reads."""
+        return {**{(PARAM, k): v for k, v in self.store.named_parameters()},
+                **{(BUFFER, k): v for k, v in self.store.named_buffers()},
+                **{(CONSTANT, k): v for k, v in self._constants.items()}}
 
     def train_step(self, *local_inputs, loss_fn, targets=None):
         """Forward and backward of this rank's batch; returns its mean loss (the same on every rank of a

@@ -66,7 +66,7 @@ def _reads(node: fx.Node, owner: dict) -> set:
 
 
 def cut(gm: fx.GraphModule, cap: Captured, stage_of: dict, num_stages: int) -> list[dict]:
-    """Per stage: {"inputs": [value names], "outputs": [...], "nodes": [local nodes it computes]}."""
+    """Per stage: {"inputs": [local values it receives], "outputs": [values it sends on, or "output"]}."""
     last = num_stages - 1
     owner = _owners(gm, cap, stage_of, last)
     nodes = list(gm.graph.nodes)
@@ -92,7 +92,7 @@ def cut(gm: fx.GraphModule, cap: Captured, stage_of: dict, num_stages: int) -> l
     out = []
     for s in range(num_stages):
         outputs = crossing[s + 1] if s < last else ["output"]
-        out.append({"inputs": crossing[s], "outputs": outputs, "owner": owner})
+        out.append({"inputs": crossing[s], "outputs": outputs})
     return out
 
 
@@ -142,7 +142,8 @@ class StageModule(torch.nn.Module):
 
     def forward(self, *inputs):
         pm = self._owner()
-        args = list(inputs) + [pm._weight(kind, name) for kind, name in self._weights]
+        table = pm._weight_table()
+        args = list(inputs) + [table[w] for w in self._weights]
         try:
             with torch.autograd.graph.saved_tensors_hooks(pm._gathered.pack, pm._gathered.unpack):
                 flat = self.graph_module(*args)
