@@ -1,7 +1,7 @@
 """autopar: automatic DP / FSDP / TP plans for PyTorch training, planned by ILP over a symbolic cost model."""
 from .api import parallelize, plan
 from .audit import AuditReport, audit
-from .errors import (AutoparError, CaptureError, DivisibilityWarning, InfeasiblePlanError, MeshError, PipelineError, PlanError,
+from .errors import (AutoparError, CaptureError, InputShapeError, DivisibilityWarning, InfeasiblePlanError, MeshError, PipelineError, PlanError,
                      ShardingError,
                      UnsupportedOpWarning)
 from .optim import ShardedOptimizer
@@ -12,6 +12,6 @@ from .whatif import max_batch, min_compute_bound_batch
 
 __all__ = ["plan", "parallelize", "audit", "AuditReport", "Plan", "ParallelModule", "ShardedOptimizer",
            "Precision", "BF16_MIXED", "OptimizerSpec", "AutoparError", "CaptureError",
-           "InfeasiblePlanError", "DivisibilityWarning", "MeshError", "PipelineError", "PlanError", "ShardingError", "UnsupportedOpWarning",
+           "InfeasiblePlanError", "InputShapeError", "DivisibilityWarning", "MeshError", "PipelineError", "PlanError", "ShardingError", "UnsupportedOpWarning",
            "max_batch", "min_compute_bound_batch"]
 __version__ = "0.1.0"

@@ -217,6 +217,11 @@ def unflatten_outputs(exported, flat_outputs):
     return pytree.tree_unflatten(list(flat_outputs), exported.call_spec.out_spec)
 
 
+def fake_mode_of(t: torch.Tensor):
+    """The FakeTensorMode an exported graph's example values live in (to compute new nodes' values)."""
+    return t.fake_mode
+
+
 def symint_expr(s):
     """The sympy expression behind a torch.SymInt (export's symbolic dim), e.g. `s0` or `2*s0`."""
     return s.node.expr

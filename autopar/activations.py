@@ -384,6 +384,17 @@ def input_cuts(spec: OpSpec | None, index: int, out_ndim: int, dims) -> frozense
     return frozenset(cuts)
 
 
+def _through_whole_slices(node, cap: Captured):
+    """The tensor behind slices that keep every element (x[:, :, None] traced with a dynamic dim
+    slices each dim from 0 to its size; a static trace drops such slices)."""
+    while isinstance(node, fx.Node) and op_name(node) == "aten.slice.Tensor" and isinstance(node.args[0], fx.Node):
+        src, out = _first(cap.info[node.args[0].name].meta), _first(cap.info[node.name].meta)
+        if src is None or out is None or src.shape != out.shape:
+            break
+        node = node.args[0]
+    return node
+
+
 def _repeated_heads(node: fx.Node, cap: Captured) -> tuple | None:
     """(dim, groups, repeats) if `node` is GQA's repeat_kv: reshape(expand(unsqueeze(x, j)))
     merging x's dim j-1 (the key/value heads) with `repeats` copies of each.
@@ -396,11 +407,11 @@ def _repeated_heads(node: fx.Node, cap: Captured) -> tuple | None:
     expand = node.args[0]
     if not isinstance(expand, fx.Node) or op_name(expand) != "aten.expand.default":
         return None
-    unsq = expand.args[0]
+    unsq = _through_whole_slices(expand.args[0], cap)
     if not isinstance(unsq, fx.Node) or op_name(unsq) != "aten.unsqueeze.default" or \
             not isinstance(unsq.args[0], fx.Node):
         return None
-    x = _first(cap.info[unsq.args[0].name].meta)
+    x = _first(cap.info[_through_whole_slices(unsq.args[0], cap).name].meta)
     e = _first(cap.info[expand.name].meta)
     out = _first(cap.info[node.name].meta)
     if x is None or e is None or out is None:

@@ -11,11 +11,11 @@ import cost_models as cm
 
 from .blocks import find_blocks
 from .checkpointing import check_mode, checkpointable_stacks
-from .capture import PARAM, Captured, capture
+from .capture import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
 from .classics import PIPE, Roles, axis_roles, check_tensor_parallel_divisibility, role_assignments, with_pipeline
 from .collectives import AxisGroup, Comm
 from .cost import first_meta, needs_grad, saved_outputs
-from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
+from .errors import AutoparError, CaptureError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
 from .liveness import live_sets
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import CollectiveRecord, Plan
@@ -68,7 +68,7 @@ def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
 
 def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_limit=None,
          strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
-         dynamic_shapes=None, links=None, time_limit: float = 60.0, trace_every_layer: bool = False,
+         dynamic_shapes=AUTO, links=None, time_limit: float = 60.0, trace_every_layer: bool = False,
          pipeline_axis: str | None = None, microbatches: int | None = None, schedule: str | None = None,
          **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
@@ -272,12 +272,23 @@ def _flat_plan(cap: Captured, env: _Setting) -> Plan:
             break
     if not sol.choice:
         _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing)
+    _check_named_strategy(prob, roles, strategy, sol.choice)
     t0 = time.perf_counter()
     pred, colls = predict(prob, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
     sym, _ = predict(prob, sol.choice, symbolic=True, checkpointed=sol.checkpointed)
     t_predict = time.perf_counter() - t0
     return _make_plan(prob, env, sol, roles, len(candidates), pred, sym, colls, policy, opt, hw,
                       {"rules_seconds": t_rules, "predict_seconds": t_predict})
+
+
+def _check_named_strategy(prob: Problem, roles: Roles, strategy: str, choice: dict) -> None:
+    """A named strategy that splits fewer weights than it promises must say so (classics.check_promised_splits);
+    "auto" promises nothing."""
+    from .classics import check_promised_splits   # imported here: this helper's only use of it
+    if strategy == "auto":
+        return
+    chosen = {n: prob.strategies[n].strategies[i] for n, i in choice.items() if prob.cap.info[n].kind == PARAM}
+    check_promised_splits(prob.cap, roles, strategy, chosen, prob.param_bytes)
 
 
 def _role_tiers(spec: MeshSpec, axis_links, hw) -> list:
@@ -417,7 +428,7 @@ def _progress(text: str) -> None:
 
 
 def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | None = None,
-                dynamic_shapes=None, record_comm: bool = False, **plan_kwargs) -> ParallelModule:
+                dynamic_shapes=AUTO, record_comm: bool = False, **plan_kwargs) -> ParallelModule:
     """Run on every rank: returns this rank's module, holding only its shards.
 
     `example_inputs` are global (whole-batch) example inputs; the returned
@@ -450,7 +461,35 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     from .collectives import CommLog
     comm = Comm(axes, CommLog() if record_comm else None)
     gm, gathered = rewrite(cap, plan, comm, needs_grad(cap))
-    return ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh)
+    other_mode = None if plan.pipeline is not None else _other_mode(model, example_inputs, dynamic_shapes, cap,
+                                                                      plan, comm)
+    pm = ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh, other_mode=other_mode)
+    return pm.train(model.training)
+
+
+def _other_mode(model, example_inputs, dynamic_shapes, cap: Captured, plan: Plan, comm):
+    """The local graph for the mode the model was not captured in (eval for a training model).
+
+    Dropout, random ops and batch norm are traced in the mode the model is in,
+    so pm.eval() needs a graph of its own. The same plan lays it out: its
+    nodes are the training graph's, with other arguments (dropout off). None
+    when the graph has no such op (it is then the same in both modes), or a
+    string saying why the other mode cannot run.
+    """
+    if not mode_dependent_ops(cap.graph):
+        return None
+    was = model.training
+    try:
+        model.train(not was)
+        other = capture(model, example_inputs, dynamic_shapes)
+    except CaptureError as e:
+        return f"the model does not capture in {'eval' if was else 'train'} mode: {e}"
+    finally:
+        model.train(was)
+    if not same_structure(cap.graph, other.graph):
+        return (f"the model's graph in {'eval' if was else 'train'} mode has other ops than in the mode it was "
+                "parallelized in (forward branches on self.training), so the plan does not apply to it")
+    return rewrite(other, plan, comm, needs_grad(other))
 
 
 def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict, recapture) -> Plan:

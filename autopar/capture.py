@@ -7,6 +7,7 @@ parameter or buffer a placeholder is.
 """
 from __future__ import annotations
 
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ import torch.fx as fx
 
 from ._private import symint_expr, symint_hint, trace_lock
 from .errors import CaptureError
+from .losses import split_mean_losses
 
 PARAM, BUFFER, INPUT, CONSTANT, OP, OUTPUT = "param", "buffer", "input", "constant", "op", "output"
 
@@ -54,6 +56,7 @@ class Captured:
     hints: dict[sympy.Symbol, int]          # symbol -> example size
     input_names: list[str] = field(default_factory=list)  # user-input placeholders, in order
     aliases: dict[str, str] = field(default_factory=dict)   # tied parameter name -> canonical name
+    ranges: dict = field(default_factory=dict)  # dynamic dim symbol -> (least, most or None) sizes allowed
 
     def nodes(self):
         return self.graph.nodes
@@ -94,13 +97,57 @@ def _dim_names(dynamic_shapes, example_inputs) -> dict[tuple[int, int], str]:
     return names
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) -> Captured:
-    """Export `model` and annotate every node. Raises CaptureError naming the cause."""
+# dynamic_shapes="auto" (the default of plan and parallelize): every dim of every tensor input may
+# vary where the model allows it (torch.export's Dim.AUTO), because every user's last batch is
+# smaller and evaluation sets have other lengths. None keeps every dim as in the example.
+AUTO = "auto"
+
+
+def _auto_dynamic_shapes(example_inputs):
+    """Dim.AUTO on every dim of every tensor, in the inputs' own structure (tuples, lists, dicts)."""
+    if isinstance(example_inputs, torch.Tensor):
+        return {d: torch.export.Dim.AUTO for d in range(example_inputs.dim())} if example_inputs.dim() else None
+    if isinstance(example_inputs, (tuple, list)):
+        return type(example_inputs)(_auto_dynamic_shapes(t) for t in example_inputs)
+    if isinstance(example_inputs, dict):
+        return {k: _auto_dynamic_shapes(v) for k, v in example_inputs.items()}
+    return None
+
+
+def _auto_spec(model, example_inputs: tuple):
+    """The "auto" spec keyed by forward's parameter names, the form export matches against the
+    signature (a forward(*xs) takes one tuple, not len(xs) inputs)."""
+    import inspect
+    try:
+        bound = inspect.signature(model.forward).bind(*example_inputs)
+    except (TypeError, ValueError):
+        return _auto_dynamic_shapes(example_inputs)
+    return {name: _auto_dynamic_shapes(value) for name, value in bound.arguments.items()}
+
+
+def _auto_dim_names(example_inputs: tuple) -> dict[tuple[int, int], str]:
+    """Names for the dims export makes dynamic on its own: "batch" for dim 0, "seq" for dim 1."""
+    names = {}
+    for i, t in enumerate(example_inputs):
+        if isinstance(t, torch.Tensor):
+            for d in range(t.dim()):
+                names[(i, d)] = {0: "batch", 1: "seq"}.get(d, f"input{i}_dim{d}")
+    return names
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO) -> Captured:
+    """Export `model` and annotate every node. Raises CaptureError naming the cause.
+
+    `dynamic_shapes`: as torch.export takes it, or "auto" (see AUTO)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    auto = isinstance(dynamic_shapes, str) and dynamic_shapes == AUTO
     try:
         with trace_lock:  # export keeps module-level state: one trace at a time per process
-            ep = torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
+            ep = torch.export.export(model, example_inputs, strict=False,
+                                     dynamic_shapes=_auto_spec(model, example_inputs) if auto else dynamic_shapes)
+            # under the lock too: it enters the export's fake mode, and mode stacks are per process
+            split_mean_losses(ep.graph)   # before anything reads the graph: plans see the split form
     except Exception as e:  # export raises many types; the user needs cause + place
         raise CaptureError(_explain_export_failure(model, e)) from e
 
@@ -119,8 +166,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
                 "autopar cannot shard a model that updates buffers yet: put such modules in eval mode "
                 "or replace them (e.g. LayerNorm)")
 
-    graph = ep.graph
-    dim_names = _dim_names(dynamic_shapes, example_inputs)
+    graph = _renumbered(ep.graph)
+    dim_names = _auto_dim_names(example_inputs) if auto else _dim_names(dynamic_shapes, example_inputs)
     input_nodes = [n for n in graph.nodes if n.op == "placeholder" and kinds.get(n.name, (None,))[0] == INPUT]
     rename: dict[sympy.Symbol, sympy.Symbol] = {}
     hints: dict[sympy.Symbol, int] = {}
@@ -133,6 +180,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
                 expr = symint_expr(s)
                 if isinstance(expr, sympy.Symbol) and expr not in rename:
                     name = dim_names.get((i, d), str(expr))
+                    taken = {str(v) for v in rename.values()}
+                    k = 1
+                    while name in taken:   # another dim of that name varies on its own: a symbol each
+                        k += 1
+                        name = f"{dim_names.get((i, d), str(expr))}{k}"
                     sym = sympy.Symbol(name, integer=True, positive=True)
                     rename[expr] = sym
                     hints[sym] = int(example_inputs[i].shape[d])
@@ -165,8 +217,42 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
                           if a.name in info and info[a.name].kind == PARAM)
             info[node.name] = NodeInfo(OP, _module_path(node), None, to_meta(node.meta.get("val")), reads)
     symbols = {str(s): s for s in hints}
+    ranges = {}
+    for expr, vr in ep.range_constraints.items():   # the sizes export allows each dynamic dim
+        if expr in rename:
+            ranges[rename[expr]] = (_as_int(vr.lower), _as_int(vr.upper))
     aliases = {a: c for a, c in canonical.items() if a != c}
-    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], aliases)
+    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], aliases, ranges)
+
+
+def _renumbered(graph: fx.Graph) -> fx.Graph:
+    """A copy whose op names count per name in graph order (linear, linear_1, ...), with no gaps.
+
+    torch.export skips the numbers of nodes it made and erased (symbolic size arithmetic,
+    differently in different layers), so alike layers would not step by alike numbers; plans
+    name nodes, and autopar.repeat names copied layers by those steps.
+    """
+    out = fx.Graph()
+    env: dict = {}
+    for node in graph.nodes:
+        name = node.name
+        if node.op == "call_function":
+            name = re.sub(r"_\d+$", "", name)   # the namespace numbers it: base, base_1, ...
+        new = out.create_node(node.op, node.target, fx.map_arg(node.args, env.get), fx.map_arg(node.kwargs, env.get),
+                              name=name, type_expr=node.type)
+        if node.op != "call_function":
+            new.name = node.name   # as export named it (fx would rename a placeholder called `input`)
+        new.meta = dict(node.meta)
+        env[node] = new
+    return out
+
+
+def _as_int(bound):
+    """A range bound as an int, None for infinity (export's own infinity does not say is_finite=False)."""
+    try:
+        return int(bound)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
 
 
 def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
@@ -227,3 +313,36 @@ def _explain_export_failure(model: torch.nn.Module, err: Exception) -> str:
             "values, no unsupported Python side effects), or pass dynamic_shapes that match how the "
             "inputs vary")
     return msg
+
+
+# ops whose result depends on train/eval mode: the mode is baked into the graph as traced
+_MODE_OPS = ("aten.dropout", "aten.native_dropout", "aten.feature_dropout", "aten.alpha_dropout",
+             "aten.feature_alpha_dropout", "aten.bernoulli", "aten.rand", "aten.randn", "aten.randint",
+             "aten.rrelu", "aten.batch_norm", "aten._native_batch_norm_legit", "aten.instance_norm")
+
+
+def mode_dependent_ops(graph: fx.Graph) -> list[str]:
+    """Names of the nodes a model's train/eval mode may have shaped (dropout, random ops, norms with
+    running stats). A graph without any is the same in both modes, unless forward branches on
+    `self.training` with no such op on either side."""
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if name.startswith(_MODE_OPS):
+            if "dropout" in name and len(node.args) > 1 and node.args[1] == 0:
+                continue   # p = 0: the same in both modes (HF configs default to it)
+            out.append(node.name)
+        elif name == "aten.scaled_dot_product_attention.default":
+            p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            if p:
+                out.append(node.name)
+    return out
+
+
+def same_structure(a: fx.Graph, b: fx.Graph) -> bool:
+    """Same nodes (names and ops) in the same order: a plan made for one applies to the other."""
+    na, nb = list(a.nodes), list(b.nodes)
+    return len(na) == len(nb) and all(x.name == y.name and x.op == y.op and x.target == y.target
+                                      for x, y in zip(na, nb))

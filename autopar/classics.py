@@ -8,14 +8,16 @@ cost model, not a separate code path.
 from __future__ import annotations
 
 import itertools
+import warnings
 from dataclasses import dataclass
 
-from .capture import PARAM, NodeInfo
-import warnings
+from cost_models import format_bytes
 
+from .capture import PARAM, NodeInfo
+from .cost import param_memory
 from .errors import AutoparError, DivisibilityWarning, ShardingError
 from .mesh import MeshSpec
-from .placement import P, R, is_shard
+from .placement import P, R, is_shard, local_shape, numel
 from .redistribute import UnsupportedRedistribution, plan_steps
 
 DP, FSDP, TP, ZERO1, ZERO2 = "dp", "fsdp", "tp", "zero1", "zero2"
@@ -164,7 +166,8 @@ def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False) -
             pls = list(strategy.inputs) + [strategy.output]
             if role == PIPE and any(pl[a] != R for pl in pls):
                 return False
-            if role in DATA_ROLES and any(pl[a] not in (R, "S(0)") for pl in pls):
+            # P: a reduction over the batch (a loss), pending its all-reduce
+            if role in DATA_ROLES and any(pl[a] not in (R, "S(0)", P) for pl in pls):
                 return False
             if role == TP and strategy.output[a] == "S(0)":
                 return False
@@ -187,7 +190,8 @@ def allow_edge(roles: Roles, producer: NodeInfo, src, dst, consumer_replicated_o
         # axis would quietly compute replicated), except into an op that can only run whole
         if consumer_replicated_only:
             return True
-        return all(src[a] == dst[a] or (src[a] == R and dst[a] == "S(0)")
+        # (P -> R: the all-reduce that completes a reduction over the batch, e.g. a loss)
+        return all(src[a] == dst[a] or (src[a] == R and dst[a] == "S(0)") or (src[a] == P and dst[a] == R)
                    for a, role in enumerate(roles.roles) if role in DATA_ROLES)
     for a, role in enumerate(roles.roles):
         if role in DATA_ROLES and dst[a] != R:
@@ -243,6 +247,116 @@ def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
                 f"module {where!r}) to divide by {degree}; norms there will not be split by sequence",
                 DivisibilityWarning, stacklevel=4)
             return
+
+
+# what each role promises to split: the whole weight (fsdp, tp) or its optimizer state (ZeRO),
+# and how much of a parameter's bytes that split divides
+_PROMISE = {FSDP: "every weight", TP: "every weight matrix",
+            ZERO1: "the optimizer state of every weight", ZERO2: "the gradient and optimizer state of every weight"}
+_SPLIT_PARTS = {FSDP: ("params", "master", "grads", "optimizer"), TP: ("params", "master", "grads", "optimizer"),
+                ZERO1: ("master", "optimizer"), ZERO2: ("master", "grads", "optimizer")}
+_NAMED = 3   # weights a message names before it gives only the count
+
+
+def check_promised_splits(cap, roles: Roles, strategy: str, chosen: dict, param_bytes: dict) -> None:
+    """A named strategy that leaves weights whole where it promises to split them says so.
+
+    Splits must divide evenly (uneven ones are not supported yet), so on an
+    axis of size 3 fsdp may split nothing and plan DDP in effect. If no weight
+    splits on such an axis the strategy was not applied at all: ShardingError.
+    If some stay whole because the axis size divides none of their dims: one
+    DivisibilityWarning with what they cost. (Weights whole although they
+    divide are whole by the layout rules, e.g. a bias tp already splits under
+    fsdp+tp: allowed_param_storage.)
+    `chosen`: parameter node -> its chosen Strategy; `param_bytes`: node -> ParamBytes.
+    """
+    notes = []
+    for a, role in enumerate(roles.roles):
+        n = roles.axis_sizes[a]
+        if role not in _PROMISE or n == 1:
+            continue
+        promised = [m for m in chosen if _promised(role, cap.info[m].meta)]
+        whole = [m for m in promised if not _is_split(role, chosen[m], a)]
+        indivisible = [m for m in whole if not _divides(role, _shape_on_axis(roles, cap.info[m].meta, chosen[m], a), n)]
+        if not indivisible:
+            continue
+        if len(whole) == len(promised):
+            raise ShardingError(_none_split_message(cap, roles, strategy, a, chosen, len(promised), indivisible))
+        notes.append(_some_whole_note(cap, roles, strategy, a, chosen, param_bytes, len(promised), indivisible))
+    if notes:
+        # stacklevel: the caller of autopar.plan (here < _check_named_strategy < _flat_plan < _plan_captured < plan)
+        warnings.warn("; ".join(notes), DivisibilityWarning, stacklevel=6)
+
+
+def _promised(role, meta) -> bool:
+    if role == TP:
+        return meta.ndim >= 2               # norms and biases may stay whole under Megatron's layout
+    if role in ZERO_LEVEL:
+        return meta.dtype.is_floating_point  # only weights an optimizer steps have optimizer state
+    return meta.ndim >= 1                   # fsdp: a scalar has no dim to split
+
+
+def _is_split(role, strategy, a: int) -> bool:
+    return a in strategy.zero_axes if role in ZERO_LEVEL else is_shard(strategy.output[a])
+
+
+def _shape_on_axis(roles: Roles, meta, strategy, a: int) -> tuple:
+    """The shape the axis would split: the weight as the other axes leave it."""
+    others = tuple(R if b == a else p for b, p in enumerate(strategy.output))
+    return local_shape(meta.hint, others, roles.axis_sizes)
+
+
+def _divides(role, shape: tuple, n: int) -> bool:
+    if role in ZERO_LEVEL:   # ZeRO splits the flat tensor
+        return numel(shape) % n == 0
+    return any(d % n == 0 for d in shape)
+
+
+def _dividing_size(role, shapes: list, n: int):
+    """The largest axis size below n that splits the most of these shapes (None: no size splits any)."""
+    best = max(range(2, n), key=lambda d: (sum(_divides(role, s, d) for s in shapes), d), default=None)
+    return best if best is not None and any(_divides(role, s, best) for s in shapes) else None
+
+
+def _indivisible(cap, roles: Roles, a: int, chosen: dict, num_promised: int, nodes: list) -> str:
+    """The clause that names them, e.g. "its size 3 does not divide any dim of 2 of the 5 weights: 'w' (4, 5)"."""
+    role, n = roles.roles[a], roles.axis_sizes[a]
+    which = f"the {num_promised}" if len(nodes) == num_promised else f"{len(nodes)} of the {num_promised}"
+    shown = ", ".join(f"{cap.info[m].target_name!r} {tuple(cap.info[m].meta.hint)}" for m in nodes[:_NAMED])
+    more = f" and {len(nodes) - _NAMED} more" if len(nodes) > _NAMED else ""
+    what = "the element count" if role in ZERO_LEVEL else "any dim"
+    return f"its size {n} does not divide {what} of {which} weights: {shown}{more}"
+
+
+def _advice(cap, roles: Roles, a: int, chosen: dict, nodes: list) -> str:
+    role, name, n = roles.roles[a], roles.axis_names[a], roles.axis_sizes[a]
+    size = _dividing_size(role, [_shape_on_axis(roles, cap.info[m].meta, chosen[m], a) for m in nodes], n)
+    return f"a {name!r} size that divides them" + (f" (e.g. {size})" if size else "")
+
+
+def _none_split_message(cap, roles: Roles, strategy: str, a: int, chosen: dict, num_promised: int,
+                        indivisible: list) -> str:
+    role, name = roles.roles[a], roles.axis_names[a]
+    return (f"strategy {strategy!r} splits {_PROMISE[role]} over mesh axis {name!r}, but it splits none there "
+            f"({_indivisible(cap, roles, a, chosen, num_promised, indivisible)}), so the plan would be DDP in "
+            f"effect on {name!r} (uneven splits are not supported yet). Use "
+            f"{_advice(cap, roles, a, chosen, indivisible)}, or strategy='ddp' to keep weights whole on purpose, "
+            f"or strategy='auto'")
+
+
+def _some_whole_note(cap, roles: Roles, strategy: str, a: int, chosen: dict, param_bytes: dict,
+                     num_promised: int, indivisible: list) -> str:
+    role, name, n = roles.roles[a], roles.axis_names[a], roles.axis_sizes[a]
+    mesh = MeshSpec(roles.axis_names, roles.axis_sizes)
+    extra = 0.0
+    for m in indivisible:   # what splitting them n ways would save on each device
+        memory = param_memory(cap.info[m].meta, chosen[m], mesh, param_bytes[m])
+        extra += sum(getattr(memory, part) for part in _SPLIT_PARTS[role]) * (1 - 1 / n)
+    counted = "element counts" if role in ZERO_LEVEL else "dims"
+    return (f"strategy {strategy!r} splits {_PROMISE[role]} over mesh axis {name!r}, but leaves "
+            f"{len(indivisible)} whole there ({_indivisible(cap, roles, a, chosen, num_promised, indivisible)}); "
+            f"this costs {format_bytes(extra)} more per device than splitting them {n} ways. Pad those {counted} "
+            f"to a multiple of {n}, or use {_advice(cap, roles, a, chosen, indivisible)}")
 
 
 _HEAD_REPEAT_OPS = {"aten.reshape.default", "aten.view.default", "aten._unsafe_view.default", "aten.expand.default",

@@ -44,3 +44,7 @@ class DivisibilityWarning(UserWarning):
 
 class PipelineError(AutoparError):
     """A pipeline request cannot be met (axis, stages, microbatches or schedule)."""
+
+
+class InputShapeError(AutoparError):
+    """The parallel module was called with an input of a shape its graph cannot take."""

@@ -57,6 +57,12 @@ class ShardedOptimizer:
         self.comm = module.comm
         self.module = module
         self._zero: list[_ZeroParam] = []
+        self._hooks = []
+        if module.zero_optimizer is not None:
+            # a new wrapper replaces the old one (e.g. made again after loading a checkpoint): the old
+            # one's hooks would otherwise reduce the gradients a second time, into slices nothing steps
+            for h in module.zero_optimizer._hooks:
+                h.remove()
         params = []
         for fqn, p in module.named_parameters():
             level, axis_names = plan.param_zero.get(fqn, (0, ()))
@@ -71,7 +77,7 @@ class ShardedOptimizer:
             z = _ZeroParam(fqn, p, torch.nn.Parameter(local), level, plan_steps(partial, sliced),
                            plan_steps(sliced, whole))
             if level >= 2:
-                p.register_post_accumulate_grad_hook(lambda _, z=z: self._reduce(z, "backward"))
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _, z=z: self._reduce(z, "backward")))
             self._zero.append(z)
             params.append(z.slice)
         self.optimizer = optimizer_class(params, **kwargs)

@@ -60,8 +60,12 @@ class Plan:
     pipeline: PipelinePlan | None = None  # stages over a pipeline axis (pipeline.py); None: not pipelined
 
     # ------------------------------------------------------------ inputs
-    def local_inputs(self, *global_inputs, rank: int | None = None):
-        """Cut this rank's shard of a global batch (the module takes local inputs)."""
+    def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:
+        """This rank's shard of each global input, as a tuple (of one for a one-input model).
+
+        Always a tuple, so one call works for any number of inputs:
+        `pm(*pm.plan.local_inputs(*global_inputs))`.
+        """
         if len(global_inputs) != len(self.input_placements):
             raise PlanError(f"the plan was made for {len(self.input_placements)} inputs, got {len(global_inputs)}")
         coords = self._coords(rank)
@@ -75,10 +79,13 @@ class Plan:
                 out.append(shard_full_tensor(t, pl, coords, self.mesh.axis_sizes).contiguous())
             else:
                 out.append(t)
-        return tuple(out) if len(out) != 1 else out[0]
+        return tuple(out)
 
-    def local_targets(self, *global_targets, rank: int | None = None):
-        """Cut this rank's shard of whole-batch targets: split like the outputs, along the batch dim."""
+    def local_targets(self, *global_targets, rank: int | None = None) -> tuple:
+        """This rank's shard of each whole-batch target, split like the outputs along the batch dim.
+
+        A tuple, like local_inputs: `loss_fn(out, *plan.local_targets(y))`, or `(t,) = plan.local_targets(y)`.
+        """
         coords = self._coords(rank)
         out = []
         names = self.mesh.axis_names
@@ -86,7 +93,7 @@ class Plan:
             pl = tuple("S(0)" if a in self.batch_axes else "R" for a in names)
             out.append(shard_full_tensor(t, pl, coords, self.mesh.axis_sizes).contiguous()
                        if isinstance(t, torch.Tensor) and t.dim() > 0 else t)
-        return tuple(out) if len(out) != 1 else out[0]
+        return tuple(out)
 
     def _coords(self, rank):
         import torch.distributed as dist

@@ -32,7 +32,7 @@ from torch import nn
 
 from ._private import storage_id, trace_lock
 from .blocks import block_of, node_signature
-from .capture import BUFFER, OP, PARAM, Captured, NodeInfo, _canonical_names, capture
+from .capture import AUTO, BUFFER, OP, PARAM, Captured, NodeInfo, _canonical_names, capture
 from .errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class RepeatedProgram:
     state_dict: dict                        # the whole model's parameters and buffers, by name
 
 
-def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=None) -> Captured:
+def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO) -> Captured:
     """`capture(model, example_inputs, dynamic_shapes)` for planning, in the time a model with
     TRACED layers per stack takes to trace.
 
@@ -447,7 +447,7 @@ def expand_stack(cap: Captured, stack: str, length: int) -> Captured:
                     name = _moved_name(t.name, strides, shift)
                 copies[(block, j)] = emit(t, name, shift, block)
         after = after or template.name == traced.last_op
-    return Captured(cap.exported, graph, info, cap.symbols, cap.hints, list(cap.input_names), dict(cap.aliases))
+    return Captured(cap.exported, graph, info, cap.symbols, cap.hints, list(cap.input_names), dict(cap.aliases), dict(cap.ranges))
 
 
 def _moved_module_stack(module_stack: dict, stack: str, block: int) -> dict:

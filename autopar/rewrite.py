@@ -20,7 +20,7 @@ from .capture import PARAM, Captured
 from .checkpointing import checkpointable_stacks
 from .collectives import Comm, Redistribute, scale_grad, transform
 from .errors import PlanError
-from .placement import R, chunk_index, dim_factor
+from .placement import R, chunk_index, dim_factor, is_shard
 from .recompute import outline
 from .redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
 from .rules import op_name, tensor_args
@@ -177,12 +177,10 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
         if node.op == "output":
             s = strategies["output"]
             flat = tensor_args(node)
-            scale = 1.0
-            for a in plan.batch_axes:
-                scale /= sizes[names.index(a)]
             outs = []
             for i, a in enumerate(flat):
                 x = redistribute(a, s.inputs[i], ())
+                scale = output_grad_scale(s.inputs[i], sizes)
                 if scale != 1.0 and a.name in grad_nodes:
                     x = g.call_function(scale_grad, (x, scale))
                 outs.append(x)
@@ -228,6 +226,23 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
     if plan.checkpointed:
         gm = _checkpoint_blocks(gm, cap, plan.checkpointed, made_for, comm)
     return gm, gathered
+
+
+def output_grad_scale(placements, axis_sizes) -> float:
+    """The factor on the gradient of an output laid out as `placements`.
+
+    An output split along the batch over n ranks gives each rank a loss that
+    is the mean of its own shard; the gradient reduction then sums n such
+    gradients, so each is scaled by 1/n. An output whole on an axis (a loss
+    the model computed itself, already reduced over the batch) is the same
+    number on every rank of that axis: its gradient is already that of the
+    global loss, and scaling it would make the step 1/n too small.
+    """
+    scale = 1.0
+    for p, n in zip(placements, axis_sizes):
+        if is_shard(p):
+            scale /= n
+    return scale
 
 
 def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, paths: tuple, made_for: list,

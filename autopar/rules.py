@@ -452,6 +452,42 @@ def last_two_whole(node, ins, out):
     return OpSpec((x,), x, frozenset(x[-2:]))
 
 
+def cross_entropy_rule(node, ins, out):
+    """cross_entropy(x[N, C, d...], t[N, d...], weight[C]?): classes whole (a softmax over them).
+
+    reduction "none" is elementwise over N and d...; "sum" contracts them, so a split leaves
+    partial sums. "mean" divides by a count no rank holds alone: it stays whole here, and
+    losses.split_mean_losses rewrites the unweighted mean as sum / count at capture.
+    """
+    x = ins[0]
+    new = _Letters()
+    nd = x.ndim
+    letters = new(nd)
+    c = letters[1] if nd > 1 else letters[0]
+    positions = letters[:1] + letters[2:] if nd > 1 else ""
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    inputs = [letters, positions] + [c for _ in ins[2:]]
+    no_shard = {c}
+    if reduction == 0:
+        return OpSpec(tuple(inputs), positions, frozenset(no_shard))
+    if reduction != 2:
+        no_shard |= set(positions)
+    return OpSpec(tuple(inputs), "", frozenset(no_shard))
+
+
+def pad_rule(node, ins, out):
+    """constant pad: padded dims change size and stay whole; the others pass through."""
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    if op_name(node) == "aten.pad.default" and mode != "constant":
+        return OpSpec(("",), "", replicate_only=True)
+    new = _Letters()
+    nd = ins[0].ndim
+    x = new(nd)
+    pads = node.args[1]
+    padded = {x[nd - 1 - i // 2] for i, v in enumerate(pads) if v != 0}
+    return OpSpec((x,), x, frozenset(padded))
+
+
 def factory(node, ins, out):
     return OpSpec(tuple("" for _ in ins), "", replicate_only=True)
 
@@ -525,6 +561,9 @@ RULES["aten.slice.Tensor"] = slice_rule
 RULES["aten.select.int"] = select_rule
 RULES["aten.index.Tensor"] = index_rule
 RULES["aten.diff.default"] = diff_rule
+RULES["aten.cross_entropy_loss.default"] = cross_entropy_rule
+RULES["aten.pad.default"] = pad_rule
+RULES["aten.constant_pad_nd.default"] = pad_rule
 RULES["aten.triu.default"] = last_two_whole
 RULES["aten.tril.default"] = last_two_whole
 for name in ["arange.default", "arange.start", "arange.start_step", "zeros.default", "ones.default",

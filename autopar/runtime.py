@@ -16,8 +16,8 @@ import torch.fx as fx
 from ._private import unflatten_outputs
 from .capture import BUFFER, CONSTANT, INPUT, PARAM, Captured
 from .collectives import Comm
-from .errors import PlanError
-from .placement import R, is_shard, shard_dim, shard_full_tensor
+from .errors import InputShapeError, PlanError
+from .placement import R, dim_factor, is_shard, shard_dim, shard_full_tensor
 from .rewrite import GatheredParams
 
 
@@ -43,13 +43,18 @@ class _Store(torch.nn.Module):
 
 class ParallelModule(torch.nn.Module):
     def __init__(self, gm: fx.GraphModule, gathered: GatheredParams, cap: Captured, plan, comm: Comm,
-                 model: torch.nn.Module, device_mesh=None):
+                 model: torch.nn.Module, device_mesh=None, other_mode=None):
         super().__init__()
         self.plan = plan
         self.graph_module = gm
         self.comm = comm
         self.device_mesh = device_mesh
         self._gathered = gathered
+        # the graph of the mode the model was not captured in (api._other_mode): (GraphModule, GatheredParams),
+        # None when the graph is the same in both modes, or why the other mode cannot run
+        self._captured_training = model.training
+        self._other_mode = other_mode
+        self._input_shapes = input_shape_specs(cap, plan)
         self._exported = cap.exported
         self._coords = tuple(a.coord for a in comm.axes)
         self.store = _Store()
@@ -162,10 +167,11 @@ class ParallelModule(torch.nn.Module):
                 device = torch.device("cuda", torch.cuda.current_device())
             self._pipeline_stages = [PipelineStage(m, s, pipe.num_stages, device, group=group)
                                      for s, m in zip(self._stage_indices, self._stage_modules)]
-        key = (loss_fn, targets is None)
+        has_targets = targets is not None   # decided before the placeholder targets below replace None
+        key = (loss_fn, has_targets)
         if key not in self._schedules:
             def stage_loss(out, target):   # each microbatch's share of the mean
-                return (loss_fn(out) if targets is None else loss_fn(out, target)) / pipe.microbatches
+                return (loss_fn(out, target) if has_targets else loss_fn(out)) / pipe.microbatches
             self._schedules[key] = make_schedule(self._pipeline_stages, pipe.schedule, pipe.microbatches, stage_loss)
         schedule = self._schedules[key]
         first, last = 0 in self._stage_indices, pipe.num_stages - 1 in self._stage_indices
@@ -173,7 +179,7 @@ class ParallelModule(torch.nn.Module):
             raise PlanError(f"this rank's batch of {local_inputs[0].shape[0]} does not divide into "
                             f"{pipe.microbatches} microbatches (plan.pipeline.microbatches); give the global batch "
                             "the plan was made for, cut by plan.local_inputs")
-        if targets is None and last:
+        if not has_targets and last:   # torch's schedule splits a target per microbatch even when the loss takes none
             targets = torch.zeros(local_inputs[0].shape[0] if local_inputs else pipe.microbatches)
         losses = []
         schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses)
@@ -192,6 +198,8 @@ class ParallelModule(torch.nn.Module):
         if len(local_inputs) != self._num_inputs:
             raise PlanError(f"the parallel module takes {self._num_inputs} inputs (this rank's shard of each, "
                             f"from plan.local_inputs), got {len(local_inputs)}")
+        check_input_shapes(self._input_shapes, local_inputs)
+        graph_module, gathered = self._graph_for_mode()
         params = dict(self.store.named_parameters())
         buffers = dict(self.store.named_buffers())
         it = iter(local_inputs)
@@ -206,11 +214,20 @@ class ParallelModule(torch.nn.Module):
             else:
                 args.append(next(it))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._gathered.pack, self._gathered.unpack):
-                flat = self.graph_module(*args)
+            with torch.autograd.graph.saved_tensors_hooks(gathered.pack, gathered.unpack):
+                flat = graph_module(*args)
         finally:
-            self._gathered.clear()
+            gathered.clear()
         return unflatten_outputs(self._exported, flat)
+
+    def _graph_for_mode(self):
+        """The local graph for the current mode: dropout and the like were traced in one mode."""
+        if self.training == self._captured_training or self._other_mode is None:
+            return self.graph_module, self._gathered
+        if isinstance(self._other_mode, str):
+            raise PlanError(f"cannot run in {'train' if self.training else 'eval'} mode: {self._other_mode}; "
+                            f"parallelize the model in the mode you will run it in")
+        return self._other_mode
 
     # ------------------------------------------------------------ checkpoints
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -274,3 +291,46 @@ class ParallelModule(torch.nn.Module):
                                                              (R,) * self.plan.mesh.num_axes)
                 own[fqn].copy_(shard_full_tensor(value, placements, self._coords, self.plan.mesh.axis_sizes))
         return LoadResult(missing, unexpected)
+
+
+def input_shape_specs(cap: Captured, plan) -> list:
+    """Per user input: (name, captured whole shape as sympy, placements, allowed ranges), None for non-tensors."""
+    out = []
+    for name, placements in zip(cap.input_names, plan.input_placements):
+        meta = cap.info[name].meta
+        out.append(None if meta is None or isinstance(meta, list) else (name, meta.shape, placements,
+                                                                         plan.mesh.axis_sizes, cap.ranges))
+    return out
+
+
+def check_input_shapes(specs: list, local_inputs) -> None:
+    """Raise InputShapeError, naming the input and dim, for a shape the local graph cannot take.
+
+    The graph would fail deep in torch ("mat1 and mat2 shapes cannot be multiplied") or, worse,
+    compute on a shape it was not laid out for."""
+    seen = {}
+    for spec, t in zip(specs, local_inputs):
+        if spec is None or not isinstance(t, torch.Tensor):
+            continue
+        name, shape, placements, sizes, ranges = spec
+        if t.dim() != len(shape):
+            raise InputShapeError(f"input {name!r} has {t.dim()} dims; the module was made for {len(shape)} "
+                                  f"(shape {tuple(str(s) for s in shape)})")
+        for d, expr in enumerate(shape):
+            shards = dim_factor(placements, d, sizes)
+            given = t.shape[d] * shards   # the whole size, as the plan counts it
+            what = f"dim {d} of input {name!r}" + (f" (this rank's {t.shape[d]} x {shards} shards)" if shards > 1 else "")
+            if expr.is_Integer and given != int(expr):
+                raise InputShapeError(
+                    f"{what} is {given}, but the module was captured with {int(expr)} there and that dim is "
+                    f"static (the model's code fixes it, or dynamic_shapes= said so). Use inputs of that size, or "
+                    f"parallelize with dynamic_shapes={{{name!r}: {{{d}: torch.export.Dim('d{d}')}}}} if the "
+                    "model allows that dim to vary")
+            if expr.is_Symbol:
+                lo, hi = ranges.get(expr, (None, None))
+                if (lo is not None and given < lo) or (hi is not None and given > hi):
+                    raise InputShapeError(f"{what} is {given}; the model allows {expr} in [{lo}, {hi if hi is not None else 'inf'}]")
+                if seen.setdefault(expr, (given, name, d))[0] != given:
+                    first = seen[expr]
+                    raise InputShapeError(f"{what} is {given}, but dim {first[2]} of input {first[1]!r} is {first[0]} "
+                                          f"and the model needs them equal ({expr})")

@@ -130,6 +130,23 @@ def stage_graph(gm: fx.GraphModule, spec: dict, placeholders_of: dict) -> tuple[
     return fx.GraphModule(gm, g, class_name="StageGraph"), weights
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: it is sent back to the previous stage.
+
+    At run time torch reads the gradient from the input's .grad, which takes the input's (contiguous)
+    strides; but its shape inference takes it from autograd.grad, which keeps the layout backward made
+    (an input read through a transpose gets a transposed gradient), and the previous stage makes its
+    gradient receive buffer with those strides, which gloo and NCCL refuse."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 class StageModule(torch.nn.Module):
     """One pipeline stage: the crossing tensors in, the next stage's (or the model's) outputs out."""
 
@@ -143,7 +160,8 @@ class StageModule(torch.nn.Module):
     def forward(self, *inputs):
         pm = self._owner()
         table = pm._weight_table()
-        args = list(inputs) + [table[w] for w in self._weights]
+        inputs = [_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in inputs]
+        args = inputs + [table[w] for w in self._weights]
         try:
             with torch.autograd.graph.saved_tensors_hooks(pm._gathered.pack, pm._gathered.unpack):
                 flat = self.graph_module(*args)
@@ -151,7 +169,9 @@ class StageModule(torch.nn.Module):
             pm._gathered.clear()
         if self._is_last:
             return unflatten_outputs(pm._exported, flat)
-        return tuple(flat)
+        # torch makes the next stage's receive buffers with these tensors' strides, and gloo and NCCL send and
+        # receive only contiguous tensors: a view the graph made (attention's transposed output) is copied
+        return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in flat)
 
 
 SCHEDULE_CLASSES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B"}

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from ._private import RankError, run_threaded
 
-__all__ = ["run_threaded", "run_gloo", "RankError", "MLP", "GPTConfig", "GPT",
+__all__ = ["run_threaded", "run_gloo", "RankError", "MLP", "GPTConfig", "GPT", "GPTWithLoss", "WithLabels",
            "gpt_loss", "single_device_reference"]
 
 
@@ -226,6 +226,33 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class GPTWithLoss(GPT):
+    """nanoGPT's own signature: forward(idx, targets=None) -> (logits, loss), the loss computed inside.
+
+    Targets of -1 are not counted (nanoGPT's ignore_index), so a batch split unevenly
+    over padding still averages over the counted targets only."""
+
+    def forward(self, idx, targets=None):
+        logits = super().forward(idx)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+class WithLabels(nn.Module):
+    """A Hugging Face model called as its authors call it for training: model(input_ids=..., labels=...),
+    returning its ModelOutput (loss and logits). torch.export takes positional example inputs, hence
+    this thin wrapper."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels)
+
+
 class LogitsOnly(nn.Module):
     """A Hugging Face causal LM as a tensor -> tensor module: autopar plans the logits
     (HF models return a ModelOutput and take keyword arguments)."""
@@ -309,8 +336,7 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
     pm = autopar.parallelize(model, mesh, inputs, record_comm=True, **(plan_kwargs or {}))
     local_in = pm.plan.local_inputs(*inputs)
-    local_in = local_in if isinstance(local_in, tuple) else (local_in,)
-    local_targets = pm.plan.local_targets(targets)
+    (local_targets,) = pm.plan.local_targets(targets)
     # the wrapper steps ZeRO parameters on their slices; other parameters it passes through
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=lr)
     record = {"outputs": None, "grads": {}, "params": {}, "losses": [], "plan": pm.plan, "comm": []}

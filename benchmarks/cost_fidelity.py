@@ -48,7 +48,7 @@ def _audit(rank, model, x, mesh_shape, names, strategy):
         warnings.simplefilter("ignore")    # ops without rules, divisibility: not what is measured here
         pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy)
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
-    return autopar.audit(pm, pm.plan.local_inputs(x), optimizer=opt)
+    return autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt)
 
 
 def _pair(report, quantity) -> str:

@@ -101,8 +101,8 @@ def main():
         print(f"\nplanned in {time.perf_counter() - t_start:.1f} s; memory limit {limit}, "
               f"predicted {pm.plan.predicted.memory.total / 2**20:.3f} MiB per rank\n")
 
-    local_tokens = pm.plan.local_inputs(tokens)      # this rank's shard of the batch
-    local_targets = pm.plan.local_targets(targets)   # split like the outputs: along the batch dim
+    local_tokens = pm.plan.local_inputs(tokens)      # this rank's shard of each input (a tuple)
+    (local_targets,) = pm.plan.local_targets(targets)   # split like the outputs: along the batch dim
     # the wrapper steps parameters the plan splits ZeRO-style on their slice; others as AdamW would
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr) if rank == 0 else None
@@ -112,7 +112,7 @@ def main():
     max_diff = 0.0
     for step in range(1, args.steps + 1):
         opt.zero_grad(set_to_none=True)
-        loss = gpt_loss(pm(local_tokens), local_targets)  # mean over this rank's batch shard
+        loss = gpt_loss(pm(*local_tokens), local_targets)  # mean over this rank's batch shard
         loss.backward()   # gradients come back averaged over the batch shards: those of the global mean
         opt.step()
 

@@ -585,3 +585,37 @@ def diff(draw):
     def f(self, x, pre):
         return torch.diff(x, dim=d), torch.diff(x, n=1, dim=d, prepend=pre), torch.diff(x, dim=d, append=pre)
     return Fn(f), (randn(shp), pre)
+
+
+# ---------------------------------------------------------------- losses and padding
+
+@case("aten.cross_entropy_loss.default")
+def cross_entropy(draw):
+    """Every reduction, ignored targets, class weights, label smoothing; (N, C) and (N, C, d).
+    An unweighted mean is captured as sum / count (autopar.losses), which splits over N."""
+    seeded(draw)
+    n, c = draw(SIZES), draw(st.sampled_from([2, 3, 5]))
+    extra = shape(draw, 0, 1)
+    x = randn((n, c) + extra)
+    t = torch.randint(0, c, (n,) + extra)
+    t[torch.rand(t.shape) < 0.3] = -100
+    reduction = draw(st.sampled_from(["none", "sum", "mean"]))
+    weight = torch.rand(c, dtype=DT) + 0.5 if draw(st.booleans()) else None
+    smoothing = draw(st.sampled_from([0.0, 0.1]))
+
+    def f(self, x, t):
+        return F.cross_entropy(x, t, weight=weight, reduction=reduction, label_smoothing=smoothing)
+    return Fn(f), (x, t)
+
+
+@case("aten.pad.default", "aten.constant_pad_nd.default")
+def pad(draw):
+    """Constant padding of the trailing dims (HF pads labels by one to shift them)."""
+    seeded(draw)
+    shp = shape(draw, 2, 3)
+    pads = draw(st.lists(st.integers(0, 2), min_size=2, max_size=2 * len(shp)).filter(lambda p: len(p) % 2 == 0))
+    value = draw(st.sampled_from([0.0, -100.0]))
+
+    def f(self, x):
+        return F.pad(x, pads, value=value), aten.constant_pad_nd(x, pads, value)
+    return Fn(f), (randn(shp),)

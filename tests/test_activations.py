@@ -77,7 +77,7 @@ def _audit_rows(rank, model, x, mesh_shape, names, strategy):
         warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
         pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy)
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
-    report = autopar.audit(pm, pm.plan.local_inputs(x), optimizer=opt)
+    report = autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt)
     return {r.quantity: (r.predicted, r.measured) for r in report.rows}
 
 
@@ -204,7 +204,7 @@ def test_each_op_keeps_what_the_table_says(name):
                     wrong.append(f"{n.name} ({n.target}): table {predicted} B, autograd {sum(kept.values())} B")
             return result
 
-    PerOp(fx.GraphModule(ep.graph_module, ep.graph)).run(*inputs)
+    PerOp(fx.GraphModule(ep.graph_module, cap.graph)).run(*inputs)   # cap.graph: renumbered names
     assert not wrong, "\n".join(wrong)
 
 

@@ -13,7 +13,7 @@ def _audit(rank, model, x, mesh_shape, names, strategy):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    report = autopar.audit(pm, pm.plan.local_inputs(x), optimizer=opt)
+    report = autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt)
     return report, str(report)
 
 

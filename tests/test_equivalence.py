@@ -118,7 +118,7 @@ def assert_same_as_single_device(model, x, y, loss_fn, shape, plan_kwargs):
 
     for rank, r in enumerate(res):
         # outputs: this rank's shard of the reference outputs (split along dim 0 over the batch axes)
-        expected = plan.local_targets(ref["outputs"], rank=rank)
+        (expected,) = plan.local_targets(ref["outputs"], rank=rank)
         assert r["outputs"].shape == expected.shape, (
             f"rank {rank}: output shape {tuple(r['outputs'].shape)}, expected {tuple(expected.shape)} ({where})")
         torch.testing.assert_close(r["outputs"], expected, atol=ATOL, rtol=0,

@@ -87,7 +87,7 @@ def test_gloo_training_matches_single_device(gloo_runs, label):
     for rank, r in enumerate(res):
         assert r["plan"].param_placements == plan.param_placements, f"{label}: rank {rank} planned differently"
         assert r["plan"].node_strategies == plan.node_strategies, f"{label}: rank {rank} planned differently"
-        expected = plan.local_targets(ref["outputs"], rank=rank)
+        (expected,) = plan.local_targets(ref["outputs"], rank=rank)
         assert r["outputs"].shape == expected.shape, f"{label} rank {rank}: output shape"
         torch.testing.assert_close(r["outputs"], expected, atol=ATOL, rtol=0,
                                    msg=lambda m: f"{label} rank {rank} outputs: {m}")

@@ -1,9 +1,13 @@
 """Pipeline parallelism: the stage cut, the plan's text and JSON, bad requests, and training on 4 gloo
 ranks that matches one device (pp x dp, pp x tp, pp alone; 1F1B and GPipe).
 
-Tolerances as in test_equivalence: fp32, atol 1e-5, rtol 0, AdamW at lr 1e-4 (a larger rate turns
-float noise in near-zero gradients into differences above atol; microbatching sums in another order).
+Tolerances as in test_equivalence: fp32, atol 1e-5, rtol 0. Every equivalence case trains with AdamW at
+lr 1e-4 (a larger rate turns float noise in near-zero gradients into differences above atol;
+microbatching sums in another order) and with SGD at lr 0.1: Adam's step is blind to a gradient's scale,
+so only SGD shows a gradient averaged wrongly over microbatches or ranks.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,11 +19,12 @@ from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo, single_device_re
 ATOL = 1e-5
 LR = 1e-4
 STEPS = 3
+OPTIMIZERS = {"AdamW": (torch.optim.AdamW, LR), "SGD": (torch.optim.SGD, 0.1)}
 
 
-def _gpt():
+def _gpt(**config):
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=4))
+    return GPT(GPTConfig(n_layer=4, **config))
 
 
 def _batch():
@@ -27,21 +32,83 @@ def _batch():
     return torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
 
 
-def _train(rank, mesh_shape, axis_names, plan_kwargs, x, y):
+def _mean_square(logits):
+    """A loss without targets (module level: spawned ranks unpickle it)."""
+    return logits.float().pow(2).mean()
+
+
+def _loss(model, inputs, loss_fn, targets):
+    """train_step's loss on a pipelined module, or the same loss by hand on a plain one."""
+    if isinstance(model, autopar.ParallelModule):
+        return model.train_step(*inputs, loss_fn=loss_fn, **({} if targets is None else {"targets": targets}))
+    out = model(*inputs)
+    loss = loss_fn(out) if targets is None else loss_fn(out, targets)
+    loss.backward()
+    return loss
+
+
+def _fit(model, inputs, targets, loss_fn=gpt_loss) -> dict:
+    """Per optimizer, from the same start: losses, the first step's gradients, the parameters after STEPS."""
+    start = {k: v.detach().clone() for k, v in model.state_dict(**_full(model)).items()}
+    out = {}
+    for name, (cls, lr) in OPTIMIZERS.items():
+        model.load_state_dict(start)
+        opt = cls(model.parameters(), lr=lr)
+        rec = {"losses": []}
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            rec["losses"].append(_loss(model, inputs, loss_fn, targets).item())
+            if step == 0:
+                rec["grads"] = _grads(model)
+            opt.step()
+        rec["params"] = {k: v.detach().clone() for k, v in model.state_dict(**_full(model)).items()}
+        out[name] = rec
+    return out
+
+
+def _full(model):
+    return {"full": True} if isinstance(model, autopar.ParallelModule) else {}
+
+
+def _grads(model):
+    if isinstance(model, autopar.ParallelModule):
+        return model.full_grads()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference(x, y, loss_fn=gpt_loss, config=None) -> dict:
+    """One device, the whole batch every step: what each optimizer's parallel run must reproduce."""
+    return _fit(_gpt(**(config or {})), (x,), y, loss_fn)
+
+
+def _train(rank, mesh_shape, axis_names, plan_kwargs, x, y, config=None, plan_json=None):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
-    pm = autopar.parallelize(_gpt(), mesh, (x,), hardware="cpu", **plan_kwargs)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    out = {"losses": [], "grads": {}, "plan": pm.plan.to_json()}
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        loss = pm.train_step(pm.plan.local_inputs(x), loss_fn=gpt_loss, targets=pm.plan.local_targets(y))
-        out["losses"].append(loss.item())
-        if step == 0:
-            out["grads"] = pm.full_grads()
-        opt.step()
-    out["params"] = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    plan = Plan.from_json(plan_json) if plan_json else None
+    pm = autopar.parallelize(_gpt(**(config or {})), mesh, (x,), hardware="cpu", plan=plan, **plan_kwargs)
+    (local_y,) = pm.plan.local_targets(y)
+    out = _fit(pm, pm.plan.local_inputs(x), local_y)
+    out["plan"] = pm.plan.to_json()
     return out
+
+
+def _check(results, ref, plan):
+    """Every rank's parameters and gradients equal one device's, for each optimizer; so do the losses."""
+    for opt in OPTIMIZERS:
+        for r in results:
+            got, want = r[opt], ref[opt]
+            for name, p in got["params"].items():
+                torch.testing.assert_close(p, want["params"][name], atol=ATOL, rtol=0,
+                                           msg=lambda m: f"{opt}, {name}: {m}")
+            for name, g in got["grads"].items():
+                torch.testing.assert_close(g, want["grads"][name], atol=ATOL, rtol=0,
+                                           msg=lambda m: f"{opt}, grad {name}: {m}")
+            if not plan.batch_axes:
+                assert got["losses"] == pytest.approx(want["losses"], abs=ATOL), opt
+        if plan.batch_axes:   # each rank's loss is the mean over its shard: together they average to one device's
+            for step in range(STEPS):
+                mean = sum(r[opt]["losses"][step] for r in results) / len(results)
+                assert mean == pytest.approx(ref[opt]["losses"][step], abs=ATOL), opt
 
 
 CASES = {
@@ -61,7 +128,7 @@ CASES = {
 def test_pipelined_training_matches_one_device(case):
     mesh_shape, names, kwargs = CASES[case]
     x, y = _batch()
-    ref = single_device_reference(_gpt, x, y, gpt_loss, steps=STEPS, lr=LR)
+    ref = _reference(x, y)
     results = run_gloo(4, _train, mesh_shape, names, kwargs, x, y)
     plan = Plan.from_json(results[0]["plan"])
     pipe = plan.pipeline
@@ -69,24 +136,64 @@ def test_pipelined_training_matches_one_device(case):
     assert pipe.schedule == kwargs.get("schedule", "1f1b")
     if "microbatches" in kwargs:
         assert pipe.microbatches == kwargs["microbatches"]
-    held = {}
-    for r in results:
-        for name, p in r["params"].items():
-            held.setdefault(name, []).append(p)
-            torch.testing.assert_close(p, ref["params"][name], atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
-        for name, g in r["grads"].items():
-            torch.testing.assert_close(g, ref["grads"][name], atol=ATOL, rtol=0, msg=lambda m: f"grad {name}: {m}")
-        if plan.batch_axes:   # each rank's loss is the mean over its shard: together they average to one device's
-            continue
-        assert r["losses"] == pytest.approx(ref["losses"], abs=ATOL)
-    if plan.batch_axes:
-        for step in range(STEPS):
-            assert sum(r["losses"][step] for r in results) / len(results) == pytest.approx(ref["losses"][step], abs=ATOL)
+    _check(results, ref, plan)
     # every parameter lives on some stage, and a device holds only its own stages' parameters
-    assert set(held) == set(ref["params"])
-    p = pipe.num_stages
-    per_device = [set(r["params"]) for r in results]
-    assert all(len(s) < len(ref["params"]) for s in per_device), f"a device holds every parameter with {p} stages"
+    per_device = [set(r["AdamW"]["params"]) for r in results]
+    everything = set(ref["AdamW"]["params"])
+    assert set().union(*per_device) == everything
+    assert all(s < everything for s in per_device), f"a device holds every parameter with {pipe.num_stages} stages"
+
+
+def _cut_after(plan, op):
+    """The plan with its first cut moved to just after `op`: the ops between go to the other stage."""
+    pipe = plan.pipeline
+    s0, s1 = pipe.stages[:2]
+    ops = s0.nodes + s1.nodes
+    k = ops.index(op) + 1
+    stages = (replace(s0, nodes=ops[:k]), replace(s1, nodes=ops[k:])) + pipe.stages[2:]
+    return replace(plan, pipeline=replace(pipe, stages=stages))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stages_send_a_view_contiguous(schedule):
+    """pp4 on a GPT of n_embd 64, cut right after the first attention: what crosses is the attention's
+    output, a transposed view, and its gradient comes back through a transpose. gloo (and NCCL) send
+    and receive only contiguous tensors, and torch makes the receive buffers with the strides it saw."""
+    from autopar.capture import capture
+    config = dict(n_embd=64, n_head=4)
+    x, y = _batch()
+    plan = autopar.plan(_gpt(**config), x, {"pp": 4}, hardware="cpu", pipeline_axis="pp", microbatches=4,
+                        schedule=schedule)
+    op = "scaled_dot_product_attention"
+    assert not capture(_gpt(**config), (x[:2],)).node(op).meta["val"].is_contiguous()   # the case this is for
+    plan = _cut_after(plan, op)
+    results = run_gloo(4, _train, (4,), ("pp",), {}, x, y, config, plan.to_json())
+    _check(results, _reference(x, y, config=config), plan)
+
+
+def _train_targets_free(rank, x, y):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pm = autopar.parallelize(_gpt(), mesh, (x,), hardware="cpu", pipeline_axis="pp")
+    out = _fit(pm, pm.plan.local_inputs(x), None, _mean_square)
+    # then a loss with targets on the same module: schedules are kept per (loss_fn, whether targets came)
+    (local_y,) = pm.plan.local_targets(y)
+    out["then_with_targets"] = pm.train_step(*pm.plan.local_inputs(x), loss_fn=gpt_loss, targets=local_y).item()
+    out["plan"] = pm.plan.to_json()
+    return out
+
+
+def test_a_loss_without_targets_matches_one_device():
+    x, y = _batch()
+    ref = _reference(x, None, _mean_square)
+    results = run_gloo(2, _train_targets_free, x, y)
+    plan = Plan.from_json(results[0]["plan"])
+    assert plan.pipeline is not None
+    _check(results, ref, plan)
+    model = _gpt()
+    model.load_state_dict(ref["SGD"]["params"])
+    then = gpt_loss(model(x), y).item()
+    assert [r["then_with_targets"] for r in results] == pytest.approx([then] * 2, abs=ATOL)
 
 
 def test_pipelined_module_refuses_a_bare_forward():
@@ -99,7 +206,7 @@ def _refuse_forward(rank):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     pm = autopar.parallelize(_gpt(), mesh, (x,), hardware="cpu", pipeline_axis="pp")
     with pytest.raises(PlanError, match="train_step"):
-        pm(pm.plan.local_inputs(x))
+        pm(*pm.plan.local_inputs(x))
     with pytest.raises(PlanError, match="full=True"):
         pm.state_dict()
     return True
@@ -116,7 +223,7 @@ def test_train_step_without_a_pipeline_is_forward_and_backward():
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), hardware="cpu", strategy="ddp")
-        loss = pm.train_step(pm.plan.local_inputs(x), loss_fn=gpt_loss, targets=pm.plan.local_targets(y))
+        loss = pm.train_step(*pm.plan.local_inputs(x), loss_fn=gpt_loss, targets=pm.plan.local_targets(y)[0])
         return loss.item(), pm.full_grads()
     results = run_threaded(2, fn)
     assert sum(r[0] for r in results) / 2 == pytest.approx(ref["losses"][0], abs=ATOL)
@@ -139,7 +246,8 @@ def test_partitioner_balances_a_model_with_a_big_embedding_and_head():
     assert max(times) <= 1.15 * min(times), [f"{t:.3g}" for t in times]
 
     def blocks(stage):
-        return {plan.module_paths[n].split(".")[1] for n in stage.nodes if plan.module_paths[n].startswith("h.")}
+        paths = (plan.module_paths.get(n, "") for n in stage.nodes)   # shape reads have no module
+        return {p.split(".")[1] for p in paths if p.startswith("h.")}
     assert "wte" in stages[0].modules and "lm_head" in stages[-1].modules
     # the stages holding the embedding and the head take fewer blocks than those in between
     assert len(blocks(stages[0])) < len(blocks(stages[1])) and len(blocks(stages[-1])) < len(blocks(stages[2]))

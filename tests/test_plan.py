@@ -72,9 +72,9 @@ def test_local_inputs_and_targets_cut_the_batch_over_batch_axes():
     plan = _mlp_plan("ddp", {"dp": 2, "tp": 2})
     assert set(plan.batch_axes) == {"dp", "tp"}
     x = torch.arange(8.0).reshape(8, 1).expand(8, 8)
-    shards = [plan.local_inputs(x, rank=r) for r in range(4)]
+    shards = [plan.local_inputs(x, rank=r)[0] for r in range(4)]
     assert torch.equal(torch.cat(shards), x)           # row-major over (dp, tp)
-    assert torch.equal(plan.local_targets(x, rank=3), x[6:])
+    assert torch.equal(plan.local_targets(x, rank=3)[0], x[6:])
 
 
 def _train_with_given_plan(rank, model, plan_json, x):
@@ -82,7 +82,7 @@ def _train_with_given_plan(rank, model, plan_json, x):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     plan = autopar.Plan.from_json(plan_json)
     pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), plan=plan)
-    out = pm(pm.plan.local_inputs(x))
+    out = pm(*pm.plan.local_inputs(x))
     out.square().mean().backward()
     return pm.plan.param_placements, out.detach(), pm.full_grads()
 

@@ -41,7 +41,7 @@ def _audit(rank, model, x, mesh_shape, names, plan_kwargs):
         warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
         pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), hardware="cpu", **plan_kwargs)
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
-    report = autopar.audit(pm, pm.plan.local_inputs(x), optimizer=opt)
+    report = autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt)
     return {r.quantity: (r.predicted, r.measured) for r in report.rows}, pm.plan
 
 

@@ -59,7 +59,7 @@ def _audit(rank, model, x, mesh_shape, names, strategy):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy, record_comm=True)
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
-    return autopar.audit(pm, pm.plan.local_inputs(x), optimizer=opt), pm.plan
+    return autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt), pm.plan
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
@@ -106,7 +106,7 @@ def _plain_optimizer_backward(rank, model, x):
     pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="zero1")
     torch.optim.AdamW(pm.parameters())   # not the wrapper: ZeRO gradients would stay unreduced
     try:
-        pm(pm.plan.local_inputs(x)).sum().backward()
+        pm(*pm.plan.local_inputs(x)).sum().backward()
     except autopar.PlanError as e:
         return str(e)
     return None
