@@ -20,7 +20,7 @@ from .liveness import live_sets
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import CollectiveRecord, Plan
 from .precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
-from .pipeline import (ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, device_prediction,
+from .pipeline import (GPIPE, ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, device_prediction,
                        microbatch_candidates, num_layers, op_costs, partition)
 from .predict import group_redistributions, peak_working_set, predict
 from .repeat import capture_repeated
@@ -167,6 +167,13 @@ def _plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, str
             # a pipeline idles (p-1)/m of the step at least: no faster than the serial compute spread
             # over every device, stretched by that
             if bound is not None and best.predicted.step_time <= bound * (1 + (p - 1) / m):
+                continue
+            if (schedule or ONE_F_ONE_B) != GPIPE and m < p:
+                # torch's 1F1B schedules refuse it at the first step: every stage needs a microbatch in flight
+                if microbatches is not None:
+                    raise PipelineError(f"microbatches={m} is fewer than the {p} stages on axis {axis!r}; "
+                                        f"schedule {schedule or ONE_F_ONE_B!r} needs at least {p} (or use "
+                                        "schedule='gpipe')")
                 continue
             try:
                 found = _pipelined_plan(recapture(m), env, axis, m, schedule or ONE_F_ONE_B)
@@ -461,8 +468,11 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     from .collectives import CommLog
     comm = Comm(axes, CommLog() if record_comm else None)
     gm, gathered = rewrite(cap, plan, comm, needs_grad(cap))
-    other_mode = None if plan.pipeline is not None else _other_mode(model, example_inputs, dynamic_shapes, cap,
-                                                                      plan, comm)
+    if plan.pipeline is None:
+        other_mode = _other_mode(model, example_inputs, dynamic_shapes, cap, plan, comm)
+    else:   # stages are cut from one graph; say so rather than run the other mode with the wrong one
+        other_mode = ("a pipelined module runs only the graph of the mode it was parallelized in"
+                      if mode_dependent_ops(cap.graph) else None)
     pm = ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh, other_mode=other_mode)
     return pm.train(model.training)
 

@@ -159,6 +159,7 @@ class ParallelModule(torch.nn.Module):
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage
         from .stages import make_schedule
+        self._graph_for_mode()   # raises if this mode's graph is not the one the stages were cut from
         pipe = self.plan.pipeline
         group = self.device_mesh.get_group(pipe.axis)
         if self._pipeline_stages is None:

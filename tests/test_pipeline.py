@@ -312,6 +312,15 @@ def test_microbatches_must_divide_the_batch():
         autopar.plan(_gpt(), x, {"pp": 2}, hardware="cpu", pipeline_axis="pp", microbatches=0)
 
 
+def test_1f1b_needs_a_microbatch_per_stage():
+    """torch's 1F1B refuses fewer microbatches than stages at the first step; planning says so first."""
+    x, _ = _batch()
+    with pytest.raises(PipelineError, match="microbatches=2 is fewer than the 4 stages"):
+        autopar.plan(_gpt(), x, {"pp": 4}, hardware="cpu", pipeline_axis="pp", microbatches=2)
+    plan = autopar.plan(_gpt(), x, {"pp": 4}, hardware="cpu", pipeline_axis="pp", microbatches=2, schedule="gpipe")
+    assert plan.pipeline.microbatches == 2
+
+
 def test_pipeline_axis_must_exist():
     x, _ = _batch()
     with pytest.raises(PipelineError, match="'pipe' is not an axis of mesh dp=2 x tp=2"):
