@@ -212,7 +212,7 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
             target = torch.ops.aten.reshape.default
         else:
             target, extra = local_target(node, s, coords, sizes)
-            if extra:  # vocab_parallel_embedding(weight, indices, start): drop padding_idx etc.
+            if extra:  # vocab_parallel_embedding(weight, indices, start, local padding_idx)
                 args, kwargs = (args[0], args[1]) + extra, {}
         new = g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
@@ -264,16 +264,24 @@ def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, paths: tuple, made_for
     return outline(gm, [members[key] for key in keys], [f"{p}.{i}" for p, i in keys], comm)
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int) -> torch.Tensor:
+def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int,
+                             padding_idx: int = -1) -> torch.Tensor:
     """Embedding over rows [start, start + len(weight)) of the vocab; zeros for other tokens.
 
     The ranks' outputs sum to the whole lookup (a partial-sum layout), and
-    gradients reach only the rows this rank holds.
+    gradients reach only the rows this rank holds. `padding_idx` is the
+    padding row in this rank's slice (-1: none here), whose gradient stays 0
+    as on one device (BERT's row 0).
     """
     local = indices - start
     outside = (local < 0) | (local >= weight.shape[0])
-    out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0))
+    out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0), padding_idx)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def local_padding_idx(padding_idx: int, start: int, rows: int) -> int:
+    """The padding row's index in the slice [start, start + rows), or -1 if another rank holds it."""
+    return padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else -1
 
 
 def local_target(node: fx.Node, strategy, coords, sizes):
@@ -287,7 +295,10 @@ def local_target(node: fx.Node, strategy, coords, sizes):
         f = dim_factor(weight_pl, 0, sizes)
         if f > 1:
             vocab = node.args[0].meta["val"].shape[0]
-            return vocab_parallel_embedding, (chunk_index(weight_pl, 0, coords, sizes) * (vocab // f),)
+            start = chunk_index(weight_pl, 0, coords, sizes) * (vocab // f)
+            padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            # scale_grad_by_freq and sparse never get here: embedding_rule keeps such a lookup whole
+            return vocab_parallel_embedding, (start, local_padding_idx(padding_idx, start, vocab // f))
     return node.target, ()
 
 

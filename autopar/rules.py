@@ -182,6 +182,12 @@ def embedding_rule(node, ins, out):
     new = _Letters()
     v, d = new(), new()
     batch = new(ins[1].ndim)
+    scale_grad_by_freq = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
+    sparse = node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False)
+    if scale_grad_by_freq or sparse:
+        # dividing by each token's count in the batch needs every token (not a rank's shard of the
+        # batch, nor its rows of the vocab); a sparse gradient has no masked vocab-parallel form
+        return OpSpec(("", ""), "", replicate_only=True)
     return OpSpec((v + d, batch), batch + d)
 
 

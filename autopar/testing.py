@@ -284,13 +284,14 @@ def gpt_loss(logits, targets):
 # -----------------------------------------------------------------------------
 # the reference a parallel run is compared with
 
-def single_device_reference(model_fn, inputs, targets, loss_fn, steps=3, lr=1e-2) -> dict:
+def single_device_reference(model_fn, inputs, targets, loss_fn, steps=3, lr=1e-2, optimizer=None) -> dict:
     """Train model_fn() on one device and record what a parallel run must reproduce.
 
     model_fn returns a freshly seeded model (call it again for the parallel
     run and both start from the same weights). inputs is one tensor or a tuple
     of them (passed as model(*inputs)). Every step uses the same full batch:
-    loss = loss_fn(model(*inputs), targets); loss.backward(); AdamW(lr).step().
+    loss = loss_fn(model(*inputs), targets); loss.backward(); optimizer(lr).step()
+    (`optimizer`: a torch.optim class, AdamW by default; SGD shows a wrong gradient scale, Adam hides it).
 
     Returns a dict:
       outputs: model output of step 1 (before any update), detached
@@ -300,7 +301,7 @@ def single_device_reference(model_fn, inputs, targets, loss_fn, steps=3, lr=1e-2
     """
     model = model_fn()
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = (optimizer or torch.optim.AdamW)(model.parameters(), lr=lr)
     record = {"outputs": None, "grads": {}, "params": {}, "losses": []}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -318,7 +319,8 @@ def single_device_reference(model_fn, inputs, targets, loss_fn, steps=3, lr=1e-2
 
 
 def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: tuple, inputs, targets,
-                    loss_fn, steps: int = 3, lr: float = 1e-2, plan_kwargs: dict | None = None) -> dict:
+                    loss_fn, steps: int = 3, lr: float = 1e-2, plan_kwargs: dict | None = None,
+                    optimizer=None) -> dict:
     """The parallel counterpart of single_device_reference, run on one rank.
 
     `model` is the same freshly seeded single-device model (a copy is taken),
@@ -338,7 +340,7 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
     local_in = pm.plan.local_inputs(*inputs)
     (local_targets,) = pm.plan.local_targets(targets)
     # the wrapper steps ZeRO parameters on their slices; other parameters it passes through
-    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=lr)
+    opt = autopar.ShardedOptimizer(pm, optimizer or torch.optim.AdamW, lr=lr)
     record = {"outputs": None, "grads": {}, "params": {}, "losses": [], "plan": pm.plan, "comm": []}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)

@@ -1,8 +1,12 @@
-"""Hugging Face Llama (GQA) and GPT-2 (tied embeddings, Conv1D), built from small random configs.
+"""Hugging Face Llama (GQA), GPT-2 (tied embeddings, Conv1D) and BERT (an encoder: post-norm blocks,
+an embedding LayerNorm, a tied decoder with its own bias, padding_idx=0), from small random configs.
 
 Nothing is downloaded. The models train through autopar.parallelize on the
-threaded backend and must match the single-device run; ops autopar has no
-rule for (HF's mask construction, the rotary no_grad region) run replicated.
+threaded backend and must match the single-device run, with AdamW and with
+SGD (Adam's step is blind to a gradient's scale); ops autopar has no rule for
+(HF's mask construction, the rotary no_grad region) run replicated. Every
+batch holds token 0, the padding row of BERT's embeddings: its gradient is 0
+on one device and must stay 0 when the table is split by vocabulary.
 """
 import copy
 import warnings
@@ -16,6 +20,7 @@ import autopar
 from autopar.testing import LogitsOnly, gpt_loss, parallel_record, run_threaded, single_device_reference, tiny_llama
 
 LR = 1e-4  # small enough that AdamW does not turn float noise into differences above atol
+SGD_LR = 0.1
 
 
 def llama(heads=4, kv_heads=2, hidden=32):
@@ -28,7 +33,36 @@ def gpt2():
     return LogitsOnly(GPT2LMHeadModel(cfg)).train()
 
 
+class BertLogits(torch.nn.Module):
+    """BertForMaskedLM as its authors call it, returning the logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def bert():
+    from transformers import BertConfig, BertForMaskedLM
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, pad_token_id=0, attn_implementation="sdpa")
+    return BertLogits(BertForMaskedLM(cfg)).train()
+
+
+def _record_both(rank, model, mesh_shape, names, idx, targets, kwargs):
+    """AdamW and SGD runs on one rank, the second with the first's plan (planned once)."""
+    adamw = parallel_record(rank, model, mesh_shape, names, idx, targets, gpt_loss, 3, LR, kwargs)
+    sgd = parallel_record(rank, model, mesh_shape, names, idx, targets, gpt_loss, 3, SGD_LR,
+                          {"plan": adamw["plan"]}, optimizer=torch.optim.SGD)
+    return adamw, sgd
+
+
 CASES = [
+    ("bert", "tp+sp", (2, 2)), ("bert", "auto", (2,)), ("bert", "tp", (2,)), ("bert", "ddp", (2,)),
+    ("llama", "auto", (2, 2)),
     ("llama", "tp", (2,)), ("llama", "fsdp+tp", (2, 2)), ("llama-8h", "tp", (2, 2)), ("llama", "fsdp", (4,)),
     ("gpt2", "tp", (2,)), ("gpt2", "fsdp+tp", (2, 2)), ("gpt2", "ddp", (2, 2)),
     ("llama", "tp+sp", (2,)), ("gpt2", "tp+sp", (2,)), ("llama-8h", "tp+sp", (2, 2)), ("gpt2", "tp+sp", (2, 2)),
@@ -53,9 +87,12 @@ def _auto_plan_under_pressure(model, idx, mesh):
 @pytest.mark.parametrize("kind, strategy, mesh_shape", CASES)
 def test_hf_model_trains_like_single_device(kind, strategy, mesh_shape):
     torch.manual_seed(0)
-    model = {"llama": llama, "gpt2": gpt2, "llama-8h": lambda: llama(8, 4, 64)}[kind]()
+    model = {"llama": llama, "gpt2": gpt2, "llama-8h": lambda: llama(8, 4, 64), "bert": bert}[kind]()
     idx, targets = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
-    ref = single_device_reference(lambda: copy.deepcopy(model), idx, targets, gpt_loss, steps=3, lr=LR)
+    idx[:, -3:] = 0   # padding tokens (BERT's padding_idx) in every row
+    refs = [single_device_reference(lambda: copy.deepcopy(model), idx, targets, gpt_loss, steps=3, lr=LR),
+            single_device_reference(lambda: copy.deepcopy(model), idx, targets, gpt_loss, steps=3, lr=SGD_LR,
+                                    optimizer=torch.optim.SGD)]
     names = ("dp", "tp")[:len(mesh_shape)] if len(mesh_shape) == 2 else ("tp",)
     world = 1
     for n in mesh_shape:
@@ -66,11 +103,12 @@ def test_hf_model_trains_like_single_device(kind, strategy, mesh_shape):
             kwargs = {"plan": _auto_plan_under_pressure(model, idx, dict(zip(names, mesh_shape)))}
         else:
             kwargs = {"strategy": strategy}
-        records = run_threaded(world, parallel_record, model, mesh_shape, names, idx, targets, gpt_loss, 3, LR,
-                               kwargs)
-    for rank, rec in enumerate(records):
+        both = run_threaded(world, _record_both, model, mesh_shape, names, idx, targets, kwargs)
+    runs = [(rank, rec, ref) for rank, recs in enumerate(both) for rec, ref in zip(recs, refs)]
+    for rank, rec, ref in runs:
         plan = rec["plan"]
-        torch.testing.assert_close(rec["outputs"], plan.local_targets(ref["outputs"], rank=rank), atol=1e-5, rtol=0)
+        (want,) = plan.local_targets(ref["outputs"], rank=rank)
+        torch.testing.assert_close(rec["outputs"], want, atol=1e-5, rtol=0)
         assert set(rec["grads"]) == set(ref["grads"])
         for name, g in ref["grads"].items():
             torch.testing.assert_close(rec["grads"][name], g, atol=1e-5, rtol=0, msg=name)
@@ -83,7 +121,8 @@ def test_hf_model_trains_like_single_device(kind, strategy, mesh_shape):
     if strategy in ("tp", "tp+sp", "fsdp+tp"):  # the matrices really are split over the tp axis
         tp = plan.mesh.axis_names.index("tp")
         split = [n for n, pl in plan.param_placements.items() if pl[tp].startswith("S(")]
-        assert any("mlp" in n for n in split) and any("attn" in n for n in split)
+        assert any("mlp" in n or "intermediate" in n for n in split) and any("attn" in n or "attention" in n
+                                                                             for n in split)
 
 
 def test_gpt2_tied_embedding_is_one_parameter_under_both_names():
