@@ -360,7 +360,7 @@ def _some_whole_note(cap, roles: Roles, strategy: str, a: int, chosen: dict, par
 
 
 _HEAD_REPEAT_OPS = {"aten.reshape.default", "aten.view.default", "aten._unsafe_view.default", "aten.expand.default",
-                    "aten.unsqueeze.default", "aten.clone.default", "aten.contiguous.default"}
+                    "aten.unsqueeze.default", "aten.clone.default", "aten.contiguous.default", "aten.slice.Tensor"}
 
 
 def _kv_heads(cap, k_node) -> int:
@@ -374,4 +374,6 @@ def _kv_heads(cap, k_node) -> int:
             heads = meta.hint[1] if heads is None else min(heads, meta.hint[1])
         if node.op != "call_function" or op_name(node) not in _HEAD_REPEAT_OPS:
             return heads
+        if op_name(node) == "aten.slice.Tensor" and cap.info[node.args[0].name].meta != meta:
+            return heads   # a slice that keeps everything is part of the repeat (x[:, :, None] traced dynamic)
         node = node.args[0]

@@ -279,11 +279,6 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start:
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-def local_padding_idx(padding_idx: int, start: int, rows: int) -> int:
-    """The padding row's index in the slice [start, start + rows), or -1 if another rank holds it."""
-    return padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else -1
-
-
 def local_target(node: fx.Node, strategy, coords, sizes):
     """The callable and extra trailing args that run `node` on this rank's shards.
 
@@ -295,10 +290,14 @@ def local_target(node: fx.Node, strategy, coords, sizes):
         f = dim_factor(weight_pl, 0, sizes)
         if f > 1:
             vocab = node.args[0].meta["val"].shape[0]
-            start = chunk_index(weight_pl, 0, coords, sizes) * (vocab // f)
+            rows = vocab // f
+            start = chunk_index(weight_pl, 0, coords, sizes) * rows
             padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            # the padding row in this rank's slice, -1 where another rank holds it (or none is:
+            # F.embedding has already turned a negative padding_idx into a row, so aten's is -1)
+            local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
             # scale_grad_by_freq and sparse never get here: embedding_rule keeps such a lookup whole
-            return vocab_parallel_embedding, (start, local_padding_idx(padding_idx, start, vocab // f))
+            return vocab_parallel_embedding, (start, local_pad)
     return node.target, ()
 
 

@@ -26,7 +26,8 @@ SHAPES = {  # published Llama-3 shapes
 }
 
 
-def plan_once(model_name: str, layers: int, mesh: dict, batch: int, seq: int, hardware: str, memory_limit=None):
+def plan_once(model_name: str, layers: int, mesh: dict, batch: int, seq: int, hardware: str, memory_limit=None,
+              dynamic_shapes="auto"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=128256, num_hidden_layers=layers, max_position_embeddings=8192,
@@ -47,7 +48,7 @@ def plan_once(model_name: str, layers: int, mesh: dict, batch: int, seq: int, ha
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
         plan = autopar.plan(Logits(), (tokens,), mesh, hardware=hardware, memory_limit=memory_limit,
-                            time_limit=1800)
+                            time_limit=1800, dynamic_shapes=dynamic_shapes)
     return plan, time.perf_counter() - start
 
 
@@ -60,6 +61,9 @@ def main():
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--hardware", default="h100")
     p.add_argument("--memory-limit", default=None, help="per device, e.g. 80GB (default: none)")
+    p.add_argument("--static", action="store_true",
+                   help="capture with every dim as in the example (dynamic_shapes=None); the default lets "
+                        "batch and sequence vary, which export takes longer to trace")
     p.add_argument("--targets", action="store_true",
                    help="run the cases the planning-time targets name, and print the growth with depth")
     args = p.parse_args()
@@ -76,7 +80,8 @@ def main():
     totals = {}
     for model, layers, mesh_text in cases:
         mesh = {k: int(v) for k, v in (part.split("=") for part in mesh_text.split(","))}
-        plan, total = plan_once(model, layers, mesh, args.batch, args.seq, args.hardware, args.memory_limit)
+        plan, total = plan_once(model, layers, mesh, args.batch, args.seq, args.hardware, args.memory_limit,
+                                None if args.static else "auto")
         totals[(model, layers, mesh_text)] = total
         s = plan.stats
         print(f"{model:>5} {layers:>6} {mesh_text:>16} {s['num_nodes']:>6} {s['num_variables']:>9} "

@@ -3,8 +3,13 @@ import copy
 import json
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import autopar
+from autopar.capture import capture
+from autopar.rewrite import local_target, vocab_parallel_embedding
+from autopar.strategies import Strategy
 from autopar.testing import GPT, GPTConfig, gpt_loss, parallel_record, run_threaded, single_device_reference
 
 
@@ -36,13 +41,6 @@ def test_vocab_parallel_embedding_trains_like_single_device():
 
 
 # ---------------------------------------------------------------- padding_idx survives the rewrite
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from autopar.capture import capture  # noqa: E402
-from autopar.rewrite import local_target  # noqa: E402
-from autopar.strategies import Strategy  # noqa: E402
 
 
 @st.composite
@@ -83,3 +81,36 @@ def test_vocab_split_lookup_keeps_every_argument(case):
     torch.testing.assert_close(torch.cat(grads), emb.weight.grad, atol=1e-12, rtol=0)
     if padding is not None:
         assert torch.cat(grads)[padding].abs().max() == 0
+
+
+def _local_lookup_args(rank, model, idx, plan):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = autopar.parallelize(model, mesh, (idx,), plan=plan)
+    return [n.args[2:] for n in pm.graph_module.graph.nodes if n.target is vocab_parallel_embedding]
+
+
+def test_rewritten_lookup_carries_the_local_padding_idx():
+    """The rewritten graph itself: the rank holding padding row 200 of a 256-row table split in two
+    names it by its local index (200 - 128), the other rank none (-1)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, n_embd=16, n_head=2))
+    model.wte = torch.nn.Embedding(256, 16, padding_idx=200)
+    idx = torch.randint(0, 256, (4, 16))
+    plan = _force_vocab_split(autopar.plan(model, (idx,), {"tp": 2}, strategy="tp", hardware="cpu"))
+    calls = run_threaded(2, _local_lookup_args, model, idx, plan)
+    assert calls == [[(0, -1)], [(128, 72)]]
+
+
+def test_lookup_scaled_by_token_counts_or_sparse_is_never_split():
+    """scale_grad_by_freq divides by each token's count in the batch, which neither a rank's rows of
+    the vocab nor its shard of the batch know; a sparse gradient has no masked vocab-split form."""
+    from autopar.mesh import MeshSpec
+    from autopar.strategies import op_strategies
+    idx = torch.randint(0, 8, (4, 6))
+    mesh = MeshSpec(("tp",), (2,))
+    for kwargs, splits in (({}, True), ({"scale_grad_by_freq": True}, False), ({"sparse": True}, False)):
+        cap = capture(torch.nn.Embedding(8, 4, **kwargs), (idx,), None)
+        node = next(n for n in cap.graph.nodes if "embedding" in str(n.target))
+        options = op_strategies(node, cap, mesh).strategies
+        assert any(s.output != ("R",) for s in options) == splits, kwargs
