@@ -4,10 +4,10 @@ from .audit import AuditReport, audit
 from .errors import (AutoparError, CaptureError, InputShapeError, DivisibilityWarning, InfeasiblePlanError, MeshError, PipelineError, PlanError,
                      ShardingError,
                      UnsupportedOpWarning)
-from .optim import ShardedOptimizer
+from .runtime.optim import ShardedOptimizer
 from .plan_result import Plan
-from .precision import BF16_MIXED, OptimizerSpec, Precision
-from .runtime import ParallelModule
+from .cost.precision import BF16_MIXED, OptimizerSpec, Precision
+from .runtime.module import ParallelModule
 from .whatif import max_batch, min_compute_bound_batch
 
 __all__ = ["plan", "parallelize", "audit", "AuditReport", "Plan", "ParallelModule", "ShardedOptimizer",

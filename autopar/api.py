@@ -9,25 +9,26 @@ import torch
 
 import cost_models as cm
 
-from .blocks import find_blocks
-from .checkpointing import check_mode, checkpointable_stacks
-from .capture import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
-from .classics import PIPE, Roles, axis_roles, check_tensor_parallel_divisibility, role_assignments, with_pipeline
-from .collectives import AxisGroup, Comm
-from .cost import first_meta, needs_grad, saved_outputs
+from .capture.blocks import find_blocks
+from .cost.checkpointing import check_mode, checkpointable_stacks
+from .capture.export import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
+from .search.classics import (PIPE, Roles, axis_roles, check_tensor_parallel_divisibility, role_assignments,
+                              with_pipeline)
+from .runtime.collectives import AxisGroup, Comm
+from .cost.terms import first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, CaptureError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
-from .liveness import live_sets
+from .cost.liveness import live_sets
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import CollectiveRecord, Plan
-from .precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
-from .pipeline import (GPIPE, ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, device_prediction,
-                       microbatch_candidates, num_layers, op_costs, partition)
-from .predict import group_redistributions, peak_working_set, predict
-from .repeat import capture_repeated
-from .rewrite import rewrite
-from .runtime import ParallelModule
-from .search import Problem, Solution, build_edges, solve
-from .strategies import all_strategies
+from .cost.precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
+from .search.pipeline import (GPIPE, ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request,
+                              device_prediction, microbatch_candidates, num_layers, op_costs, partition)
+from .cost.predict import group_redistributions, peak_working_set, predict
+from .capture.repeat import capture_repeated
+from .runtime.rewrite import rewrite
+from .runtime.module import ParallelModule
+from .search.ilp import Problem, Solution, build_edges, solve
+from .sharding.strategies import all_strategies
 
 
 def _hardware(hardware, mesh):
@@ -291,7 +292,7 @@ def _flat_plan(cap: Captured, env: _Setting) -> Plan:
 def _check_named_strategy(prob: Problem, roles: Roles, strategy: str, choice: dict) -> None:
     """A named strategy that splits fewer weights than it promises must say so (classics.check_promised_splits);
     "auto" promises nothing."""
-    from .classics import check_promised_splits   # imported here: this helper's only use of it
+    from .search.classics import check_promised_splits   # imported here: this helper's only use of it
     if strategy == "auto":
         return
     chosen = {n: prob.strategies[n].strategies[i] for n, i in choice.items() if prob.cap.info[n].kind == PARAM}
@@ -465,7 +466,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     coords = mesh.get_coordinate()
     axes = [AxisGroup(mesh.get_group(name), size, coords[i])
             for i, (name, size) in enumerate(zip(spec.axis_names, spec.axis_sizes))]
-    from .collectives import CommLog
+    from .runtime.collectives import CommLog
     comm = Comm(axes, CommLog() if record_comm else None)
     gm, gathered = rewrite(cap, plan, comm, needs_grad(cap))
     if plan.pipeline is None:

@@ -20,9 +20,9 @@ import torch
 
 import cost_models as cm
 
-from .collectives import CommLog
-from .recompute import CheckpointRegion
-from .runtime import ParallelModule
+from .runtime.collectives import CommLog
+from .runtime.recompute import CheckpointRegion
+from .runtime.module import ParallelModule
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from sympy.printing.str import StrPrinter
 from cost_models import format_bytes
 
 from .errors import PlanError
-from .greedy import GREEDY, GREEDY_NO_BOUND
+from .search.greedy import GREEDY, GREEDY_NO_BOUND
 from .mesh import MeshSpec
-from .placement import format_placements, shard_full_tensor
-from .pipeline import PipelinePlan
-from .predict import Memory, Predicted
-from .strategies import Strategy
+from .sharding.placement import format_placements, shard_full_tensor
+from .search.pipeline import PipelinePlan
+from .cost.predict import Memory, Predicted
+from .sharding.strategies import Strategy
 
 FORMAT_VERSION = 1
 
@@ -272,7 +272,7 @@ def _read_sympy(text: str, symbols: dict):
 
 
 def _split_sizes(pl, t, mesh: MeshSpec):
-    from .placement import dim_factor
+    from .sharding.placement import dim_factor
     for d in range(t.dim()):
         f = dim_factor(pl, d, mesh.axis_sizes)
         if f > 1:

@@ -1,6 +1,6 @@
 """One tiny program per sharding rule, for the property test in test_rules.py.
 
-A Case names the op keys of `autopar.rules.RULES` it covers and a hypothesis
+A Case names the op keys of `autopar.sharding.rules.RULES` it covers and a hypothesis
 strategy that draws a program: `(module, example_inputs)`. Every draw must
 emit every op the case claims when captured (test_rules checks that, so a
 case cannot silently stop testing its op), and may emit other ops too (only
@@ -12,7 +12,7 @@ version never emits a few of them from such code (`add.Scalar`, `mul.Scalar`,
 `div.Scalar`, `_to_copy`, `_softmax`, `_log_softmax`, `_unsafe_view`,
 `gelu_`, `addmm`, `alias`): the cases call those through `torch.ops.aten`
 inside `forward`, which torch.export records as they are, so every case still
-goes through `autopar.capture.capture` like a real model does.
+goes through `autopar.capture.export.capture` like a real model does.
 """
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ from torch import fx, nn
 
 import autopar
 import cost_models as cm
-from autopar.activations import CPU, Arg, New, kept_value, op_keeps, requires_grad, storage_owners
-from autopar.capture import BUFFER, PARAM, capture
-from autopar.placement import R
-from autopar.rules import tensor_args
+from autopar.cost.activations import CPU, Arg, New, kept_value, op_keeps, requires_grad, storage_owners
+from autopar.capture.export import BUFFER, PARAM, capture
+from autopar.sharding.placement import R
+from autopar.sharding.rules import tensor_args
 from autopar.testing import GPT, MLP, GPTConfig, run_threaded, tiny_llama
 
 REL = 0.03
@@ -209,6 +209,6 @@ def test_each_op_keeps_what_the_table_says(name):
 
 
 def test_hardware_kernels():
-    from autopar.activations import CUDA, kernel_family
+    from autopar.cost.activations import CUDA, kernel_family
     assert kernel_family(cm.get_hardware("cpu")) == CPU
     assert kernel_family(cm.get_hardware("h100")) == kernel_family(cm.get_hardware("a100")) == CUDA

@@ -6,9 +6,9 @@ import torch
 
 import autopar
 from autopar.api import _plan_captured
-from autopar.blocks import find_blocks
-from autopar.capture import capture
-from autopar.classics import STRATEGIES
+from autopar.capture.blocks import find_blocks
+from autopar.capture.export import capture
+from autopar.search.classics import STRATEGIES
 from autopar.testing import GPT, MLP, GPTConfig, tiny_llama
 
 SOLVER_GAP = 1e-3   # the relative gap at which HiGHS stops (search.solve's default)

@@ -2,7 +2,7 @@
 import sympy
 import torch
 
-from autopar.capture import INPUT, OP, PARAM, capture
+from autopar.capture.export import INPUT, OP, PARAM, capture
 from autopar.testing import GPT, GPTConfig
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 import autopar
-from autopar.capture import capture
-from autopar.liveness import live_sets, storage_owner
+from autopar.capture.export import capture
+from autopar.cost.liveness import live_sets, storage_owner
 from autopar.testing import MLP
 
 

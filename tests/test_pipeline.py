@@ -159,7 +159,7 @@ def test_stages_send_a_view_contiguous(schedule):
     """pp4 on a GPT of n_embd 64, cut right after the first attention: what crosses is the attention's
     output, a transposed view, and its gradient comes back through a transpose. gloo (and NCCL) send
     and receive only contiguous tensors, and torch makes the receive buffers with the strides it saw."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     config = dict(n_embd=64, n_head=4)
     x, y = _batch()
     plan = autopar.plan(_gpt(**config), x, {"pp": 4}, hardware="cpu", pipeline_axis="pp", microbatches=4,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.precision import param_bytes, precision_of, optimizer_spec
+from autopar.cost.precision import param_bytes, precision_of, optimizer_spec
 from autopar.testing import MLP, GPT, GPTConfig
 
 

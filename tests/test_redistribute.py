@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from autopar.placement import R, S, shard_full_tensor
-from autopar.redistribute import ALL_GATHER, ALL_TO_ALL, CHUNK, NONE, plan_steps
+from autopar.sharding.placement import R, S, shard_full_tensor
+from autopar.sharding.redistribute import ALL_GATHER, ALL_TO_ALL, CHUNK, NONE, plan_steps
 
 SIZES = (2, 2)
 COORDS = list(itertools.product(range(2), range(2)))

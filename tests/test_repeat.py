@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
-from autopar.activations import requires_grad, storage_owners
-from autopar.capture import capture
-from autopar.repeat import RepeatedProgram, capture_repeated, find_stacks
+from autopar.cost.activations import requires_grad, storage_owners
+from autopar.capture.export import capture
+from autopar.capture.repeat import RepeatedProgram, capture_repeated, find_stacks
 from autopar.testing import GPT, MLP, GPTConfig, tiny_llama
 
 

@@ -11,7 +11,7 @@ concatenated in chunk order; R: every rank must hold the same; P: summed over
 the axis). The result must equal the op on the global inputs.
 
 The programs (one tiny module per rule) are in rule_cases.py; a rule added to
-autopar.rules.RULES without a case there fails test_every_rule_has_a_case.
+autopar.sharding.rules.RULES without a case there fails test_every_rule_has_a_case.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ import torch.fx as fx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.capture import capture
+from autopar.capture.export import capture
 from autopar.mesh import MeshSpec
-from autopar.placement import P, R, S, dim_factor, local_shape, shard_dim, shard_full_tensor
-from autopar.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, local_target, squeezed_dims
-from autopar.rules import RULES, op_name, tensor_args
-from autopar.strategies import op_strategies
+from autopar.sharding.placement import P, R, S, dim_factor, local_shape, shard_dim, shard_full_tensor
+from autopar.runtime.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, local_target, squeezed_dims
+from autopar.sharding.rules import RULES, op_name, tensor_args
+from autopar.sharding.strategies import op_strategies
 
 from rule_cases import CASES
 

@@ -11,11 +11,12 @@ import torch
 from scipy.optimize import OptimizeResult
 
 import autopar
-from autopar import api, search
+from autopar import api
+from autopar.search import ilp as search
 from autopar.api import _plan_captured
-from autopar.capture import INPUT, OUTPUT, capture
-from autopar.cost import first_meta
-from autopar.greedy import GREEDY, GREEDY_NO_BOUND, allowed_strategies, bound_gap, greedy, objective
+from autopar.capture.export import INPUT, OUTPUT, capture
+from autopar.cost.terms import first_meta
+from autopar.search.greedy import GREEDY, GREEDY_NO_BOUND, allowed_strategies, bound_gap, greedy, objective
 from autopar.testing import GPT, MLP, GPTConfig, run_threaded
 
 MESH = {"a": 2, "b": 2}

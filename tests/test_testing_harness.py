@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar._private import destroy_process_group_if_initialized, init_fake_process_group
+from autopar._compat import destroy_process_group_if_initialized, init_fake_process_group
 from autopar.testing import (GPT, MLP, GPTConfig, RankError, run_gloo, run_threaded,
                              single_device_reference)
 

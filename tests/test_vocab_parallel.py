@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.capture import capture
-from autopar.rewrite import local_target, vocab_parallel_embedding
-from autopar.strategies import Strategy
+from autopar.capture.export import capture
+from autopar.runtime.rewrite import local_target, vocab_parallel_embedding
+from autopar.sharding.strategies import Strategy
 from autopar.testing import GPT, GPTConfig, gpt_loss, parallel_record, run_threaded, single_device_reference
 
 
@@ -106,7 +106,7 @@ def test_lookup_scaled_by_token_counts_or_sparse_is_never_split():
     """scale_grad_by_freq divides by each token's count in the batch, which neither a rank's rows of
     the vocab nor its shard of the batch know; a sparse gradient has no masked vocab-split form."""
     from autopar.mesh import MeshSpec
-    from autopar.strategies import op_strategies
+    from autopar.sharding.strategies import op_strategies
     idx = torch.randint(0, 8, (4, 6))
     mesh = MeshSpec(("tp",), (2,))
     for kwargs, splits in (({}, True), ({"scale_grad_by_freq": True}, False), ({"sparse": True}, False)):

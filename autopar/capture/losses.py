@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ._private import fake_mode_of
+from .._compat import fake_mode_of
 
 _CE = torch.ops.aten.cross_entropy_loss.default
 _MEAN, _SUM = 1, 2   # torch's Reduction enum

@@ -13,7 +13,7 @@ it keeps its base alive instead.
 from __future__ import annotations
 
 from .activations import storage_owners
-from .capture import OP, Captured
+from ..capture.export import OP, Captured
 
 
 def storage_owner(cap: Captured) -> dict[str, str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import AutoparError
+from ..errors import AutoparError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

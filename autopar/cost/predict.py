@@ -12,14 +12,14 @@ import sympy
 
 import cost_models as cm
 
-from .capture import BUFFER, INPUT, OP, PARAM
-from .cost import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta, is_saved,
-                   gathered_weight_bytes, node_compute_time, output_bytes, param_memory, reduce_itemsize, regathers,
-                   zero_collectives)
-from .placement import numel
-from .redistribute import ALL_GATHER, Collective
+from ..capture.export import BUFFER, INPUT, OP, PARAM
+from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
+                    is_saved, gathered_weight_bytes, node_compute_time, output_bytes, param_memory,
+                    reduce_itemsize, regathers, zero_collectives)
+from ..sharding.placement import numel
+from ..sharding.redistribute import ALL_GATHER, Collective
 from .checkpointing import recomputed_ops
-from .search import charge_key, checkpoint_model
+from ..search.ilp import charge_key, checkpoint_model
 
 
 @dataclass(frozen=True)

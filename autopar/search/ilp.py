@@ -19,18 +19,18 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 import cost_models as cm
 
-from .capture import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
-from .checkpointing import checkpointed_model, recomputed_ops
+from ..capture.export import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
+from ..cost.checkpointing import checkpointed_model, recomputed_ops
 from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
-from .cost import (activation_bytes, collectives_time, edge_collectives, first_meta, gathered_weight_bytes,
-                   is_saved, node_compute_time, output_bytes, param_memory, reduce_itemsize, regathers,
-                   zero_collectives)
-from .errors import InfeasiblePlanError
-from .mesh import MeshSpec
-from .placement import numel
-from .redistribute import ALL_GATHER, UnsupportedRedistribution
-from .rules import tensor_args
-from .strategies import NodeStrategies
+from ..cost.terms import (activation_bytes, collectives_time, edge_collectives, first_meta,
+                          gathered_weight_bytes, is_saved, node_compute_time, output_bytes, param_memory,
+                          reduce_itemsize, regathers, zero_collectives)
+from ..errors import InfeasiblePlanError
+from ..mesh import MeshSpec
+from ..sharding.placement import numel
+from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution
+from ..sharding.rules import tensor_args
+from ..sharding.strategies import NodeStrategies
 
 TIME_SCALE = 1e6      # seconds -> microseconds keeps HiGHS's tolerances meaningful
 MEM_SCALE = 2.0 ** -20  # bytes -> MiB

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch.fx as fx
 
-from .capture import TensorMeta
+from ..capture.export import TensorMeta
 
 
 @dataclass(frozen=True)

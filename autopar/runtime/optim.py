@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from .collectives import transform
-from .errors import PlanError
-from .placement import P, R, S, shard_full_tensor
-from .redistribute import plan_steps
+from ..errors import PlanError
+from ..sharding.placement import P, R, S, shard_full_tensor
+from ..sharding.redistribute import plan_steps
 
 
 @dataclass

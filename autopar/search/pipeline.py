@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass
 
 import cost_models as cm
 
-from .capture import BUFFER, INPUT, OP, PARAM, Captured
-from .cost import (activation_bytes, collectives_bytes, collectives_time, node_compute_time, output_bytes,
-                   param_memory, zero_collectives, first_meta)
-from .errors import PipelineError
-from .placement import numel
+from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
+from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, node_compute_time,
+                          output_bytes, param_memory, zero_collectives, first_meta)
+from ..errors import PipelineError
+from ..sharding.placement import numel
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved-1f1b"
 SCHEDULES = (ONE_F_ONE_B, GPIPE, INTERLEAVED)
@@ -110,7 +110,7 @@ def check_request(spec, pipeline_axis, microbatches, schedule, batch: int | None
 
 def num_layers(cap: Captured) -> dict:
     """Stack path -> its number of layers (blocks of an nn.ModuleList)."""
-    from .blocks import block_nodes
+    from ..capture.blocks import block_nodes
     return {path: len(blocks) for path, blocks in block_nodes(cap).items()}
 
 
@@ -150,7 +150,7 @@ class _Costs:
 def op_costs(prob, choice) -> _Costs:
     """Each op's share of a microbatch's time and memory under the chosen strategies, and what crosses
     a cut at each point of the graph."""
-    from .predict import group_redistributions, redistribution_collectives
+    from ..cost.predict import group_redistributions, redistribution_collectives
     cap, mesh = prob.cap, prob.mesh
     order = [n.name for n in cap.graph.nodes if n.op == "call_function"]
     pos = {n: i for i, n in enumerate(order)}
@@ -392,7 +392,7 @@ def compress_paths(paths) -> str:
 def device_prediction(prob, costs: _Costs, pipe: PipelinePlan, transient: float):
     """Predicted per step for the busiest device of the pipeline: its stages' weights, the activations in
     flight, every microbatch's collectives and sends, and the step time of the schedule."""
-    from .predict import Memory, Predicted
+    from ..cost.predict import Memory, Predicted
     pos = {n: i for i, n in enumerate(costs.order)}
     mesh, m = prob.mesh, pipe.microbatches
     p = pipe.num_stages // pipe.stages_per_device

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activations import ActivationModel, activation_model
-from .blocks import block_nodes
-from .capture import Captured
-from .errors import AutoparError
+from ..capture.blocks import block_nodes
+from ..capture.export import Captured
+from ..errors import AutoparError
 
 NONE, FULL = "none", "full"
 MODES = (NONE, FULL, "auto")

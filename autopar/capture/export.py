@@ -16,8 +16,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ._private import symint_expr, symint_hint, trace_lock
-from .errors import CaptureError
+from .._compat import symint_expr, symint_hint, trace_lock
+from ..errors import CaptureError
 from .losses import split_mean_losses
 
 PARAM, BUFFER, INPUT, CONSTANT, OP, OUTPUT = "param", "buffer", "input", "constant", "op", "output"

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ._private import unflatten_outputs
-from .capture import INPUT, Captured
-from .errors import PlanError
-from .pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B
+from .._compat import unflatten_outputs
+from ..capture.export import INPUT, Captured
+from ..errors import PlanError
+from ..search.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B
 
 FIRST = -1   # owner of the model's inputs: they enter before stage 0
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .capture import BUFFER, OP, PARAM, Captured
+from .export import BUFFER, OP, PARAM, Captured
 
 _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .capture import INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
-from .errors import UnsupportedOpWarning
-from .mesh import MeshSpec
+from ..capture.export import INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
+from ..errors import UnsupportedOpWarning
+from ..mesh import MeshSpec
 from .placement import P, R, Placements, S, dim_factor, local_shape, numel
 from .rules import OpSpec, op_name, rule_for, tensor_args
 

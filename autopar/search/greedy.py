@@ -38,12 +38,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .capture import OP, OUTPUT
+from ..capture.export import OP, OUTPUT
 from .classics import Roles, allow_edge
-from .predict import predict
-from .redistribute import UnsupportedRedistribution
-from .search import (Problem, Solution, allowed_flags, edge_cost, edge_signature, follows_batch, memory_reserve,
-                     node_memory, node_time, repeat_memory)
+from ..cost.predict import predict
+from ..sharding.redistribute import UnsupportedRedistribution
+from .ilp import (Problem, Solution, allowed_flags, edge_cost, edge_signature, follows_batch, memory_reserve,
+                  node_memory, node_time, repeat_memory)
 
 GREEDY = "greedy"
 GREEDY_NO_BOUND = "greedy (no bound)"

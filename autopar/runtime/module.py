@@ -13,11 +13,11 @@ from collections import OrderedDict, namedtuple
 import torch
 import torch.fx as fx
 
-from ._private import unflatten_outputs
-from .capture import BUFFER, CONSTANT, INPUT, PARAM, Captured
+from .._compat import unflatten_outputs
+from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
 from .collectives import Comm
-from .errors import InputShapeError, PlanError
-from .placement import R, dim_factor, is_shard, shard_dim, shard_full_tensor
+from ..errors import InputShapeError, PlanError
+from ..sharding.placement import R, dim_factor, is_shard, shard_dim, shard_full_tensor
 from .rewrite import GatheredParams
 
 

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn import functional as F
 
-from ._private import RankError, run_threaded
+from .._compat import RankError, run_threaded
 
 __all__ = ["run_threaded", "run_gloo", "RankError", "MLP", "GPTConfig", "GPT", "GPTWithLoss", "WithLabels",
            "gpt_loss", "single_device_reference"]

@@ -16,14 +16,14 @@ import weakref
 import torch
 import torch.fx as fx
 
-from .capture import PARAM, Captured
-from .checkpointing import checkpointable_stacks
+from ..capture.export import PARAM, Captured
+from ..cost.checkpointing import checkpointable_stacks
 from .collectives import Comm, Redistribute, scale_grad, transform
-from .errors import PlanError
-from .placement import R, chunk_index, dim_factor, is_shard
+from ..errors import PlanError
+from ..sharding.placement import R, chunk_index, dim_factor, is_shard
 from .recompute import outline
-from .redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
-from .rules import op_name, tensor_args
+from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
+from ..sharding.rules import op_name, tensor_args
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                  "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .placement import shard_dim
-from .redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHUNK, NONE, REDUCE_SCATTER, ZERO, Step,
-                           transition)
+from ..sharding.placement import shard_dim
+from ..sharding.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHUNK, NONE, REDUCE_SCATTER, ZERO,
+                                     Step, transition)
 
 
 @dataclass

@@ -30,10 +30,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._private import storage_id, trace_lock
+from .._compat import storage_id, trace_lock
 from .blocks import block_of, node_signature
-from .capture import AUTO, BUFFER, OP, PARAM, Captured, NodeInfo, _canonical_names, capture
-from .errors import CaptureError
+from .export import AUTO, BUFFER, OP, PARAM, Captured, NodeInfo, _canonical_names, capture
+from ..errors import CaptureError
 
 log = logging.getLogger(__name__)
 

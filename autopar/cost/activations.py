@@ -50,10 +50,10 @@ import sympy
 import torch
 from torch import fx
 
-from ._private import storage_id
-from .capture import BUFFER, INPUT, OP, PARAM, Captured, TensorMeta
-from .placement import P, R, S
-from .rules import OpSpec, op_name, rule_for, tensor_args
+from .._compat import storage_id
+from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured, TensorMeta
+from ..sharding.placement import P, R, S
+from ..sharding.rules import OpSpec, op_name, rule_for, tensor_args
 
 CPU, CUDA = "cpu", "cuda"
 

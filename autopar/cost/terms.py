@@ -22,12 +22,12 @@ import cost_models as cm
 import torch.fx as fx
 
 from .activations import ActivationModel, activation_model, node_activation_bytes
-from .capture import PARAM, Captured, TensorMeta
-from .mesh import MeshSpec
-from .placement import P, R, S, Placements, local_shape, numel
+from ..capture.export import PARAM, Captured, TensorMeta
+from ..mesh import MeshSpec
+from ..sharding.placement import P, R, S, Placements, local_shape, numel
 from .precision import ParamBytes
-from .redistribute import Collective, plan_steps, step_collectives
-from .rules import op_name, tensor_args
+from ..sharding.redistribute import Collective, plan_steps, step_collectives
+from ..sharding.rules import op_name, tensor_args
 
 MATMUL_OPS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default",
               "aten.addmm.default"}
