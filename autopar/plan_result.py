@@ -16,12 +16,18 @@ from sympy.printing.str import StrPrinter
 from cost_models import format_bytes
 
 from .errors import PlanError
-from .search.greedy import GREEDY, GREEDY_NO_BOUND
+from .search.solution import GREEDY, GREEDY_NO_BOUND
 from .mesh import MeshSpec
 from .sharding.placement import format_placements, shard_full_tensor
 from .search.pipeline import PipelinePlan
 from .cost.predict import Memory, Predicted
 from .sharding.strategies import Strategy
+from .search.solution import OPTIMAL, TIME_LIMIT
+from .capture.export import PARAM
+from .cost.precision import OptimizerSpec, Precision
+from .cost.problem import Problem
+from .search.classics import Roles
+from .search.solution import Solution
 
 FORMAT_VERSION = 1
 
@@ -225,6 +231,60 @@ class Plan:
             pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None)
 
 
+@dataclass
+class Searched:
+    """What planning found for one layout: the problem it searched, the winning solution and roles,
+    and its prices -- all make_plan needs to write the Plan."""
+    prob: Problem
+    sol: Solution
+    roles: Roles
+    num_searches: int         # role assignments tried
+    predicted: Predicted      # numbers at the example's sizes
+    symbolic: Predicted       # the same in the shape symbols
+    collectives: list         # cost.terms Collective, per step
+    policy: Precision
+    optimizer: OptimizerSpec
+    hardware: object          # cost_models Hardware
+    seconds: dict             # planning time by step (rules_seconds, predict_seconds)
+    pipeline: PipelinePlan | None = None
+
+
+def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan:
+    """The Plan of a search: per-node strategies, placements by parameter name, predictions, stats."""
+    prob, sol, roles, hw = searched.prob, searched.sol, searched.roles, searched.hardware
+    cap, spec, strategies = prob.cap, prob.mesh, prob.strategies
+    node_strategies = {n: ns.strategies[sol.choice[n]] for n, ns in strategies.items()}
+    param_placements = {cap.info[n].target_name: s.output for n, s in node_strategies.items()
+                        if cap.info[n].kind == PARAM}
+    param_zero = {cap.info[n].target_name: (s.zero, tuple(spec.axis_names[a] for a in s.zero_axes))
+                  for n, s in node_strategies.items() if cap.info[n].kind == PARAM and s.zero}
+    input_placements = tuple(node_strategies[n].output if n in node_strategies else (("R",) * spec.num_axes)
+                             for n in cap.input_names)
+    output_placements = tuple(node_strategies["output"].inputs)
+    records = tuple(CollectiveRecord(c.kind, spec.axis_names[c.axis], c.phase, float(c.full_bytes), c.where,
+                                     cap.info[c.where].module_path if c.where in cap.info else "", c.tensor)
+                    for c in searched.collectives)
+    stats = {"capture_seconds": capture_seconds, **searched.seconds, "build_seconds": sol.build_seconds,
+             "solve_seconds": sol.solve_seconds,
+             "axis_roles": ",".join(f"{a}={r or 'any'}" for a, r in zip(spec.axis_names, roles.roles)),
+             "searches": searched.num_searches,
+             "status": sol.status, "objective_seconds": sol.objective,
+             "num_nodes": len(strategies), "num_edges": len(prob.edges),
+             "num_variables": sol.num_variables, "num_constraints": sol.num_constraints,
+             "mip_gap": sol.mip_gap}
+    return Plan(mesh=spec, strategy=strategy, hardware=hw.name,
+                batch_axes=tuple(spec.axis_names[a] for a in sol.batch_axes),
+                node_strategies=node_strategies, param_placements=param_placements,
+                input_placements=input_placements, output_placements=output_placements,
+                module_paths={n: cap.info[n].module_path for n in strategies},
+                collectives=records, predicted=searched.predicted, symbolic=searched.symbolic,
+                symbols={str(s): v for s, v in cap.hints.items()}, stats=stats, param_zero=param_zero,
+                precision=searched.policy.to_dict(),
+                optimizer={"name": searched.optimizer.name, "states_per_param": searched.optimizer.states_per_param},
+                checkpointed=sol.checkpointed, pipeline=searched.pipeline)
+
+
+
 def pipeline_lines(pipe: PipelinePlan) -> list:
     """The stages as a table: what runs where, and what the schedule predicts for each."""
     p = pipe.num_stages // pipe.stages_per_device
@@ -244,8 +304,8 @@ def search_line(stats: dict) -> str:
     """How the plan was found and how far from the best plan it may be: the gap HiGHS proved, or for
     the greedy fallback (greedy.py) its distance from a lower bound on the ILP's optimum."""
     status, gap = stats["status"], f"{100 * stats.get('mip_gap', 0.0):.2g}%"
-    what = {"optimal": f"ILP optimal (gap {gap})",
-            "time limit reached": f"ILP stopped at time limit (gap {gap})",
+    what = {OPTIMAL: f"ILP optimal (gap {gap})",
+            TIME_LIMIT: f"ILP stopped at time limit (gap {gap})",
             GREEDY: f"greedy fallback, within {gap} of the ILP bound",
             GREEDY_NO_BOUND: "greedy fallback (the ILP stopped at its time limit, no bound to compare with)",
             }.get(status, status)

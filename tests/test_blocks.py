@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.api import _plan_captured
+from autopar.planner import plan_captured
 from autopar.capture.blocks import find_blocks
 from autopar.capture.export import capture
 from autopar.search.classics import STRATEGIES
@@ -47,8 +47,8 @@ def test_tying_finds_as_cheap_a_plan():
     model, x = _gpt(2)
     cap = capture(model, (x,))
     for limit, slack in ((None, 2e-3), (100_000, 2e-3), (80_000, 0.05)):   # none: 199 KB chosen
-        tied = _plan_captured(cap, {"a": 2, "b": 2}, hardware="cpu", memory_limit=limit)
-        untied = _plan_captured(cap, {"a": 2, "b": 2}, hardware="cpu", memory_limit=limit, tie_blocks=False)
+        tied = plan_captured(cap, {"a": 2, "b": 2}, hardware="cpu", memory_limit=limit)
+        untied = plan_captured(cap, {"a": 2, "b": 2}, hardware="cpu", memory_limit=limit, tie_blocks=False)
         assert tied.stats["num_variables"] < untied.stats["num_variables"]
         assert tied.predicted.step_time <= untied.predicted.step_time * (1 + slack), limit
         assert limit is None or tied.predicted.memory.total <= limit
@@ -95,7 +95,7 @@ def test_auto_is_never_slower_than_a_classic_that_fits(make, mesh, limited):
         out = {}
         for strategy in ["auto"] + classics:
             try:
-                out[strategy] = _plan_captured(cap, mesh, hardware="cpu", strategy=strategy, memory_limit=limit)
+                out[strategy] = plan_captured(cap, mesh, hardware="cpu", strategy=strategy, memory_limit=limit)
             except autopar.AutoparError:   # cannot lay out, or does not fit
                 out[strategy] = None
         return out

@@ -11,12 +11,13 @@ import torch
 from scipy.optimize import OptimizeResult
 
 import autopar
-from autopar import api
+from autopar import planner
 from autopar.search import ilp as search
-from autopar.api import _plan_captured
+from autopar.planner import plan_captured
 from autopar.capture.export import INPUT, OUTPUT, capture
 from autopar.cost.terms import first_meta
-from autopar.search.greedy import GREEDY, GREEDY_NO_BOUND, allowed_strategies, bound_gap, greedy, objective
+from autopar.search.solution import GREEDY, GREEDY_NO_BOUND
+from autopar.search.greedy import allowed_strategies, bound_gap, greedy, objective
 from autopar.testing import GPT, MLP, GPTConfig, run_threaded
 
 MESH = {"a": 2, "b": 2}
@@ -34,7 +35,7 @@ def _mlp():
 
 
 def _planned(cap, mesh, **kwargs):
-    """The plan of api._plan_captured, and the (Problem, Roles) it searched (from its calls to solve)."""
+    """The plan of planner.plan_captured, and the (Problem, Roles) it searched (from its calls to solve)."""
     searched = []
     real = search.solve
 
@@ -43,8 +44,8 @@ def _planned(cap, mesh, **kwargs):
         return real(prob, roles, *args, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(api, "solve", record)
-        plan = _plan_captured(cap, mesh, hardware="cpu", **kwargs)
+        mp.setattr(planner, "solve", record)
+        plan = plan_captured(cap, mesh, hardware="cpu", **kwargs)
     return plan, searched
 
 
@@ -77,7 +78,7 @@ def _assert_valid(plan, prob, roles, memory_limit):
 def test_a_tiny_time_limit_gets_the_greedy_plan_valid_and_no_better_than_the_ilp():
     model, x = _gpt()
     cap = capture(model, (x,))
-    free = _plan_captured(cap, MESH, hardware="cpu")
+    free = plan_captured(cap, MESH, hardware="cpu")
     limit = 0.7 * free.predicted.memory.total   # binding: the fastest plan does not fit
     # 1 us: HiGHS stops before its presolve is done, and so does the LP relaxation for the bound
     plan, searched = _planned(cap, MESH, memory_limit=limit, time_limit=1e-6)

@@ -19,7 +19,7 @@ from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_
 from ..sharding.placement import numel
 from ..sharding.redistribute import ALL_GATHER, Collective
 from .checkpointing import recomputed_ops
-from ..search.ilp import charge_key, checkpoint_model
+from .problem import charge_key, checkpoint_model
 
 
 @dataclass(frozen=True)
@@ -89,43 +89,71 @@ class Predicted:
 
 def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Predicted, list[Collective]]:
     """`checkpointed`: paths of the stacks (prob.stacks) whose blocks recompute in backward."""
-    cap, mesh = prob.cap, prob.mesh
+    mesh = prob.mesh
     num = (lambda x: x) if symbolic else (lambda x: float(x))
     stacks = [st for st in prob.stacks if st.path in checkpointed]
     saved = checkpoint_model(prob, tuple(checkpointed)) if stacks else prob.saved
-    region_of = {n: (st.path, i) for st in stacks for i, block in enumerate(st.blocks) for n in block}
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
-    order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
-    params = master = grads = opt = acts = 0
-    transient = 0
-    compute = 0
+    params, master, grads, opt, colls = _state_terms(prob, choice, symbolic)
+    acts, compute = _op_terms(prob, choice, symbolic, saved, rerun)
+    groups = group_redistributions(prob, choice)
+    colls += _redistributions(prob, groups, stacks, rerun, symbolic)
+    transient = _transient(prob, choice, groups, stacks, symbolic)
+    comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
+    total_comm = sum(comm_time.values())
+    total_mem = params + master + grads + opt + acts + transient
+    mem = Memory(num(params), num(grads), num(opt), num(acts), num(transient), num(total_mem), num(master))
+    pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
+                     num(compute), num(compute + total_comm), {k: num(v) for k, v in by_kind.items()})
+    return pred, colls
+
+
+def _state_terms(prob, choice, symbolic: bool):
+    """Bytes of weights (and buffers), master copies, gradients and optimizer state, and ZeRO's
+    collectives of the weights."""
+    params = master = grads = opt = 0
     colls = []
-    op_terms: dict = {}   # kind of op -> [activation bytes, compute time, how many]
     for name, ns in prob.strategies.items():
-        s = ns.strategies[choice[name]]
-        info = cap.info[name]
+        s, info = ns.strategies[choice[name]], prob.cap.info[name]
         if info.kind == PARAM:
             meta = first_meta(info.meta)
-            m = param_memory(meta, s, mesh, prob.param_bytes[name], symbolic=symbolic)
+            m = param_memory(meta, s, prob.mesh, prob.param_bytes[name], symbolic=symbolic)
             params, master, grads, opt = params + m.params, master + m.master, grads + m.grads, opt + m.optimizer
             if name in prob.grad_nodes:
-                colls += zero_collectives(name, meta, s, mesh, prob.param_bytes[name], symbolic)
+                colls += zero_collectives(name, meta, s, prob.mesh, prob.param_bytes[name], symbolic)
         elif info.kind == BUFFER and info.meta is not None:
             meta = first_meta(info.meta)
             params = params + numel(meta.shape if symbolic else meta.hint) * meta.itemsize
-        elif info.kind in (OP, INPUT):
-            # repeats of a block's op cost alike: price each kind once, count how many (80 layers
-            # of sympy sums would otherwise dominate the planning time)
-            key = (prob.canonical.get(name, name), choice[name], charge_key(saved, name), name in rerun)
-            if key not in op_terms:
-                a = activation_bytes(name, cap, s.output, mesh, saved, symbolic)
-                t = node_compute_time(cap.node(name), cap, s, mesh, prob.hardware, symbolic)
-                # a recomputed op runs its forward (a third of forward + backward) once more
-                op_terms[key] = [a, t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t, 0]
-            op_terms[key][2] += 1
-    acts = acts + sum(n * a for a, _, n in op_terms.values())
-    compute = compute + sum(n * t for _, t, n in op_terms.values())
-    groups = group_redistributions(prob, choice)
+    return params, master, grads, opt, colls
+
+
+def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
+    """Activation bytes kept for backward and compute seconds of every op (recomputed ops twice forward)."""
+    cap = prob.cap
+    op_terms: dict = {}   # kind of op -> [activation bytes, compute time, how many]
+    for name, ns in prob.strategies.items():
+        if cap.info[name].kind not in (OP, INPUT):
+            continue
+        s = ns.strategies[choice[name]]
+        # repeats of a block's op cost alike: price each kind once, count how many (80 layers
+        # of sympy sums would otherwise dominate the planning time)
+        key = (prob.canonical.get(name, name), choice[name], charge_key(saved, name), name in rerun)
+        if key not in op_terms:
+            a = activation_bytes(name, cap, s.output, prob.mesh, saved, symbolic)
+            t = node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, symbolic)
+            # a recomputed op runs its forward (a third of forward + backward) once more
+            op_terms[key] = [a, t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t, 0]
+        op_terms[key][2] += 1
+    acts = 0 + sum(n * a for a, _, n in op_terms.values())
+    compute = 0 + sum(n * t for _, t, n in op_terms.values())
+    return acts, compute
+
+
+def _redistributions(prob, groups, stacks, rerun: set, symbolic: bool) -> list[Collective]:
+    """The collectives of every redistribution, with those a checkpointed block's recompute runs again."""
+    region_of = {n: (st.path, i) for st in stacks for i, block in enumerate(st.blocks) for n in block}
+    order = {n.name: i for i, n in enumerate(prob.cap.graph.nodes)}
+    colls = []
     for r in groups:
         regions = {region_of.get(c) for c, _ in r.consumers}
         if len(regions) == 1 and None not in regions:
@@ -136,24 +164,29 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
                 forward = [c for c in redistribution_collectives(prob, r, symbolic) if c.phase == "forward"]
                 colls += [replace(c, phase="recompute") for c in forward]
         colls += redistribution_collectives(prob, r, symbolic)
+    return colls
+
+
+def _transient(prob, choice, groups, stacks, symbolic: bool):
+    """The largest working set of any op; backward holds one recomputed block's activations at a time."""
     transient = peak_working_set(prob, choice, groups, symbolic)
-    for st in stacks:   # backward holds one recomputed block's activations at a time
-        block = sum(activation_bytes(n, cap, prob.strategies[n].strategies[choice[n]].output, mesh, prob.saved,
-                                     symbolic) for n in st.blocks[0] if n in prob.strategies)
+    for st in stacks:
+        block = sum(activation_bytes(n, prob.cap, prob.strategies[n].strategies[choice[n]].output, prob.mesh,
+                                     prob.saved, symbolic) for n in st.blocks[0] if n in prob.strategies)
         transient = sympy.Max(transient, block) if symbolic else max(transient, block)
+    return transient
+
+
+def _comm_terms(colls, mesh, links):
+    """Bytes and seconds per mesh axis, and bytes per kind of collective."""
     comm_bytes = collectives_bytes(colls, mesh)
     comm_time = {a: 0 for a in mesh.axis_names}
     by_kind: dict = {}
     for c in colls:
         a = mesh.axis_names[c.axis]
-        comm_time[a] = comm_time[a] + collectives_time([c], mesh, prob.links)
+        comm_time[a] = comm_time[a] + collectives_time([c], mesh, links)
         by_kind[c.kind] = by_kind.get(c.kind, 0) + collectives_bytes([c], mesh)[a]
-    total_comm = sum(comm_time.values())
-    total_mem = params + master + grads + opt + acts + transient
-    mem = Memory(num(params), num(grads), num(opt), num(acts), num(transient), num(total_mem), num(master))
-    pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
-                     num(compute), num(compute + total_comm), {k: num(v) for k, v in by_kind.items()})
-    return pred, colls
+    return comm_bytes, comm_time, by_kind
 
 
 def peak_working_set(prob, choice, groups, symbolic: bool):

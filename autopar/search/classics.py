@@ -19,6 +19,9 @@ from ..errors import AutoparError, DivisibilityWarning, ShardingError
 from ..mesh import MeshSpec
 from ..sharding.placement import P, R, is_shard, local_shape, numel
 from ..sharding.redistribute import UnsupportedRedistribution, plan_steps
+from ..capture.export import OP
+from ..cost.problem import Problem
+from ..sharding.rules import tensor_args
 
 DP, FSDP, TP, ZERO1, ZERO2 = "dp", "fsdp", "tp", "zero1", "zero2"
 # auto on a mesh of many axes (role_assignments): the axis splits the batch, and each parameter is
@@ -377,3 +380,14 @@ def _kv_heads(cap, k_node) -> int:
         if op_name(node) == "aten.slice.Tensor" and cap.info[node.args[0].name].meta != meta:
             return heads   # a slice that keeps everything is part of the repeat (x[:, :, None] traced dynamic)
         node = node.args[0]
+
+
+def allowed_flags(prob: Problem, roles: Roles, name: str) -> list[bool]:
+    """Per strategy of node `name`, whether the roles allow it."""
+    info, strategies = prob.cap.info[name], prob.strategies[name].strategies
+    if info.kind == PARAM:
+        return allowed_param_storage(roles, info, strategies)
+    if info.kind == OP:
+        takes_tuple = any(isinstance(prob.cap.info[a.name].meta, list) for a in tensor_args(prob.cap.node(name)))
+        return allowed_op_strategies(roles, strategies, takes_tuple)
+    return [True] * len(strategies)

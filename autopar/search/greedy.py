@@ -42,11 +42,12 @@ from ..capture.export import OP, OUTPUT
 from .classics import Roles, allow_edge
 from ..cost.predict import predict
 from ..sharding.redistribute import UnsupportedRedistribution
-from .ilp import (Problem, Solution, allowed_flags, edge_cost, edge_signature, follows_batch, memory_reserve,
-                  node_memory, node_time, repeat_memory)
+from ..cost.problem import (Problem, edge_cost, edge_signature, follows_batch, memory_reserve, node_memory,
+                            node_time, repeat_memory)
+from .solution import Solution
+from .classics import allowed_flags
+from .solution import GREEDY
 
-GREEDY = "greedy"
-GREEDY_NO_BOUND = "greedy (no bound)"
 BEAM_WIDTH = 256
 # lambda in seconds per byte: at the low end memory never tips a choice, at the high end it always does
 LAMBDA_RANGE = (1e-21, 1e3)

@@ -11,7 +11,6 @@ the time of the collectives on every edge. Constraint: memory per device.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
@@ -19,175 +18,18 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 import cost_models as cm
 
-from ..capture.export import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
-from ..cost.checkpointing import checkpointed_model, recomputed_ops
-from .classics import Roles, allow_edge, allowed_op_strategies, allowed_param_storage
-from ..cost.terms import (activation_bytes, collectives_time, edge_collectives, first_meta,
-                          gathered_weight_bytes, is_saved, node_compute_time, output_bytes, param_memory,
-                          reduce_itemsize, regathers, zero_collectives)
+from ..cost.checkpointing import recomputed_ops
+from .classics import Roles, allow_edge
+from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes
 from ..errors import InfeasiblePlanError
-from ..mesh import MeshSpec
-from ..sharding.placement import numel
-from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution
-from ..sharding.rules import tensor_args
-from ..sharding.strategies import NodeStrategies
+from ..sharding.redistribute import UnsupportedRedistribution
+from .greedy import bound_gap, greedy
+from .solution import GREEDY_NO_BOUND, INFEASIBLE, OPTIMAL, TIME_LIMIT, Solution
+from ..cost.problem import Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch, memory_reserve, node_memory, node_time, recompute_edge_cost, repeat_memory, tied_edges
+from .classics import allowed_flags
 
 TIME_SCALE = 1e6      # seconds -> microseconds keeps HiGHS's tolerances meaningful
 MEM_SCALE = 2.0 ** -20  # bytes -> MiB
-
-
-@dataclass
-class Edge:
-    producer: str
-    consumer: str
-    index: int          # which tensor input of the consumer
-
-
-@dataclass
-class Problem:
-    cap: Captured
-    mesh: MeshSpec
-    links: dict
-    hardware: object
-    strategies: dict[str, NodeStrategies]
-    edges: list[Edge]
-    grad_nodes: set
-    saved: object                                    # activations.ActivationModel (cost.saved_outputs)
-    param_bytes: dict = field(default_factory=dict)  # parameter node -> ParamBytes (precision.py)
-    canonical: dict = field(default_factory=dict)    # node of a repeated block -> its first copy (blocks.py)
-    live: list = field(default_factory=list)         # (op, storages alive there) per forward op (liveness.py)
-    edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
-    stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
-    checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
-    node_cost_cache: dict = field(default_factory=dict, repr=False)    # see repeat_memory
-
-
-@dataclass
-class Solution:
-    choice: dict[str, int]          # node -> index into its strategies
-    batch_axes: tuple               # axes that split the batch
-    objective: float                # predicted seconds (search's cost model)
-    solve_seconds: float
-    status: str
-    num_variables: int = 0
-    num_constraints: int = 0
-    mip_gap: float = 0.0            # proven distance from the optimum when HiGHS stopped
-    build_seconds: float = 0.0      # building the ILP (edge costs, rows), before HiGHS
-    checkpointed: tuple = ()        # paths of the stacks whose blocks are recomputed in backward
-
-
-def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
-    edges = []
-    for node in cap.graph.nodes:
-        if node.name not in strategies or node.op == "placeholder":
-            continue
-        for i, a in enumerate(tensor_args(node)):
-            if a.name in strategies:
-                edges.append(Edge(a.name, node.name, i))
-    return edges
-
-
-def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=(), signature=None) -> float:
-    """Seconds of the collectives on edge e for one layout pair (memoised: a deep model asks
-    the same question of every layer, and the answer depends only on what the key holds)."""
-    key = (signature or edge_signature(prob, e)) + (src, dst, grad_partial, keep_partial)
-    cost = prob.edge_cost_cache.get(key)
-    if cost is None:
-        cost = prob.edge_cost_cache[key] = _edge_cost(prob, e, src, dst, grad_partial, keep_partial)
-    if isinstance(cost, UnsupportedRedistribution):
-        raise cost
-    return cost
-
-
-def edge_signature(prob: Problem, e: Edge) -> tuple:
-    """All an edge's cost depends on besides the two layouts."""
-    meta = first_meta(prob.cap.info[e.producer].meta)
-    return (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
-            regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes),
-            reduce_itemsize(prob.param_bytes, e.producer))
-
-
-def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
-    """Seconds, or the UnsupportedRedistribution error (cached too: asked again, it is raised again)."""
-    try:
-        colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
-                                 e.producer in prob.grad_nodes,
-                                 regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes), e.consumer,
-                                 keep_partial=keep_partial,
-                                 reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
-    except UnsupportedRedistribution as err:
-        return err
-    return float(collectives_time(colls, prob.mesh, prob.links))
-
-
-def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=(), signature=None) -> float:
-    """Seconds more that edge e costs when backward reruns its consumer's checkpointed block: its
-    forward collectives run again, and a weight gathered whole there is kept by the rerun instead
-    of gathered again for backward (so FSDP pays nothing more)."""
-    key = ("recompute",) + (signature or edge_signature(prob, e)) + (src, dst, grad_partial, keep_partial)
-    cost = prob.edge_cost_cache.get(key)
-    if cost is None:
-        colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
-                                 e.producer in prob.grad_nodes, False, e.consumer, keep_partial=keep_partial,
-                                 reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
-        forward = [c for c in colls if c.phase == "forward"]
-        cost = float(collectives_time(forward, prob.mesh, prob.links))
-        if regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes):
-            cost -= float(collectives_time([c for c in forward if c.kind == ALL_GATHER], prob.mesh, prob.links))
-        prob.edge_cost_cache[key] = cost
-    return cost
-
-
-def node_time(prob: Problem, name: str, s) -> float:
-    """Compute time of an op; for a ZeRO parameter, its reduce-scatter and all-gather."""
-    info = prob.cap.info[name]
-    if info.kind == PARAM:
-        if not s.zero or name not in prob.grad_nodes:
-            return 0.0
-        colls = zero_collectives(name, first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
-        return float(collectives_time(colls, prob.mesh, prob.links))
-    return float(node_compute_time(prob.cap.node(name), prob.cap, s, prob.mesh, prob.hardware))
-
-
-def node_memory(prob: Problem, name: str, s, saved=None) -> float:
-    """Bytes a node's strategy costs: a parameter's storage, or the activations the node pays for
-    under `saved` (an activations.ActivationModel; the problem's own, without checkpointing)."""
-    info = prob.cap.info[name]
-    if info.kind == PARAM:
-        m = param_memory(first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
-        return float(m.params + m.master + m.grads + m.optimizer)
-    if info.kind in (OP, INPUT):   # a checkpoint holds the user inputs its block reads
-        return float(activation_bytes(name, prob.cap, s.output, prob.mesh, saved or prob.saved))
-    return 0.0
-
-
-def repeat_memory(prob: Problem, name: str, first: str) -> list:
-    """node_memory of each strategy of `name`, a repeat of `first`: repeats that pay the same charges
-    (all but a block's edges) are priced once -- per problem, so once for all role assignments."""
-    key = ("memory", first, charge_key(prob.saved, name))
-    mems = prob.node_cost_cache.get(key)
-    if mems is None:
-        mems = prob.node_cost_cache[key] = [node_memory(prob, name, s) for s in prob.strategies[name].strategies]
-    return mems
-
-
-def checkpoint_model(prob: Problem, paths: tuple):
-    """The activation model with the stacks at `paths` checkpointed (built once per set of stacks)."""
-    model = prob.checkpoint_models.get(paths)
-    if model is None:
-        stacks = [st for st in prob.stacks if st.path in paths]
-        model = prob.checkpoint_models[paths] = checkpointed_model(prob.cap, prob.hardware, stacks)
-    return model
-
-
-def memory_reserve(prob: Problem) -> float:
-    """Memory outside the ILP's terms: buffers, which stay whole on every rank."""
-    total = 0.0
-    for info in prob.cap.info.values():
-        meta = first_meta(info.meta) if info.meta is not None else None
-        if meta is not None and info.kind == BUFFER:
-            total += numel(meta.hint) * meta.itemsize
-    return total
 
 
 class _ILP:
@@ -221,17 +63,6 @@ class _ILP:
                     bounds=Bounds(np.zeros(n), np.array(self.upper, dtype=float)),
                     constraints=[LinearConstraint(A, np.array(self.lb, float), np.array(self.ub, float))],
                     options={"time_limit": time_limit, "mip_rel_gap": gap})
-
-
-def allowed_flags(prob: Problem, roles: Roles, name: str) -> list[bool]:
-    """Per strategy of node `name`, whether the roles allow it (classics.py)."""
-    info, strategies = prob.cap.info[name], prob.strategies[name].strategies
-    if info.kind == PARAM:
-        return allowed_param_storage(roles, info, strategies)
-    if info.kind == OP:
-        takes_tuple = any(isinstance(prob.cap.info[a.name].meta, list) for a in tensor_args(prob.cap.node(name)))
-        return allowed_op_strategies(roles, strategies, takes_tuple)
-    return [True] * len(strategies)
 
 
 def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
@@ -270,15 +101,6 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
     return xvars
 
 
-def follows_batch(prob: Problem, name: str) -> bool:
-    """Is this node split over exactly the batch axes: a user input with a batch dim, or the output?"""
-    info = prob.cap.info[name]
-    if info.kind == INPUT:
-        meta = first_meta(info.meta)
-        return meta is not None and meta.ndim > 0
-    return info.kind == OUTPUT
-
-
 def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
     """b[a]: every user input and the output split their batch dim on exactly the axes with b[a] = 1."""
     bvars, pinned = [], roles.batch_axes()
@@ -295,15 +117,6 @@ def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
             row[bvars[a]] = -1.0
             ilp.row(row, 0, 0)
     return bvars
-
-
-def tied_edges(prob: Problem) -> list[list[Edge]]:
-    """Edges grouped by the variables they join: repeats of one edge in repeated blocks share them."""
-    groups: dict = {}
-    for e in prob.edges:
-        key = (prob.canonical.get(e.producer, e.producer), prob.canonical.get(e.consumer, e.consumer), e.index)
-        groups.setdefault(key, []).append(e)
-    return list(groups.values())
 
 
 def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: set) -> dict:
@@ -381,12 +194,6 @@ def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transien
                     row[var] = row.get(var, 0.0) + float(output_bytes(u, prob.cap, s.output, prob.mesh)) * MEM_SCALE
         if row:
             ilp.row({**row, transient: -1.0}, -np.inf, 0)
-
-
-
-def charge_key(model, name: str) -> tuple:
-    """A node's charges without their labels: tied repeats of a node pay alike."""
-    return tuple((c.meta, c.cut_by, c.when, c.unless, c.view) for c in model.charges.get(name, ()))
 
 
 def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) -> None:
@@ -483,14 +290,14 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
                 fallback.solve_seconds = time.perf_counter() - t0
                 fallback.num_variables, fallback.num_constraints, fallback.build_seconds = nvar, nrow, built
                 return fallback
-        return Solution({}, (), float("inf"), elapsed, "infeasible" if res.status == 2 else res.message,
+        return Solution({}, (), float("inf"), elapsed, INFEASIBLE if res.status == 2 else res.message,
                         nvar, nrow, build_seconds=built)
     x = res.x
     choice = {name: max((i for i, v in enumerate(vs) if v is not None), key=lambda i: x[vs[i]])
               for name, vs in xvars.items()}
     batch_axes = tuple(a for a, b in enumerate(bvars) if x[b] > 0.5)
     objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
-    status = "optimal" if res.status == 0 else "time limit reached"
+    status = OPTIMAL if res.status == 0 else TIME_LIMIT
     return Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
                     float(getattr(res, "mip_gap", 0.0) or 0.0), built, tuple(st.path for st in stacks))
 
@@ -501,7 +308,6 @@ def _fallback(prob: Problem, roles: Roles, memory_limit, res, ilp: _ILP, time_li
     ILP's optimum: HiGHS's dual bound, or else -- scipy reports none when HiGHS has no solution
     yet -- the LP relaxation's optimum; status GREEDY_NO_BOUND (mip_gap 1: costs are never
     negative, so 0 is the only bound) if that runs out of time too."""
-    from .greedy import GREEDY_NO_BOUND, bound_gap, greedy   # greedy.py imports this module
     sol = greedy(prob, roles, memory_limit)
     if sol is None:
         return None

@@ -1,0 +1,184 @@
+"""The problem both solvers read: every node's candidate strategies, the edges between them, and
+what each choice costs in seconds and bytes.
+
+The cost stage's product. search/ilp.py turns it into an integer program and search/greedy.py
+walks it in graph order; cost/predict.py prices the one choice they return. The prices are
+memoised on the Problem (a deep model asks the same question of every layer), so one Problem
+serves every role assignment the search tries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..capture.export import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
+from ..mesh import MeshSpec
+from ..sharding.placement import numel
+from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution
+from ..sharding.rules import tensor_args
+from ..sharding.strategies import NodeStrategies
+from .checkpointing import checkpointed_model
+from .terms import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time,
+                    param_memory, reduce_itemsize, regathers, zero_collectives)
+
+
+@dataclass
+class Edge:
+    producer: str
+    consumer: str
+    index: int          # which tensor input of the consumer
+
+
+@dataclass
+class Problem:
+    cap: Captured
+    mesh: MeshSpec
+    links: dict
+    hardware: object
+    strategies: dict[str, NodeStrategies]
+    edges: list[Edge]
+    grad_nodes: set
+    saved: object                                    # activations.ActivationModel (cost.saved_outputs)
+    param_bytes: dict = field(default_factory=dict)  # parameter node -> ParamBytes (precision.py)
+    canonical: dict = field(default_factory=dict)    # node of a repeated block -> its first copy (blocks.py)
+    live: list = field(default_factory=list)         # (op, storages alive there) per forward op (liveness.py)
+    edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
+    stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
+    checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
+    node_cost_cache: dict = field(default_factory=dict, repr=False)    # see repeat_memory
+
+
+def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
+    edges = []
+    for node in cap.graph.nodes:
+        if node.name not in strategies or node.op == "placeholder":
+            continue
+        for i, a in enumerate(tensor_args(node)):
+            if a.name in strategies:
+                edges.append(Edge(a.name, node.name, i))
+    return edges
+
+
+def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=(), signature=None) -> float:
+    """Seconds of the collectives on edge e for one layout pair (memoised: a deep model asks
+    the same question of every layer, and the answer depends only on what the key holds)."""
+    key = (signature or edge_signature(prob, e)) + (src, dst, grad_partial, keep_partial)
+    cost = prob.edge_cost_cache.get(key)
+    if cost is None:
+        cost = prob.edge_cost_cache[key] = _edge_cost(prob, e, src, dst, grad_partial, keep_partial)
+    if isinstance(cost, UnsupportedRedistribution):
+        raise cost
+    return cost
+
+
+def edge_signature(prob: Problem, e: Edge) -> tuple:
+    """All an edge's cost depends on besides the two layouts."""
+    meta = first_meta(prob.cap.info[e.producer].meta)
+    return (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
+            regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes),
+            reduce_itemsize(prob.param_bytes, e.producer))
+
+
+def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
+    """Seconds, or the UnsupportedRedistribution error (cached too: asked again, it is raised again)."""
+    try:
+        colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
+                                 e.producer in prob.grad_nodes,
+                                 regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes), e.consumer,
+                                 keep_partial=keep_partial,
+                                 reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
+    except UnsupportedRedistribution as err:
+        return err
+    return float(collectives_time(colls, prob.mesh, prob.links))
+
+
+def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=(), signature=None) -> float:
+    """Seconds more that edge e costs when backward reruns its consumer's checkpointed block: its
+    forward collectives run again, and a weight gathered whole there is kept by the rerun instead
+    of gathered again for backward (so FSDP pays nothing more)."""
+    key = ("recompute",) + (signature or edge_signature(prob, e)) + (src, dst, grad_partial, keep_partial)
+    cost = prob.edge_cost_cache.get(key)
+    if cost is None:
+        colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
+                                 e.producer in prob.grad_nodes, False, e.consumer, keep_partial=keep_partial,
+                                 reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
+        forward = [c for c in colls if c.phase == "forward"]
+        cost = float(collectives_time(forward, prob.mesh, prob.links))
+        if regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes):
+            cost -= float(collectives_time([c for c in forward if c.kind == ALL_GATHER], prob.mesh, prob.links))
+        prob.edge_cost_cache[key] = cost
+    return cost
+
+
+def node_time(prob: Problem, name: str, s) -> float:
+    """Compute time of an op; for a ZeRO parameter, its reduce-scatter and all-gather."""
+    info = prob.cap.info[name]
+    if info.kind == PARAM:
+        if not s.zero or name not in prob.grad_nodes:
+            return 0.0
+        colls = zero_collectives(name, first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
+        return float(collectives_time(colls, prob.mesh, prob.links))
+    return float(node_compute_time(prob.cap.node(name), prob.cap, s, prob.mesh, prob.hardware))
+
+
+def node_memory(prob: Problem, name: str, s, saved=None) -> float:
+    """Bytes a node's strategy costs: a parameter's storage, or the activations the node pays for
+    under `saved` (an activations.ActivationModel; the problem's own, without checkpointing)."""
+    info = prob.cap.info[name]
+    if info.kind == PARAM:
+        m = param_memory(first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
+        return float(m.params + m.master + m.grads + m.optimizer)
+    if info.kind in (OP, INPUT):   # a checkpoint holds the user inputs its block reads
+        return float(activation_bytes(name, prob.cap, s.output, prob.mesh, saved or prob.saved))
+    return 0.0
+
+
+def repeat_memory(prob: Problem, name: str, first: str) -> list:
+    """node_memory of each strategy of `name`, a repeat of `first`: repeats that pay the same charges
+    (all but a block's edges) are priced once -- per problem, so once for all role assignments."""
+    key = ("memory", first, charge_key(prob.saved, name))
+    mems = prob.node_cost_cache.get(key)
+    if mems is None:
+        mems = prob.node_cost_cache[key] = [node_memory(prob, name, s) for s in prob.strategies[name].strategies]
+    return mems
+
+
+def checkpoint_model(prob: Problem, paths: tuple):
+    """The activation model with the stacks at `paths` checkpointed (built once per set of stacks)."""
+    model = prob.checkpoint_models.get(paths)
+    if model is None:
+        stacks = [st for st in prob.stacks if st.path in paths]
+        model = prob.checkpoint_models[paths] = checkpointed_model(prob.cap, prob.hardware, stacks)
+    return model
+
+
+def memory_reserve(prob: Problem) -> float:
+    """Memory outside the ILP's terms: buffers, which stay whole on every rank."""
+    total = 0.0
+    for info in prob.cap.info.values():
+        meta = first_meta(info.meta) if info.meta is not None else None
+        if meta is not None and info.kind == BUFFER:
+            total += numel(meta.hint) * meta.itemsize
+    return total
+
+
+def follows_batch(prob: Problem, name: str) -> bool:
+    """Is this node split over exactly the batch axes: a user input with a batch dim, or the output?"""
+    info = prob.cap.info[name]
+    if info.kind == INPUT:
+        meta = first_meta(info.meta)
+        return meta is not None and meta.ndim > 0
+    return info.kind == OUTPUT
+
+
+def tied_edges(prob: Problem) -> list[list[Edge]]:
+    """Edges grouped by the variables they join: repeats of one edge in repeated blocks share them."""
+    groups: dict = {}
+    for e in prob.edges:
+        key = (prob.canonical.get(e.producer, e.producer), prob.canonical.get(e.consumer, e.consumer), e.index)
+        groups.setdefault(key, []).append(e)
+    return list(groups.values())
+
+
+def charge_key(model, name: str) -> tuple:
+    """A node's charges without their labels: tied repeats of a node pay alike."""
+    return tuple((c.meta, c.cut_by, c.when, c.unless, c.view) for c in model.charges.get(name, ()))

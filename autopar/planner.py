@@ -1,0 +1,335 @@
+"""Planning: from a captured graph to the best Plan, over every search the request allows.
+
+The order of work for one request: build the priced Problem once (cost/), search it under
+each assignment of roles to mesh axes (search/ilp.py, greedy fallback), price the winner
+(cost/predict.py), and -- when pipelining is asked for -- do the same per pipeline axis and
+microbatch count on a graph captured at microbatch size, cut it into stages
+(search/stage_partition.py), and keep the fastest plan that fits. api.py checks the user's
+arguments and calls plan_captured; plan_result.py holds what comes out.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import cost_models as cm
+from .capture.blocks import find_blocks
+from .capture.export import Captured, PARAM
+from .cost.checkpointing import check_mode, checkpointable_stacks
+from .cost.liveness import live_sets
+from .cost.precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
+from .cost.predict import group_redistributions, peak_working_set, predict
+from .cost.problem import Problem, build_edges
+from .cost.terms import first_meta, needs_grad, saved_outputs
+from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
+from .mesh import MeshSpec, mesh_spec
+from .plan_result import Plan, Searched, make_plan
+from .search.classics import check_promised_splits, PIPE, Roles, axis_roles, check_tensor_parallel_divisibility, role_assignments, with_pipeline
+from .search.ilp import solve
+from .search.pipeline import GPIPE, ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates, num_layers
+from .search.solution import INFEASIBLE, Solution
+from .search.stage_costs import device_prediction, op_costs
+from .search.stage_partition import partition
+from .sharding.strategies import all_strategies
+
+def _hardware(hardware, mesh):
+    default = "h100"
+    if hasattr(mesh, "device_type") and mesh.device_type == "cpu":
+        default = "cpu"
+    try:
+        return cm.get_hardware(hardware, default=default)
+    except cm.CostModelError as e:
+        raise AutoparError(str(e)) from e
+
+
+def _memory_limit(value):
+    if value is None:
+        return None
+    try:
+        return cm.parse_bytes(value)
+    except cm.CostModelError as e:
+        raise AutoparError(f"memory_limit: {e}") from e
+
+
+def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
+    """A named classic that splits the batch needs every input's batch dim to divide."""
+    pinned = [a for a, split in roles.batch_axes().items() if split]
+    if not pinned:
+        return
+    n = 1
+    for a in pinned:
+        n *= spec.axis_sizes[a]
+    for name in cap.input_names:
+        meta = first_meta(cap.info[name].meta)
+        if meta is not None and meta.ndim > 0 and meta.hint[0] % n:
+            axes = ", ".join(f"{spec.axis_names[a]}={spec.axis_sizes[a]}" for a in pinned)
+            raise ShardingError(
+                f"input {name!r} has batch size {meta.hint[0]} (dim 0), which the batch-splitting mesh axes "
+                f"({axes}) cannot divide into {n} equal shards; use a global batch that is a multiple of {n}")
+
+
+def plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
+                   optimizer="adamw", checkpointing="auto", links=None, time_limit=60.0, t_capture=0.0,
+                   tie_blocks=True, pipeline_axis=None, microbatches=None, schedule=None,
+                   recapture=None) -> Plan:
+    """The plan for a captured model. `recapture(m)` captures it again with batches of 1/m the size,
+    which a pipelined plan is made for (its graph runs one microbatch at a time); without it the
+    search does not pipeline."""
+    spec = mesh_spec(mesh)
+    check_mode(checkpointing)
+    check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap))
+    env = Request(cap, spec, mesh, hardware, memory_limit, strategy, precision, optimizer, checkpointing, links,
+                   time_limit, t_capture, tie_blocks)
+    axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule) if recapture is not None else []
+    if pipeline_axis not in (None, "auto") and recapture is None:
+        raise PipelineError("a pipelined plan needs the model to capture it again per microbatch; "
+                            "plan it with autopar.plan or autopar.parallelize")
+    best, failure = None, None
+    if pipeline_axis in (None, "auto"):
+        try:
+            best = _flat_plan(cap, env)
+        except InfeasiblePlanError as e:
+            if not axes:
+                raise
+            failure = e
+    bound = _serial_time(best, spec) if best is not None and pipeline_axis == "auto" else None
+    for axis in axes:
+        p = spec.axis_sizes[spec.axis_index(axis)]
+        for m in microbatch_candidates(p, _batch_size(cap) or 1, microbatches):
+            # a pipeline idles (p-1)/m of the step at least: no faster than the serial compute spread
+            # over every device, stretched by that
+            if bound is not None and best.predicted.step_time <= bound * (1 + (p - 1) / m):
+                continue
+            if (schedule or ONE_F_ONE_B) != GPIPE and m < p:
+                # torch's 1F1B schedules refuse it at the first step: every stage needs a microbatch in flight
+                if microbatches is not None:
+                    raise PipelineError(f"microbatches={m} is fewer than the {p} stages on axis {axis!r}; "
+                                        f"schedule {schedule or ONE_F_ONE_B!r} needs at least {p} (or use "
+                                        "schedule='gpipe')")
+                continue
+            try:
+                found = _pipelined_plan(recapture(m), env, axis, m, schedule or ONE_F_ONE_B)
+            except (PipelineError, InfeasiblePlanError, ShardingError) as e:
+                if pipeline_axis not in (None, "auto") and microbatches is not None:
+                    raise
+                failure = failure or e
+                continue
+            if best is None or found.predicted.step_time < best.predicted.step_time:
+                best = found
+    if best is None:
+        if failure is not None:
+            raise failure
+        raise PipelineError(f"no pipelined plan over {pipeline_axis!r} could be made (see the microbatch counts "
+                            "tried); pin microbatches= to see why")
+    return best
+
+
+@dataclass
+class Request:
+    """What every search of one planning request shares."""
+    cap: Captured
+    spec: MeshSpec
+    mesh: object          # as given: a DeviceMesh's device type picks the default hardware
+    hardware: object
+    memory_limit: object
+    strategy: str
+    precision: object
+    optimizer: object
+    checkpointing: str
+    links: object
+    time_limit: float
+    t_capture: float
+    tie_blocks: bool
+
+
+def _batch_size(cap: Captured):
+    meta = first_meta(cap.info[cap.input_names[0]].meta) if cap.input_names else None
+    return meta.hint[0] if meta is not None and meta.ndim > 0 else None
+
+
+def _pipeline_axes(cap: Captured, spec: MeshSpec, strategy: str, pipeline_axis, schedule) -> list:
+    """Axes to try pipelining over: the one named, or under "auto" every axis the model has the layers for."""
+    if pipeline_axis is None:
+        return []
+    if pipeline_axis != "auto":
+        check_depth(cap, spec.axis_sizes[spec.axis_index(pipeline_axis)]
+                    * STAGES_PER_DEVICE[schedule or ONE_F_ONE_B], pipeline_axis)
+        return [pipeline_axis]
+    if strategy != "auto":
+        return []
+    layers = max(num_layers(cap).values(), default=1)
+    per_device = STAGES_PER_DEVICE[schedule or ONE_F_ONE_B]
+    return [name for name, size in zip(spec.axis_names, spec.axis_sizes) if 1 < size and size * per_device <= layers]
+
+
+def _serial_time(plan: Plan, spec: MeshSpec) -> float:
+    """A floor on any plan's step: the plan's compute as if every device did an equal share, no comm.
+    (The plan's compute is per device; the devices that split the batch share the work.)"""
+    shards = 1
+    for a in plan.batch_axes:
+        shards *= spec.axis_sizes[spec.axis_index(a)]
+    return plan.predicted.compute_time * shards / spec.num_devices
+
+
+def _problem(cap: Captured, env: Request, checkpointing: str):
+    spec = env.spec
+    policy, opt = precision_of(env.precision), optimizer_spec(env.optimizer)
+    param_bytes = {n: param_bytes_of(policy, opt, first_meta(i.meta).dtype) for n, i in cap.info.items()
+                   if i.kind == PARAM}
+    cap = as_computed(cap, policy)  # the graph as it runs: floating tensors in the compute dtype
+    hw = _hardware(env.hardware, env.mesh)
+    try:
+        axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, env.links)
+    except cm.CostModelError as e:
+        raise MeshError(str(e)) from e
+    canonical = find_blocks(cap).canonical if env.tie_blocks else {}
+    strategies = all_strategies(cap, spec, same_as=canonical)
+    prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
+                   needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
+                   stacks=checkpointable_stacks(cap) if checkpointing != "none" else ())
+    return prob, policy, opt, hw
+
+
+def _flat_plan(cap: Captured, env: Request) -> Plan:
+    spec, strategy, checkpointing, time_limit = env.spec, env.strategy, env.checkpointing, env.time_limit
+    limit = _memory_limit(env.memory_limit)
+    roles = axis_roles(strategy, spec)
+    _check_batch_divisible(cap, spec, roles)
+    check_tensor_parallel_divisibility(cap, roles)
+    t0 = time.perf_counter()
+    prob, policy, opt, hw = _problem(cap, env, checkpointing)
+    if checkpointing == "full" and not prob.stacks:
+        raise PlanError("checkpointing='full' found no stack of repeated blocks to checkpoint (an nn.ModuleList "
+                        "of 2+ layers whose ops run one layer after another); use checkpointing='auto' or 'none'")
+    t_rules = time.perf_counter() - t0
+    tiers = [[roles]]
+    if strategy == "auto" and spec.num_axes >= AUTO_BY_ROLE_AXES:
+        tiers = _role_tiers(spec, prob.links, hw)
+    for candidates in tiers:
+        sol, roles = _best(prob, candidates, limit, time_limit, checkpointing=checkpointing)
+        if sol.choice:
+            break
+    if not sol.choice:
+        _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing)
+    _check_named_strategy(prob, roles, strategy, sol.choice)
+    t0 = time.perf_counter()
+    pred, colls = predict(prob, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
+    sym, _ = predict(prob, sol.choice, symbolic=True, checkpointed=sol.checkpointed)
+    t_predict = time.perf_counter() - t0
+    searched = Searched(prob, sol, roles, len(candidates), pred, sym, colls, policy, opt, hw,
+                        {"rules_seconds": t_rules, "predict_seconds": t_predict})
+    return make_plan(searched, env.strategy, env.t_capture)
+
+
+def _check_named_strategy(prob: Problem, roles: Roles, strategy: str, choice: dict) -> None:
+    """A named strategy that splits fewer weights than it promises must say so (classics.check_promised_splits);
+    "auto" promises nothing."""
+    if strategy == "auto":
+        return
+    chosen = {n: prob.strategies[n].strategies[i] for n, i in choice.items() if prob.cap.info[n].kind == PARAM}
+    check_promised_splits(prob.cap, roles, strategy, chosen, prob.param_bytes)
+
+
+def _role_tiers(spec: MeshSpec, axis_links, hw) -> list:
+    intra = [axis_links[a] == hw.intra_node_link for a in spec.axis_names]
+    # if no assignment fits (e.g. a batch too small to split over every data axis),
+    # the ones that leave one axis to the search
+    return [role_assignments(spec, intra), role_assignments(spec, intra, num_free=1)]
+
+
+def _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing):
+    free, _ = _best(prob, candidates, None, time_limit) if limit is not None else (Solution({}, (), 0, 0, ""), None)
+    if limit is None or not free.choice:
+        raise ShardingError(
+            f"strategy {strategy!r} cannot be laid out on mesh {spec}: some tensor dim does not divide by "
+            "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree); "
+            "use strategy='auto', another mesh, or sizes divisible by the axis sizes")
+    least, _ = _best(prob, candidates, None, time_limit, minimize_memory=True, checkpointing=checkpointing)
+    raise InfeasiblePlanError(
+        f"no {strategy!r} plan on mesh {spec} fits memory_limit={cm.format_bytes(limit)} per device: "
+        f"the smallest any such plan needs is {cm.format_bytes(least.objective)} "
+        f"({least.objective:.0f} bytes). Raise the limit, add devices, or try another strategy.",
+        min_memory_bytes=least.objective)
+
+
+def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: str) -> Plan:
+    """The best plan with `axis` pipelined in `m` microbatches: the ILP lays out one microbatch on the
+    other axes (the pipeline axis whole), then pipeline.partition cuts it into stages."""
+    spec, strategy = env.spec, env.strategy
+    if env.checkpointing == "full":
+        raise PipelineError("checkpointing='full' with a pipeline is not supported yet: a pipelined plan "
+                            "recomputes nothing; use checkpointing='auto' or 'none'")
+    limit = _memory_limit(env.memory_limit)
+    a = spec.axis_index(axis)
+    p = spec.axis_sizes[a]
+    rest = MeshSpec(spec.axis_names[:a] + spec.axis_names[a + 1:], spec.axis_sizes[:a] + spec.axis_sizes[a + 1:]) \
+        if spec.num_axes > 1 else None
+    t0 = time.perf_counter()
+    prob, policy, opt, hw = _problem(cap, env, "none")
+    if rest is None:
+        candidates = [Roles((PIPE,), spec.axis_names, spec.axis_sizes)]
+    else:
+        inner = [[axis_roles(strategy, rest)]]
+        if strategy == "auto" and rest.num_axes >= AUTO_BY_ROLE_AXES:
+            inner = _role_tiers(rest, prob.links, hw)
+        candidates = [with_pipeline(r, spec, a) for r in inner[0]]
+        _check_batch_divisible(cap, spec, candidates[0])
+        check_tensor_parallel_divisibility(cap, candidates[0])
+    t_rules = time.perf_counter() - t0
+    # the ILP sees the whole model on one device of each stage: p stages share p devices' memory
+    sol, roles = _best(prob, candidates, None if limit is None else limit * p, env.time_limit)
+    if not sol.choice:
+        _explain_no_plan(prob, candidates, None if limit is None else limit * p, env.time_limit, strategy, spec,
+                         "none")
+    t0 = time.perf_counter()
+    transient = float(peak_working_set(prob, sol.choice, group_redistributions(prob, sol.choice), False))
+    costs = op_costs(prob, sol.choice)
+    pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,
+                     transient=transient)
+    pred = device_prediction(prob, costs, pipe, transient)
+    _, colls = predict(prob, sol.choice, symbolic=False)
+    t_predict = time.perf_counter() - t0
+    searched = Searched(prob, sol, roles, len(candidates), pred, pred, colls, policy, opt, hw,
+                        {"rules_seconds": t_rules, "predict_seconds": t_predict}, pipeline=pipe)
+    return make_plan(searched, env.strategy, env.t_capture)
+
+
+# from this many mesh axes on, `auto` fixes each axis's role first (classics.role_assignments):
+# one search over every layout on 3+ axes grows too large to solve in seconds
+AUTO_BY_ROLE_AXES = 3
+
+
+def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=False, checkpointing="none"):
+    """The best solution over several role assignments (the first assignment's if none solves)."""
+    best = None
+    total_seconds = build_seconds = 0.0
+    for i, roles in enumerate(candidates):
+        if len(candidates) > 1:
+            _progress(f"search {i + 1}/{len(candidates)}: " + ",".join(
+                f"{a}={r or 'any'}" for a, r in zip(roles.axis_names, roles.roles)))
+        try:
+            sol = solve(prob, roles, limit, time_limit, minimize_memory=minimize_memory,
+                        gap=1e-6 if minimize_memory else 1e-3, checkpointing=checkpointing)
+        except (ShardingError, InfeasiblePlanError):   # these roles cannot lay out some node
+            if len(candidates) == 1:
+                raise
+            continue
+        total_seconds += sol.solve_seconds
+        build_seconds += sol.build_seconds
+        if sol.choice and (best is None or sol.objective < best[0].objective):
+            best = (sol, roles)
+    if len(candidates) > 1:
+        _progress("")
+    if best is None:
+        return Solution({}, (), float("inf"), total_seconds, INFEASIBLE, build_seconds=build_seconds), candidates[0]
+    sol, roles = best
+    sol.solve_seconds, sol.build_seconds = total_seconds, build_seconds
+    return sol, roles
+
+
+def _progress(text: str) -> None:
+    """One status line on a terminal (rewritten in place); nothing when stderr is a file or pipe."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r\033[Kautopar: {text}" if text else "\r\033[K")
+        sys.stderr.flush()

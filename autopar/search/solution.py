@@ -1,0 +1,28 @@
+"""What a search returns: one strategy per node, the batch axes, and how the search ended.
+
+The status strings live here, not in a solver, because the plan reports them (plan_result.py)
+and must not depend on which solver ran.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPTIMAL = "optimal"
+TIME_LIMIT = "time limit reached"
+INFEASIBLE = "infeasible"
+GREEDY = "greedy"                        # HiGHS ran out of time; the greedy's plan, gap to HiGHS's bound
+GREEDY_NO_BOUND = "greedy (no bound)"    # ... and no lower bound was found to measure the gap against
+
+
+@dataclass
+class Solution:
+    choice: dict[str, int]          # node -> index into its strategies
+    batch_axes: tuple               # axes that split the batch
+    objective: float                # predicted seconds (search's cost model)
+    solve_seconds: float
+    status: str
+    num_variables: int = 0
+    num_constraints: int = 0
+    mip_gap: float = 0.0            # proven distance from the optimum when HiGHS stopped
+    build_seconds: float = 0.0      # building the ILP (edge costs, rows), before HiGHS
+    checkpointed: tuple = ()        # paths of the stacks whose blocks are recomputed in backward

@@ -1,0 +1,187 @@
+"""Pipeline parallelism: the cut of the graph into stages, by dynamic programming.
+
+Each stage is a contiguous run of ops in graph order, so what crosses a cut
+is exactly the tensors made before it and read after it (sent forward, their
+gradients sent back). The program minimises the slowest stage (the pipeline
+runs at its pace), counting every op where it runs -- the embedding and the
+output head included, so a big vocabulary makes the first and last stages
+shorter by itself -- and rejects a cut whose stage does not fit memory_limit
+with the activations the schedule keeps in flight on it.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import cost_models as cm
+
+from ..errors import PipelineError
+from .pipeline import STAGES_PER_DEVICE, PipelinePlan, Stage, in_flight
+from .stage_costs import OpCosts
+
+# a cut may fall where at most this many times the fewest bytes of the model's body cross: "few bytes"
+# (a transformer's residual stream between blocks, or between attention and MLP), not mid-attention
+CUT_SLACK = 2.0
+
+
+def partition(prob, costs: OpCosts, *, axis: str, microbatches: int, schedule: str, memory_limit=None,
+              transient: float = 0.0) -> PipelinePlan:
+    """The cut into stages that makes the slowest stage fastest, each stage fitting `memory_limit`.
+    `costs`: op_costs of the chosen strategies."""
+    p = prob.mesh.axis_sizes[prob.mesh.axis_index(axis)]
+    num_stages = p * STAGES_PER_DEVICE[schedule]
+    spans = _Spans.of(costs, prob.links[axis], schedule, num_stages, microbatches, transient)
+    cuts = _cut_points(costs)
+    if len(cuts) - 1 < num_stages:
+        raise PipelineError(f"the model has {len(cuts) - 1} place(s) where a cut passes few bytes, too few for "
+                            f"{num_stages} stages on pipeline axis {axis!r}; use fewer stages")
+    bounds = _best_bounds(spans, cuts, num_stages, memory_limit)
+    if bounds is None:
+        share = spans.memory(0, spans.n, 0) / num_stages   # the whole model, stage 0's in flight, split evenly
+        raise PipelineError(f"no cut of the model into {num_stages} stages on pipeline axis {axis!r} fits "
+                            f"memory_limit={cm.format_bytes(memory_limit)} per device with {microbatches} "
+                            f"microbatches under {schedule} (an even share of the model would be about "
+                            f"{cm.format_bytes(share)}, and layers cannot be split finer than the cut points); "
+                            "raise the limit, use 1f1b (fewer microbatches in flight than gpipe), or more devices")
+    stages = [_stage(prob, costs, spans, s, bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    v = STAGES_PER_DEVICE[schedule]
+    slowest = max(st.time for st in stages)
+    per_device = max(sum(stages[s].time for s in range(c, num_stages, p)) for c in range(p))
+    return PipelinePlan(axis, num_stages, microbatches, schedule, tuple(stages), (p - 1) / (v * microbatches),
+                        microbatches * per_device + (p - 1) * slowest)
+
+
+@dataclass
+class _Spans:
+    """What a stage running ops [i, j) costs, from prefix sums over the graph order."""
+    costs: OpCosts
+    link: object
+    schedule: str
+    num_stages: int
+    microbatches: int
+    transient: float
+    t_sum: list          # prefix sums of per-op time
+    a_sum: list          # ... of activation bytes
+    s_sum: list          # ... of weight state, charged to each weight's first reader
+    shared: list         # (readers, bytes) of weights read in more than one place
+    reads: list          # sorted positions of every op that reads a weight
+
+    @staticmethod
+    def of(costs: OpCosts, link, schedule: str, num_stages: int, microbatches: int, transient: float) -> "_Spans":
+        n = len(costs.order)
+        first_read, shared = [0.0] * n, []
+        for name, parts in costs.state_parts.items():
+            st = sum(parts)
+            readers = costs.users.get(name) or []
+            if readers:
+                first_read[readers[0]] += st
+                if readers[-1] != readers[0]:   # a stage holds its own copy of a weight it reads
+                    shared.append((readers, st))
+        reads = sorted({r for rs in costs.users.values() for r in rs})
+        return _Spans(costs, link, schedule, num_stages, microbatches, transient, _prefix(costs.time),
+                      _prefix(costs.acts), _prefix(first_read), shared, reads)
+
+    @property
+    def n(self) -> int:
+        return len(self.costs.order)
+
+    def send(self, k: int) -> float:
+        """Seconds per microbatch to send the activations crossing cut k forward and their gradients back."""
+        if k in (0, self.n):
+            return 0.0
+        return 2 * float(cm.collective_time(cm.SEND_RECV, self.costs.crossing[k], 2, self.link))
+
+    def time(self, i: int, j: int) -> float:
+        return self.t_sum[j] - self.t_sum[i] + self.send(i) + self.send(j)
+
+    def state(self, i: int, j: int) -> float:
+        extra = sum(st for readers, st in self.shared if readers[0] < i and any(i <= r < j for r in readers))
+        return self.s_sum[j] - self.s_sum[i] + extra
+
+    def activations(self, i: int, j: int) -> float:
+        return self.a_sum[j] - self.a_sum[i]
+
+    def memory(self, i: int, j: int, stage: int) -> float:
+        kept = in_flight(self.schedule, stage, self.num_stages, self.microbatches)
+        return self.state(i, j) + kept * self.activations(i, j) + self.transient
+
+    def holds_weights(self, i: int, j: int) -> bool:
+        """A device with no weights to train wastes its share (and an optimizer refuses it)."""
+        k = bisect.bisect_left(self.reads, i)
+        return k < len(self.reads) and self.reads[k] < j
+
+
+def _best_bounds(spans: _Spans, cuts: list, num_stages: int, memory_limit) -> list | None:
+    """The stage boundaries [0, ..., n] minimising (slowest stage, total time), or None if none fits."""
+    n = spans.n
+    best = {(0, 0): (0.0, 0.0, None)}   # (stages, cut) -> (slowest stage, total, previous cut)
+    for s in range(1, num_stages + 1):
+        for j in cuts:
+            if j == 0 or (s == num_stages) != (j == n):
+                continue
+            for i in cuts:
+                if i >= j or (s - 1, i) not in best or not spans.holds_weights(i, j):
+                    continue
+                if memory_limit is not None and spans.memory(i, j, s - 1) > memory_limit:
+                    continue
+                t = spans.time(i, j)
+                prev = best[(s - 1, i)]
+                cand = (max(prev[0], t), prev[1] + t, i)
+                if (s, j) not in best or cand[:2] < best[(s, j)][:2]:
+                    best[(s, j)] = cand
+    if (num_stages, n) not in best:
+        return None
+    bounds, k = [n], n
+    for s in range(num_stages, 0, -1):
+        k = best[(s, k)][2]
+        bounds.append(k)
+    return bounds[::-1]
+
+
+def _stage(prob, costs: OpCosts, spans: _Spans, s: int, i: int, j: int) -> Stage:
+    nodes = tuple(costs.order[i:j])
+    return Stage(s, nodes, compress_paths(prob.cap.info[x].module_path for x in nodes), spans.time(i, j),
+                 spans.memory(i, j, s), spans.activations(i, j),
+                 in_flight(spans.schedule, s, spans.num_stages, spans.microbatches),
+                 costs.crossing[j] if j < spans.n else 0.0)
+
+
+def _prefix(values) -> list:
+    out = [0.0]
+    for x in values:
+        out.append(out[-1] + x)
+    return out
+
+
+def _cut_points(costs: OpCosts) -> list:
+    """Where a stage may end: the ends, and the points where at most CUT_SLACK times the fewest bytes
+    crossing anywhere in the model's body (between its first and last weight) cross."""
+    n = len(costs.order)
+    readers = [r for rs in costs.users.values() for r in rs]
+    lo, hi = (min(readers) + 1, max(readers)) if readers else (1, n - 1)
+    body = [c for c in costs.crossing[lo:hi + 1] if c < math.inf] or [c for c in costs.crossing if c < math.inf]
+    fewest = min(body) if body else 0.0
+    return [0] + [k for k in range(1, n) if costs.crossing[k] <= CUT_SLACK * fewest] + [n]
+
+
+def compress_paths(paths) -> str:
+    """Module paths to a short list: each up to its layer number, consecutive layers as a range."""
+    heads = []
+    for path in paths:
+        parts = path.split(".") if path else ["<root>"]
+        k = next((i for i, x in enumerate(parts) if x.isdigit()), 0)
+        head = ".".join(parts[:k + 1])
+        if not heads or heads[-1] != head:
+            if head not in heads:
+                heads.append(head)
+    out = []   # (prefix, first, last) runs of numbered heads, or (head, None, None)
+    for h in heads:
+        prefix, _, num = h.rpartition(".")
+        if num.isdigit() and out and out[-1][0] == prefix and out[-1][2] == int(num) - 1:
+            out[-1] = (prefix, out[-1][1], int(num))
+        elif num.isdigit():
+            out.append((prefix, int(num), int(num)))
+        else:
+            out.append((h, None, None))
+    return ", ".join(p if a is None else f"{p}.{a}" if a == b else f"{p}.{a}-{b}" for p, a, b in out)

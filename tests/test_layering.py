@@ -1,0 +1,157 @@
+"""autopar's modules import in one direction: capture -> sharding -> cost -> search -> plan -> runtime.
+
+Every module's imports are read with `ast` (function-level imports too, since a lazy import
+is still a dependency), resolved to autopar's own modules, and checked against the chain:
+a module may import from its own stage or an earlier one, never a later one. Imports must
+also form no cycle, and nothing outside autopar/testing/ may import autopar.testing (the
+harness depends on the library, not the other way round). docs/ARCHITECTURE.md draws the chain.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import textwrap
+
+import networkx as nx
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Stages in the order data flows; a module belongs to the first entry that is it or its package.
+STAGES = [
+    ("base", ("autopar.errors", "autopar.mesh", "autopar._compat")),
+    ("capture", ("autopar.capture",)),
+    ("sharding", ("autopar.sharding",)),
+    ("cost", ("autopar.cost",)),
+    ("search", ("autopar.search",)),
+    ("plan", ("autopar.plan_result", "autopar.planner")),
+    ("runtime", ("autopar.runtime",)),
+    ("questions", ("autopar.whatif", "autopar.audit")),   # asked of a finished plan or module
+    ("api", ("autopar.api",)),
+    ("package", ("autopar",)),                            # autopar/__init__.py: the public names
+]
+TESTING = "autopar.testing"
+
+
+def module_names(package_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every .py under `package_dir` (a package's name for its __init__)."""
+    out = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(package_dir.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: pathlib.Path, known: dict) -> list[tuple[str, int]]:
+    """(module imported, line) for each import of one of `known`'s modules in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from pkg import mod` imports the module; `from mod import name` the module itself
+            candidates = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known] or [target]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for c in candidates:
+            while c and c not in known:   # `import autopar.cost.terms` -> that module; a name -> its module
+                c = c.rpartition(".")[0]
+            if c and c != name:
+                found.append((c, node.lineno))
+    return found
+
+
+def stage_of(name: str) -> int | None:
+    """Index into STAGES of the module `name`, or None if it is in none."""
+    for i, (_, prefixes) in enumerate(STAGES):
+        if any(name == p or (p != "autopar" and name.startswith(p + ".")) for p in prefixes):
+            return i
+    return None
+
+
+def layering_problems(package_dir: pathlib.Path) -> list[str]:
+    """Every import against the chain, every import of autopar.testing from the library, every cycle."""
+    known = module_names(package_dir)
+    graph, problems = nx.DiGraph(), []
+    for name, path in known.items():
+        graph.add_node(name)
+        here = stage_of(name)
+        in_testing = name == TESTING or name.startswith(TESTING + ".")
+        for target, line in imports_of(name, path, known):
+            graph.add_edge(name, target)
+            where = f"{path.relative_to(package_dir.parent)}:{line}"
+            if target == TESTING or target.startswith(TESTING + "."):
+                if not in_testing:
+                    problems.append(f"{where}: {name} imports {target}; only tests and autopar.testing may")
+                continue
+            if in_testing:
+                continue
+            there = stage_of(target)
+            if here is None:
+                problems.append(f"{where}: {name} belongs to no stage; add it to STAGES in tests/test_layering.py")
+            elif there is not None and there > here:
+                chain = " -> ".join(s for s, _ in STAGES[:-2])
+                problems.append(f"{where}: {name} ({STAGES[here][0]}) imports {target} ({STAGES[there][0]}), "
+                                f"against the direction {chain}")
+    for cycle in nx.simple_cycles(graph):
+        problems.append("import cycle: " + " -> ".join(cycle + cycle[:1]))
+    return problems
+
+
+def test_autopar_imports_follow_the_stages_and_form_no_cycle():
+    problems = layering_problems(REPO / "autopar")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_autopar_module_belongs_to_a_stage():
+    lost = [m for m in module_names(REPO / "autopar")
+            if stage_of(m) is None and not (m == TESTING or m.startswith(TESTING + "."))]
+    assert not lost, f"modules in no stage of STAGES: {lost}"
+
+
+def test_cost_models_does_not_import_autopar():
+    known = {**module_names(REPO / "autopar"), **module_names(REPO / "cost_models")}
+    back = [(m, t) for m, p in module_names(REPO / "cost_models").items()
+            for t, _ in imports_of(m, p, known) if t.startswith("autopar")]
+    assert not back, back
+
+
+def _package(tmp_path: pathlib.Path, files: dict) -> pathlib.Path:
+    root = tmp_path / "autopar"
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def test_the_check_catches_an_import_against_the_direction(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "cost/__init__.py": "",
+        "cost/predict.py": "def f():\n    from ..search.ilp import solve   # lazy, still a dependency\n",
+        "search/__init__.py": "",
+        "search/ilp.py": "from ..cost.predict import f\n",
+    })
+    problems = layering_problems(root)
+    assert any("autopar.cost.predict (cost) imports autopar.search.ilp (search)" in p for p in problems), problems
+    assert any(p.startswith("import cycle:") for p in problems), problems
+
+
+def test_the_check_catches_the_library_importing_its_test_harness(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "runtime/__init__.py": "",
+        "runtime/module.py": "from autopar.testing import run_gloo\n",
+        "testing/__init__.py": "from ..runtime import module\n",
+    })
+    problems = layering_problems(root)
+    assert any("autopar.runtime.module imports autopar.testing" in p for p in problems), problems
+    assert not any("testing/__init__" in p and "against" in p for p in problems), problems
