@@ -13,7 +13,8 @@ from torch import fx, nn
 
 import autopar
 import cost_models as cm
-from autopar.cost.activations import CPU, Arg, New, kept_value, op_keeps, requires_grad, storage_owners
+from autopar.cost.saved_tensors import CPU, Arg, New, op_keeps
+from autopar.cost.activations import kept_value, requires_grad, storage_owners
 from autopar.capture.export import BUFFER, PARAM, capture
 from autopar.sharding.placement import R
 from autopar.sharding.rules import tensor_args
@@ -209,6 +210,6 @@ def test_each_op_keeps_what_the_table_says(name):
 
 
 def test_hardware_kernels():
-    from autopar.cost.activations import CUDA, kernel_family
+    from autopar.cost.saved_tensors import CUDA, kernel_family
     assert kernel_family(cm.get_hardware("cpu")) == CPU
     assert kernel_family(cm.get_hardware("h100")) == kernel_family(cm.get_hardware("a100")) == CUDA
