@@ -17,7 +17,7 @@ from autopar.cost.saved_tensors import CPU, Arg, New, op_keeps
 from autopar.cost.activations import kept_value, requires_grad, storage_owners
 from autopar.capture.export import BUFFER, PARAM, capture
 from autopar.sharding.placement import R
-from autopar.sharding.rules import tensor_args
+from autopar.sharding.op_spec import tensor_args
 from autopar.testing import GPT, MLP, GPTConfig, run_threaded, tiny_llama
 
 REL = 0.03

@@ -28,7 +28,8 @@ from autopar.capture.export import capture
 from autopar.mesh import MeshSpec
 from autopar.sharding.placement import P, R, S, dim_factor, local_shape, shard_dim, shard_full_tensor
 from autopar.runtime.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, local_target, squeezed_dims
-from autopar.sharding.rules import RULES, op_name, tensor_args
+from autopar.sharding.rules import RULES
+from autopar.sharding.op_spec import op_name, tensor_args
 from autopar.sharding.strategies import op_strategies
 
 from rule_cases import CASES

@@ -14,7 +14,7 @@ from ..capture.export import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
 from ..mesh import MeshSpec
 from ..sharding.placement import numel
 from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution
-from ..sharding.rules import tensor_args
+from ..sharding.op_spec import tensor_args
 from ..sharding.strategies import NodeStrategies
 from .checkpointing import checkpointed_model
 from .terms import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time,

@@ -20,7 +20,7 @@ from torch import fx
 
 from ..capture.export import Captured, TensorMeta
 from ..sharding.placement import P
-from ..sharding.rules import op_name, tensor_args
+from ..sharding.op_spec import op_name, tensor_args
 
 CPU, CUDA = "cpu", "cuda"
 

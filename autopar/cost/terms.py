@@ -27,7 +27,7 @@ from ..mesh import MeshSpec
 from ..sharding.placement import P, R, S, Placements, local_shape, numel
 from .precision import ParamBytes
 from ..sharding.redistribute import Collective, plan_steps, step_collectives
-from ..sharding.rules import op_name, tensor_args
+from ..sharding.op_spec import op_name, tensor_args
 
 MATMUL_OPS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default",
               "aten.addmm.default"}

@@ -21,7 +21,7 @@ from ..sharding.placement import P, R, is_shard, local_shape, numel
 from ..sharding.redistribute import UnsupportedRedistribution, plan_steps
 from ..capture.export import OP
 from ..cost.problem import Problem
-from ..sharding.rules import tensor_args
+from ..sharding.op_spec import tensor_args
 
 DP, FSDP, TP, ZERO1, ZERO2 = "dp", "fsdp", "tp", "zero1", "zero2"
 # auto on a mesh of many axes (role_assignments): the axis splits the batch, and each parameter is
@@ -214,7 +214,7 @@ def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
     user who asks for tp expects Megatron's layout and should hear at once why
     they will not get it. With sequence parallelism the sequence must divide too.
     """
-    from ..sharding.rules import op_name, tensor_args
+    from ..sharding.op_spec import op_name, tensor_args
     tp_axes = [a for a, r in enumerate(roles.roles) if r == TP]
     if not tp_axes:
         return
@@ -369,7 +369,7 @@ _HEAD_REPEAT_OPS = {"aten.reshape.default", "aten.view.default", "aten._unsafe_v
 def _kv_heads(cap, k_node) -> int:
     """Key/value heads before any GQA repeat: models that repeat keys to the query head count
     (HF's repeat_kv: unsqueeze, expand, reshape) hide the true count from the attention op."""
-    from ..sharding.rules import op_name
+    from ..sharding.op_spec import op_name
     heads, node = None, k_node
     while True:
         meta = cap.info[node.name].meta

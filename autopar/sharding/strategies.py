@@ -19,7 +19,8 @@ from ..capture.export import INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
 from ..errors import UnsupportedOpWarning
 from ..mesh import MeshSpec
 from .placement import P, R, Placements, S, dim_factor, local_shape, numel
-from .rules import OpSpec, op_name, rule_for, tensor_args
+from .op_spec import OpSpec, op_name, tensor_args
+from .rules import rule_for
 
 
 @dataclass(frozen=True)
