@@ -56,7 +56,9 @@ def test_eval_mode_turns_dropout_off(strategy, shape):
             (third - fourth).abs().max().item()
 
     for err, repeat, train_diff in run_threaded(_world(shape), run):
-        assert err < 1e-5 and repeat == 0
+        # repeat: not bitwise 0, since threaded ranks share torch's intra-op pool, and a kernel that finds it
+        # busy runs on one thread and sums in another order (~1e-7); dropout left on would differ by ~1
+        assert err < 1e-5 and repeat < 1e-5
         assert train_diff > 1e-3   # dropout is on again in train mode
 
 

@@ -142,17 +142,38 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO) 
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     auto = isinstance(dynamic_shapes, str) and dynamic_shapes == AUTO
+    ep = _export(model, example_inputs, _auto_spec(model, example_inputs) if auto else dynamic_shapes)
+    canonical = _canonical_names(model)
+    kinds = _placeholder_kinds(ep, canonical)
+    graph = _renumbered(ep.graph)
+    dim_names = _auto_dim_names(example_inputs) if auto else _dim_names(dynamic_shapes, example_inputs)
+    input_nodes = [n for n in graph.nodes if n.op == "placeholder" and kinds.get(n.name, (None,))[0] == INPUT]
+    rename, hints = _dim_symbols(input_nodes, example_inputs, dim_names)
+    info = _node_infos(graph, kinds, _MetaReader(rename, hints))
+    symbols = {str(s): s for s in hints}
+    ranges = {}
+    for expr, vr in ep.range_constraints.items():   # the sizes export allows each dynamic dim
+        if expr in rename:
+            ranges[rename[expr]] = (_as_int(vr.lower), _as_int(vr.upper))
+    aliases = {a: c for a, c in canonical.items() if a != c}
+    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], aliases, ranges)
+
+
+def _export(model, example_inputs: tuple, dynamic_shapes):
+    """torch.export's training graph, with mean losses split (losses.py); CaptureError on failure."""
     try:
         with trace_lock:  # export keeps module-level state: one trace at a time per process
-            ep = torch.export.export(model, example_inputs, strict=False,
-                                     dynamic_shapes=_auto_spec(model, example_inputs) if auto else dynamic_shapes)
+            ep = torch.export.export(model, example_inputs, strict=False, dynamic_shapes=dynamic_shapes)
             # under the lock too: it enters the export's fake mode, and mode stacks are per process
             split_mean_losses(ep.graph)   # before anything reads the graph: plans see the split form
     except Exception as e:  # export raises many types; the user needs cause + place
         raise CaptureError(_explain_export_failure(model, e)) from e
+    return ep
 
+
+def _placeholder_kinds(ep, canonical: dict) -> dict:
+    """Placeholder name -> (kind, canonical target name); refuses a model that mutates buffers."""
     sig = ep.graph_signature
-    canonical = _canonical_names(model)
     kinds = {}
     for spec in sig.input_specs:
         name = spec.arg.name if hasattr(spec.arg, "name") else None
@@ -165,10 +186,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO) 
                 f"the model mutates buffer {spec.target!r} in forward (e.g. BatchNorm running stats); "
                 "autopar cannot shard a model that updates buffers yet: put such modules in eval mode "
                 "or replace them (e.g. LayerNorm)")
+    return kinds
 
-    graph = _renumbered(ep.graph)
-    dim_names = _auto_dim_names(example_inputs) if auto else _dim_names(dynamic_shapes, example_inputs)
-    input_nodes = [n for n in graph.nodes if n.op == "placeholder" and kinds.get(n.name, (None,))[0] == INPUT]
+
+def _dim_symbols(input_nodes: list, example_inputs: tuple, dim_names: dict) -> tuple[dict, dict]:
+    """Export's size symbols -> ours, named after the dims (batch, seq, ...), and each one's example size."""
     rename: dict[sympy.Symbol, sympy.Symbol] = {}
     hints: dict[sympy.Symbol, int] = {}
     for i, node in enumerate(input_nodes):
@@ -176,35 +198,47 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO) 
         if not isinstance(val, torch.Tensor):
             continue
         for d, s in enumerate(val.shape):
-            if isinstance(s, torch.SymInt):
-                expr = symint_expr(s)
-                if isinstance(expr, sympy.Symbol) and expr not in rename:
-                    name = dim_names.get((i, d), str(expr))
-                    taken = {str(v) for v in rename.values()}
-                    k = 1
-                    while name in taken:   # another dim of that name varies on its own: a symbol each
-                        k += 1
-                        name = f"{dim_names.get((i, d), str(expr))}{k}"
-                    sym = sympy.Symbol(name, integer=True, positive=True)
-                    rename[expr] = sym
-                    hints[sym] = int(example_inputs[i].shape[d])
+            if not isinstance(s, torch.SymInt):
+                continue
+            expr = symint_expr(s)
+            if isinstance(expr, sympy.Symbol) and expr not in rename:
+                name = dim_names.get((i, d), str(expr))
+                taken = {str(v) for v in rename.values()}
+                k = 1
+                while name in taken:   # another dim of that name varies on its own: a symbol each
+                    k += 1
+                    name = f"{dim_names.get((i, d), str(expr))}{k}"
+                sym = sympy.Symbol(name, integer=True, positive=True)
+                rename[expr] = sym
+                hints[sym] = int(example_inputs[i].shape[d])
+    return rename, hints
 
-    def to_meta(val):
+
+@dataclass
+class _MetaReader:
+    """A traced value's TensorMeta, its sizes in our symbols."""
+    rename: dict
+    hints: dict
+
+    def __call__(self, val):
         if isinstance(val, torch.Tensor):
             shape, hint = [], []
             for s in val.shape:
                 if isinstance(s, torch.SymInt):
-                    e = symint_expr(s).xreplace(rename)
+                    e = symint_expr(s).xreplace(self.rename)
                     shape.append(e)
-                    hint.append(int(e.xreplace(hints)) if e.free_symbols <= set(hints) else symint_hint(s))
+                    hint.append(int(e.xreplace(self.hints)) if e.free_symbols <= set(self.hints) else symint_hint(s))
                 else:
                     shape.append(sympy.Integer(int(s)))
                     hint.append(int(s))
             return TensorMeta(tuple(shape), tuple(hint), val.dtype)
         if isinstance(val, (list, tuple)) and val and all(isinstance(v, torch.Tensor) for v in val):
-            return [to_meta(v) for v in val]
+            return [self(v) for v in val]
         return None
 
+
+def _node_infos(graph: fx.Graph, kinds: dict, to_meta: _MetaReader) -> dict:
+    """NodeInfo of every node: kind, module path, parameter name, meta, parameters read."""
     info = {}
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -216,13 +250,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO) 
             reads = tuple(info[a.name].target_name for a in node.all_input_nodes
                           if a.name in info and info[a.name].kind == PARAM)
             info[node.name] = NodeInfo(OP, _module_path(node), None, to_meta(node.meta.get("val")), reads)
-    symbols = {str(s): s for s in hints}
-    ranges = {}
-    for expr, vr in ep.range_constraints.items():   # the sizes export allows each dynamic dim
-        if expr in rename:
-            ranges[rename[expr]] = (_as_int(vr.lower), _as_int(vr.upper))
-    aliases = {a: c for a, c in canonical.items() if a != c}
-    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], aliases, ranges)
+    return info
 
 
 def _renumbered(graph: fx.Graph) -> fx.Graph:

@@ -24,29 +24,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from .._compat import storage_id, trace_lock
-from .blocks import block_of, node_signature
-from .export import AUTO, BUFFER, OP, PARAM, Captured, NodeInfo, _canonical_names, capture
+from .export import AUTO, BUFFER, OP, PARAM, Captured, _canonical_names, capture
 from ..errors import CaptureError
+from .traced_layers import NotRepeated, TRACED, TracedLayers, check_repeat, moved_name, name_strides, placeholder_name, renamed_block, section_of, split_name, traced_blocks
 
 log = logging.getLogger(__name__)
-
-TRACED = 3   # layers traced per stack: block 0 (may differ), 1 and 2 (a repeat and its wiring)
-
-# how fx names a node: a base and an optional counter ("linear_12"), torch.fx.graph's _name_regex
-_NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")
-_PLACEHOLDER_PREFIX = {PARAM: "p_", BUFFER: "b_"}
-
-
-class NotRepeated(Exception):
-    """The shallow graph does not show a repeat that copying can extend: capture whole.
-    capture_repeated catches it; it never reaches the user."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,158 +140,12 @@ def _check_tensors(cap: Captured, model: nn.Module) -> None:
             raise NotRepeated(f"the expanded graph's {kind}s are not the model's")
 
 
-# --------------------------------------------------------------------------- the traced blocks
-
-@dataclasses.dataclass(frozen=True)
-class _Traced:
-    """One stack's traced blocks in a graph."""
-    blocks: tuple            # per traced block, its nodes (parameters, buffers, ops) in graph order
-    where: dict              # node name -> (block, position in its block)
-    ends: dict               # node name -> the section (PARAM / BUFFER / OP) it ends in the last layer
-    last_op: str             # name of the stack's last op: nodes after it follow the stack
-
-
-def _section(cap: Captured, node: fx.Node) -> str | None:
-    if node.op == "placeholder":
-        kind = cap.info[node.name].kind
-        return kind if kind in (PARAM, BUFFER) else None
-    return OP if node.op != "output" else None
-
-
-def _block(cap: Captured, node: fx.Node, stack: str) -> int | None:
-    """Which block of `stack` a node belongs to: parameters and buffers by name, ops by module."""
-    info = cap.info[node.name]
-    path = info.target_name if node.op == "placeholder" else info.module_path
-    key = block_of(path or "")
-    if key is None or key[0] != stack:
-        return None
-    if node.op == "placeholder" and info.kind not in (PARAM, BUFFER):
-        raise NotRepeated(f"{node.name}: a lifted constant in a layer")
-    if node.op not in ("placeholder", "call_function"):
-        raise NotRepeated(f"{node.name}: a {node.op} node in a layer (e.g. a higher-order op)")
-    return key[1]
-
-
-def traced_blocks(cap: Captured, stack: str) -> _Traced:
-    """The traced blocks of `stack`, each one run of consecutive nodes per section, in order."""
-    sections: dict = {}   # section -> [(block or None, node)] in graph order
-    for node in cap.graph.nodes:
-        section = _section(cap, node)
-        if section is not None:
-            sections.setdefault(section, []).append((_block(cap, node, stack), node))
-    blocks = [[] for _ in range(TRACED)]
-    ends, last_op = {}, None
-    for section, labelled in sections.items():
-        indices = [b for b, _ in labelled]
-        members = [i for i, b in enumerate(indices) if b is not None]
-        if not members:
-            continue
-        run = indices[members[0]:members[-1] + 1]
-        # consecutive (nothing between two layers) and in order 0, 1, 2
-        if None in run or run != sorted(run) or set(run) != set(range(TRACED)):
-            raise NotRepeated(f"the {section} nodes of {stack!r} are not one run per layer, in order")
-        for b, node in labelled[members[0]:members[-1] + 1]:
-            blocks[b].append(node)
-        end = labelled[members[-1]][1].name
-        ends[end] = section
-        if section == OP:
-            last_op = end
-    if last_op is None:
-        raise NotRepeated(f"no ops in {stack!r}")
-    # a block's nodes in graph order: placeholders (parameters, then buffers), then ops
-    order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
-    blocks = tuple(sorted(b, key=lambda n: order[n.name]) for b in blocks)
-    where = {n.name: (b, j) for b, nodes in enumerate(blocks) for j, n in enumerate(nodes)}
-    return _Traced(blocks, where, ends, last_op)
-
-
-def _node_inputs(node: fx.Node) -> list[fx.Node]:
-    """The nodes among a node's arguments, every occurrence, in order (all_input_nodes dedups)."""
-    out = []
-    fx.node.map_arg((node.args, node.kwargs), out.append)
-    return out
-
-
-def check_repeat(cap: Captured, stack: str, traced: _Traced) -> None:
-    """Block 2 repeats block 1 op by op, and reads block 1 as block 1 reads block 0; nothing after
-    the stack reads blocks 0 or 1. Raises NotRepeated otherwise."""
-    _, one, two = traced.blocks
-    if len(one) != len(two):
-        raise NotRepeated(f"layers 1 and 2 of {stack!r} have {len(one)} and {len(two)} nodes")
-    members = [{n.name: j for j, n in enumerate(b)} for b in traced.blocks]
-    for a, b in zip(one, two):
-        if node_signature(cap, a, members[1], stack, 1) != node_signature(cap, b, members[2], stack, 2):
-            raise NotRepeated(f"{b.name} (layer 2 of {stack!r}) does not repeat {a.name} (layer 1)")
-        for x1, x2 in zip(_node_inputs(a), _node_inputs(b)):
-            if x2.name in members[2]:
-                continue  # the signature compared positions inside the block
-            if x2.name in members[1]:
-                wired = members[0].get(x1.name) == members[1][x2.name]
-            else:
-                wired = x1 is x2 and x2.name not in members[0]
-            if not wired:
-                raise NotRepeated(f"{b.name} reads {x2.name}, which layer 1's {a.name} does not mirror")
-    after = False
-    for node in cap.graph.nodes:
-        if after and any(x.name in members[0] or x.name in members[1] for x in node.all_input_nodes):
-            raise NotRepeated(f"{node.name} follows {stack!r} but reads an early layer")
-        after = after or node.name == traced.last_op
-
-
 # --------------------------------------------------------------------------- names
-
-def _split_name(name: str) -> tuple[str, int]:
-    match = _NAME.match(name)
-    if match is None:
-        raise NotRepeated(f"{name!r} is not an fx node name")
-    base, num = match.groups()
-    return base, int(num or 0)
-
-
-def _join_name(base: str, num: int) -> str:
-    return f"{base}_{num}" if num else base
-
-
-def name_strides(traced: _Traced) -> dict[str, int]:
-    """Op name base -> how far its counter moves per layer.
-
-    torch.export numbers ops per base in trace order (`linear`, `linear_1`, ...),
-    so layer k's names are layer 2's moved on by (k - 2) strides, and the ops
-    after the stack move on by the strides of the layers that were not traced.
-    """
-    strides: dict = {}
-    for a, b in zip(traced.blocks[1], traced.blocks[2]):
-        if b.op == "placeholder":
-            continue
-        (base, m1), (base2, m2) = _split_name(a.name), _split_name(b.name)
-        if base != base2 or m2 <= m1 or strides.setdefault(base, m2 - m1) != m2 - m1:
-            raise NotRepeated(f"names {a.name} and {b.name} do not step by one layer")
-    return strides
-
-
-def _moved_name(name: str, strides: dict, layers: int) -> str:
-    base, num = _split_name(name)
-    return _join_name(base, num + layers * strides[base]) if base in strides else name
-
-
-def _placeholder_name(kind: str, fqn: str) -> str:
-    """torch.export's name for a parameter / buffer placeholder (placeholder_naming_pass)."""
-    return _PLACEHOLDER_PREFIX[kind] + re.sub(r"[^a-zA-Z0-9]", "_", fqn).lower()
-
-
-def _renamed_block(path: str | None, stack: str, block: int) -> str | None:
-    """A path or parameter name of layer 2 of `stack`, moved to layer `block`."""
-    if path is None:
-        return None
-    head = f"{stack}.{TRACED - 1}"
-    if path == head or path.startswith(head + "."):
-        return f"{stack}.{block}" + path[len(head):]
-    return path
 
 
 # --------------------------------------------------------------------------- the expanded graph
 
-class _Storages:
+class CopiedStorages:
     """Storages for the copies' traced tensors.
 
     The activation model reads which tensors share a storage from the traced
@@ -312,7 +154,7 @@ class _Storages:
     layers on: a traced one, or a new one made once per copy.
     """
 
-    def __init__(self, cap: Captured, traced: _Traced):
+    def __init__(self, cap: Captured, traced: TracedLayers):
         self.traced = traced
         self.owner: dict = {}   # storage id -> (node name, tuple index) that made it
         self.holders: dict = {}  # storage id -> how many traced tensors hold it
@@ -379,79 +221,101 @@ def expand_stack(cap: Captured, stack: str, length: int) -> Captured:
     last = traced.blocks[TRACED - 1]
     top = {}   # op name base -> its highest counter in the last traced layer
     for node in last:
-        base, num = _split_name(node.name)
+        base, num = split_name(node.name)
         if base in strides:
             top[base] = max(top.get(base, 0), num)
-    templates: dict = {}   # section -> [(position in the last layer, node)]
-    for j, node in enumerate(last):
-        templates.setdefault(_section(cap, node), []).append((j, node))
-        node_info = cap.info[node.name]
-        if node.op == "placeholder" and node.name != _placeholder_name(node_info.kind, node_info.target_name):
-            raise NotRepeated(f"{node.name} is not named after {node_info.target_name}")
-    storages = _Storages(cap, traced)
-    graph = fx.Graph()
-    info: dict[str, NodeInfo] = {}
-    copies: dict = {}   # (block, position) -> node of the expanded graph, for the copied layers
-    env: dict = {}      # node name in cap -> node of the expanded graph
-
-    def lookup(shift):
-        """A node `shift` layers on from the node an argument names (itself outside the stack)."""
-        def to_new(x: fx.Node) -> fx.Node:
-            if shift and x.name in traced.where:
-                b, j = traced.where[x.name]
-                return copies[(b + shift, j)] if b + shift >= TRACED else env[traced.blocks[b + shift][j].name]
-            return env[x.name]
-        return to_new
-
-    def emit(template: fx.Node, name: str, shift: int, block: int | None) -> fx.Node:
-        """`template` moved on `shift` layers (its arguments, tensors, and when it is a copy of
-        layer `block`, its module path and parameter name)."""
-        args = fx.node.map_arg(template.args, lookup(shift))
-        kwargs = fx.node.map_arg(template.kwargs, lookup(shift))
-        target = name if template.op == "placeholder" else template.target
-        node = graph.create_node(template.op, target, args, kwargs, name=name, type_expr=template.type)
-        if node.name != name:
-            raise NotRepeated(f"{name} would clash with another node's name")
-        node.meta = dict(template.meta)
-        node.meta["val"] = storages.moved(template.meta.get("val"), shift)
-        node_info = cap.info[template.name]
-        if block is not None:
-            node_info = dataclasses.replace(node_info,
-                                            module_path=_renamed_block(node_info.module_path, stack, block),
-                                            target_name=_renamed_block(node_info.target_name, stack, block))
-            if "nn_module_stack" in node.meta:
-                node.meta["nn_module_stack"] = _moved_module_stack(node.meta["nn_module_stack"], stack, block)
-        if node_info.kind == OP and shift:
-            reads = tuple(info[a.name].target_name for a in node.all_input_nodes if info[a.name].kind == PARAM)
-            node_info = dataclasses.replace(node_info, params_read=reads)
-        info[node.name] = node_info
-        return node
-
+    templates = _layer_templates(cap, last)
+    out = _Expansion(cap, stack, traced, CopiedStorages(cap, traced))
     after = False   # past the stack's last op: what follows reads the last layer, names move on
     for template in cap.graph.nodes:
         name = template.name
         if after and template.op not in ("placeholder", "output"):
-            base, num = _split_name(name)
+            base, num = split_name(name)
             if num <= top.get(base, -1):
                 raise NotRepeated(f"{name} follows {stack!r} but is numbered as if before its last layer")
-            name = _moved_name(name, strides, length - TRACED)
-        env[template.name] = emit(template, name, length - TRACED if after else 0, None)
+            name = moved_name(name, strides, length - TRACED)
+        out.env[template.name] = out.emit(template, name, length - TRACED if after else 0, None)
         # after the last traced layer's parameters, buffers, ops: those of the layers not traced
         for block in range(TRACED, length) if template.name in traced.ends else ():
-            shift = block - (TRACED - 1)
-            for j, t in templates[traced.ends[template.name]]:
-                t_info = cap.info[t.name]
-                if t.op == "placeholder":
-                    name = _placeholder_name(t_info.kind, _renamed_block(t_info.target_name, stack, block))
-                else:
-                    name = _moved_name(t.name, strides, shift)
-                copies[(block, j)] = emit(t, name, shift, block)
+            out.copy_section(templates[traced.ends[template.name]], block, strides)
         after = after or template.name == traced.last_op
-    return Captured(cap.exported, graph, info, cap.symbols, cap.hints, list(cap.input_names), dict(cap.aliases), dict(cap.ranges))
+    return Captured(cap.exported, out.graph, out.info, cap.symbols, cap.hints, list(cap.input_names),
+                    dict(cap.aliases), dict(cap.ranges))
+
+
+def _layer_templates(cap: Captured, last: tuple) -> dict:
+    """Section (PARAM / BUFFER / OP) -> [(position in the last traced layer, node)]: what each copy repeats."""
+    templates: dict = {}
+    for j, node in enumerate(last):
+        templates.setdefault(section_of(cap, node), []).append((j, node))
+        node_info = cap.info[node.name]
+        if node.op == "placeholder" and node.name != placeholder_name(node_info.kind, node_info.target_name):
+            raise NotRepeated(f"{node.name} is not named after {node_info.target_name}")
+    return templates
+
+
+@dataclasses.dataclass
+class _Expansion:
+    """The expanded graph as expand_stack builds it, node by node."""
+    cap: Captured
+    stack: str
+    traced: TracedLayers
+    storages: CopiedStorages
+    graph: fx.Graph = dataclasses.field(default_factory=fx.Graph)
+    info: dict = dataclasses.field(default_factory=dict)     # node name -> NodeInfo
+    copies: dict = dataclasses.field(default_factory=dict)   # (block, position) -> node, for the copied layers
+    env: dict = dataclasses.field(default_factory=dict)      # node name in cap -> node of the expanded graph
+
+    def lookup(self, shift: int):
+        """A node `shift` layers on from the node an argument names (itself outside the stack)."""
+        traced = self.traced
+
+        def to_new(x: fx.Node) -> fx.Node:
+            if shift and x.name in traced.where:
+                b, j = traced.where[x.name]
+                return self.copies[(b + shift, j)] if b + shift >= TRACED else self.env[traced.blocks[b + shift][j].name]
+            return self.env[x.name]
+        return to_new
+
+    def emit(self, template: fx.Node, name: str, shift: int, block: int | None) -> fx.Node:
+        """`template` moved on `shift` layers (its arguments, tensors, and when it is a copy of
+        layer `block`, its module path and parameter name)."""
+        args = fx.node.map_arg(template.args, self.lookup(shift))
+        kwargs = fx.node.map_arg(template.kwargs, self.lookup(shift))
+        target = name if template.op == "placeholder" else template.target
+        node = self.graph.create_node(template.op, target, args, kwargs, name=name, type_expr=template.type)
+        if node.name != name:
+            raise NotRepeated(f"{name} would clash with another node's name")
+        node.meta = dict(template.meta)
+        node.meta["val"] = self.storages.moved(template.meta.get("val"), shift)
+        node_info = self.cap.info[template.name]
+        if block is not None:
+            node_info = dataclasses.replace(node_info,
+                                            module_path=renamed_block(node_info.module_path, self.stack, block),
+                                            target_name=renamed_block(node_info.target_name, self.stack, block))
+            if "nn_module_stack" in node.meta:
+                node.meta["nn_module_stack"] = _moved_module_stack(node.meta["nn_module_stack"], self.stack, block)
+        if node_info.kind == OP and shift:
+            reads = tuple(self.info[a.name].target_name for a in node.all_input_nodes
+                          if self.info[a.name].kind == PARAM)
+            node_info = dataclasses.replace(node_info, params_read=reads)
+        self.info[node.name] = node_info
+        return node
+
+    def copy_section(self, templates: list, block: int, strides: dict) -> None:
+        """Layer `block`'s copies of one section of the last traced layer."""
+        shift = block - (TRACED - 1)
+        for j, t in templates:
+            t_info = self.cap.info[t.name]
+            if t.op == "placeholder":
+                name = placeholder_name(t_info.kind, renamed_block(t_info.target_name, self.stack, block))
+            else:
+                name = moved_name(t.name, strides, shift)
+            self.copies[(block, j)] = self.emit(t, name, shift, block)
 
 
 def _moved_module_stack(module_stack: dict, stack: str, block: int) -> dict:
     """nn_module_stack's paths moved to layer `block` (its keys are left as traced; nothing reads them)."""
-    return {key: (_renamed_block(entry[0], stack, block),) + tuple(entry[1:])
+    return {key: (renamed_block(entry[0], stack, block),) + tuple(entry[1:])
             if isinstance(entry, tuple) and entry and isinstance(entry[0], str) else entry
             for key, entry in module_stack.items()}
