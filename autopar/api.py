@@ -38,7 +38,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     without a limit); "full" recomputes every such stack; "none" never.
     The model is traced with each stack of alike layers (an nn.ModuleList of
     one class, same parameter shapes) cut to three, the rest copied from the
-    last (autopar.repeat), so depth adds little time. `trace_every_layer=True`
+    last (autopar.capture.repeat), so depth adds little time. `trace_every_layer=True`
     traces every layer, for a model whose alike layers run different code
     (e.g. a per-layer attention type in its config).
     `pipeline_axis`: None (the default) never pipelines; "auto" lets the

@@ -63,7 +63,7 @@ class Plan:
     precision: dict = field(default_factory=dict)   # Precision.to_dict(): None = the parameter's dtype
     optimizer: dict = field(default_factory=dict)   # {"name", "states_per_param"}
     checkpointed: tuple = ()          # stacks (module paths) whose blocks are recomputed in backward
-    pipeline: PipelinePlan | None = None  # stages over a pipeline axis (pipeline.py); None: not pipelined
+    pipeline: PipelinePlan | None = None  # stages over a pipeline axis (search/pipeline.py); None: not pipelined
 
     # ------------------------------------------------------------ inputs
     def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:
@@ -302,7 +302,7 @@ def pipeline_lines(pipe: PipelinePlan) -> list:
 
 def search_line(stats: dict) -> str:
     """How the plan was found and how far from the best plan it may be: the gap HiGHS proved, or for
-    the greedy fallback (greedy.py) its distance from a lower bound on the ILP's optimum."""
+    the greedy fallback (search/greedy.py) its distance from a lower bound on the ILP's optimum."""
     status, gap = stats["status"], f"{100 * stats.get('mip_gap', 0.0):.2g}%"
     what = {OPTIMAL: f"ILP optimal (gap {gap})",
             TIME_LIMIT: f"ILP stopped at time limit (gap {gap})",

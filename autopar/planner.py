@@ -255,7 +255,7 @@ def _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkp
 
 def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: str) -> Plan:
     """The best plan with `axis` pipelined in `m` microbatches: the ILP lays out one microbatch on the
-    other axes (the pipeline axis whole), then pipeline.partition cuts it into stages."""
+    other axes (the pipeline axis whole), then stage_partition.partition cuts it into stages."""
     spec, strategy = env.spec, env.strategy
     if env.checkpointing == "full":
         raise PipelineError("checkpointing='full' with a pipeline is not supported yet: a pipelined plan "

@@ -258,7 +258,7 @@ def _renumbered(graph: fx.Graph) -> fx.Graph:
 
     torch.export skips the numbers of nodes it made and erased (symbolic size arithmetic,
     differently in different layers), so alike layers would not step by alike numbers; plans
-    name nodes, and autopar.repeat names copied layers by those steps.
+    name nodes, and capture/repeat.py names copied layers by those steps.
     """
     out = fx.Graph()
     env: dict = {}

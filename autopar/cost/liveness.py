@@ -3,7 +3,7 @@
 Memory peaks at some op, not at the sum of everything a step makes: a
 tensor lives from the op that makes it to the last op that reads it (the
 module's outputs live to the end: the loss reads them). Tensors autograd
-saves for backward are counted as activations (activations.py / cost.py);
+saves for backward are counted as activations (activations.py / terms.py);
 the rest of what is alive at an op is transient working memory, and the
 step's peak adds the largest such working set.
 
