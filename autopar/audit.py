@@ -14,6 +14,7 @@ Measured, on this rank:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,63 +63,101 @@ def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None) -
     an optimizer, its state is measured after one step (AdamW allocates its
     moments lazily); gradients are zeroed first.
     """
-    plan = module.plan
-    names = plan.mesh.axis_names
-    # parameters and buffers are counted in their own row, whichever view of them is saved
-    weights = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
-    # plan.local_inputs cuts a rank's batch as a view of the global one; in a real run the
-    # rank holds only its shard, so an input's storage counts as the shard's bytes
-    shards = {t.untyped_storage().data_ptr(): _nbytes(t) for t in local_inputs if isinstance(t, torch.Tensor)}
-    saved: dict = {}
-    gathered = module._gathered
-    inner_pack = gathered.pack
+    with _measuring(module, local_inputs) as (saved, log):
+        grad_bytes = _train_step(module, local_inputs, loss_fn, optimizer)
+        records = list(log.records)
+    return AuditReport(tuple(_rows(module, optimizer, _comm_bytes(module.plan, records), grad_bytes,
+                                   saved.total())))
 
-    def counting_pack(t):
-        packed = inner_pack(t)
-        regathered = packed is not t          # an FSDP weight: a handle is kept, not the tensor
+
+class _SavedActivations:
+    """Bytes autograd keeps for backward, one entry per storage (see the module docstring)."""
+
+    def __init__(self, module: ParallelModule, local_inputs: tuple, inner_pack):
+        # parameters and buffers are counted in their own row, whichever view of them is saved
+        self._weights = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
+        # plan.local_inputs cuts a rank's batch as a view of the global one; in a real run the
+        # rank holds only its shard, so an input's storage counts as the shard's bytes
+        self._shards = {t.untyped_storage().data_ptr(): _nbytes(t) for t in local_inputs
+                        if isinstance(t, torch.Tensor)}
+        self._inner_pack = inner_pack
+        self._bytes: dict = {}   # storage address -> bytes
+
+    def _count(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         # saved tensors stay alive until backward, so no other storage can reuse this address
-        if not regathered and storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = shards.get(storage.data_ptr(), storage.nbytes())
+        if storage.data_ptr() not in self._weights:
+            self._bytes[storage.data_ptr()] = self._shards.get(storage.data_ptr(), storage.nbytes())
+
+    def pack(self, t: torch.Tensor):
+        """The saved-tensor hook: GatheredParams' own, counting what it keeps."""
+        packed = self._inner_pack(t)
+        if packed is t:   # otherwise an FSDP weight: a handle is kept, not the tensor
+            self._count(t)
         return packed
 
-    def counting_region_inputs(inputs):
-        # a checkpointed block keeps no activations but holds the tensors it reads until backward
+    def region_inputs(self, inputs) -> None:
+        """A CheckpointRegion's observer: a checkpointed block keeps no activations but holds the tensors it reads."""
         for t in inputs:
             if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in weights:
-                    saved[storage.data_ptr()] = shards.get(storage.data_ptr(), storage.nbytes())
+                self._count(t)
 
+    def total(self) -> int:
+        return sum(self._bytes.values())
+
+
+@contextmanager
+def _measuring(module: ParallelModule, local_inputs: tuple):
+    """Within: saved tensors are counted and collectives logged to a fresh CommLog; the module is restored after.
+
+    Yields (the _SavedActivations counting, the fresh CommLog).
+    """
+    gathered = module._gathered
+    inner_pack = gathered.pack
+    saved = _SavedActivations(module, local_inputs, inner_pack)
     regions = [m for m in module.modules() if isinstance(m, CheckpointRegion)]
     log = module.comm.log
     module.comm.log = CommLog()
-    gathered.pack = counting_pack
+    gathered.pack = saved.pack
     for region in regions:
-        region.observer = counting_region_inputs
+        region.observer = saved.region_inputs
     try:
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        out = module(*local_inputs)
-        first = out[0] if isinstance(out, (tuple, list)) else out
-        loss = loss_fn(out) if loss_fn is not None else first.float().mean()
-        loss.backward()
-        grad_bytes = sum(_nbytes(p.grad) for p in module.parameters() if p.grad is not None)
-        grad_bytes += sum(_nbytes(g) for g in getattr(optimizer, "slice_grads", list)())  # ZeRO-2 slices
-        if optimizer is not None:
-            optimizer.step()   # ZeRO's reduce-scatter and all-gather run here
-        records = list(module.comm.log.records)
+        yield saved, module.comm.log
     finally:
         gathered.pack = inner_pack
         module.comm.log = log
         for region in regions:
             region.observer = None
 
+
+def _train_step(module: ParallelModule, local_inputs: tuple, loss_fn, optimizer) -> int:
+    """Forward, backward and (with an optimizer) a step; returns the gradient bytes backward left."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    out = module(*local_inputs)
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    loss = loss_fn(out) if loss_fn is not None else first.float().mean()
+    loss.backward()
+    grad_bytes = sum(_nbytes(p.grad) for p in module.parameters() if p.grad is not None)
+    grad_bytes += sum(_nbytes(g) for g in getattr(optimizer, "slice_grads", list)())  # ZeRO-2 slices
+    if optimizer is not None:
+        optimizer.step()   # ZeRO's reduce-scatter and all-gather run here
+    return grad_bytes
+
+
+def _comm_bytes(plan, records) -> dict:
+    """{axis name: bytes this rank's collectives moved on it}, from the CommLog's records."""
+    names = plan.mesh.axis_names
     comm = {a: 0.0 for a in names}
     for kind, axis, nbytes, _ in records:
         comm[names[axis]] += cm.bytes_moved(kind, nbytes, plan.mesh.axis_sizes[axis])
-    pred = plan.predicted
-    rows = [AuditRow(f"comm bytes on {a}", pred.comm_bytes[a], comm[a]) for a in names]
+    return comm
+
+
+def _rows(module: ParallelModule, optimizer, comm: dict, grad_bytes: int, activation_bytes: int) -> list:
+    """The report's rows: each prediction of the plan beside what was measured."""
+    pred = module.plan.predicted
+    rows = [AuditRow(f"comm bytes on {a}", pred.comm_bytes[a], comm[a]) for a in module.plan.mesh.axis_names]
     rows.append(AuditRow("parameters", pred.memory.params,
                          sum(_nbytes(p) for p in module.parameters()) + sum(_nbytes(b) for b in module.buffers())))
     rows.append(AuditRow("gradients", pred.memory.grads, grad_bytes))
@@ -126,5 +165,5 @@ def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None) -
         state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
         rows.append(AuditRow("optimizer state", pred.memory.optimizer, state))
-    rows.append(AuditRow("activations saved for backward", pred.memory.activations, sum(saved.values())))
-    return AuditReport(tuple(rows))
+    rows.append(AuditRow("activations saved for backward", pred.memory.activations, activation_bytes))
+    return rows

@@ -23,7 +23,7 @@ from ..errors import PlanError
 from ..sharding.placement import R, chunk_index, dim_factor, is_shard
 from .recompute import outline
 from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
-from ..sharding.rules import op_name, tensor_args
+from ..sharding.op_spec import op_name, tensor_args
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                  "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
@@ -103,56 +103,110 @@ def _describe(steps, axis_names) -> str:
 
 
 def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphModule, GatheredParams]:
-    strategies = plan.node_strategies
-    names = plan.mesh.axis_names
-    coords = tuple(a.coord for a in comm.axes)
-    sizes = plan.mesh.axis_sizes
-    root = torch.nn.Module()
-    gathered = GatheredParams()
-    g = fx.Graph()
-    env: dict[str, fx.Node] = {}
-    cache: dict = {}
-    counter = [0]
+    """This rank's local graph of `cap` under `plan`, and the record of the FSDP weights it gathers.
 
-    def out_placement(name: str):
-        s = strategies.get(name)
-        return s.output if s is not None else (R,) * len(sizes)
+    `grad_nodes`: the captured nodes a gradient flows back to (only their
+    layout changes carry a gradient reduction).
+    """
+    rw = _Rewriter(cap, plan, comm, grad_nodes)
+    made_for = []   # (number of nodes in g before, original node): which node each new one was made for
+    for node in cap.graph.nodes:
+        made_for.append((len(rw.g.nodes), node.name))
+        rw.emit(node)
+    rw.g.lint()
+    gm = fx.GraphModule(rw.root, rw.g, class_name="LocalGraph")
+    # which captured node each local node was made for: a pipeline cuts the local graph by it (stages.py)
+    gm.meta["origin"] = _origins(gm, made_for)
+    if plan.checkpointed:
+        gm = _checkpoint_blocks(gm, cap, plan.checkpointed, made_for, comm)
+    return gm, rw.gathered
 
-    def redistribute(producer: fx.Node, dst, gp) -> fx.Node:
-        src = out_placement(producer.name)
-        gp = tuple(gp) if producer.name in grad_nodes else ()
+
+def _origins(gm: fx.GraphModule, made_for: list) -> dict:
+    """{local node name: the captured node it was made for}, from rewrite's `made_for` marks."""
+    starts = [k for k, _ in made_for]
+    return {new.name: made_for[bisect.bisect_right(starts, k) - 1][1] for k, new in enumerate(gm.graph.nodes)}
+
+
+class _Rewriter:
+    """One rewrite in progress: the local graph being built, and what each captured node became in it.
+
+    emit() is called on the captured nodes in order; each adds the node's
+    local counterpart, preceded by whatever layout changes its inputs need.
+    """
+
+    def __init__(self, cap: Captured, plan, comm: Comm, grad_nodes: set):
+        self.cap, self.comm, self.grad_nodes = cap, comm, grad_nodes
+        self.strategies = plan.node_strategies
+        self.names = plan.mesh.axis_names
+        self.coords = tuple(a.coord for a in comm.axes)
+        self.sizes = plan.mesh.axis_sizes
+        self.root = torch.nn.Module()          # owns the RedistributeModules (and get_attr targets)
+        self.gathered = GatheredParams()
+        self.g = fx.Graph()
+        self.env: dict[str, fx.Node] = {}      # captured node name -> its local counterpart
+        # one layout change per (producer, layout, gradient reduction), shared by all its consumers
+        self._cache: dict = {}
+        self._count = 0
+
+    def emit(self, node: fx.Node) -> None:
+        """Add the local counterpart of captured `node` (nothing for an op that is dropped)."""
+        if node.op == "placeholder":
+            self.env[node.name] = self.g.placeholder(node.name)
+        elif node.op == "get_attr":
+            self._emit_get_attr(node)
+        elif node.op == "output":
+            self._emit_output(node)
+        else:
+            self._emit_op(node)
+
+    def out_placement(self, name: str):
+        """The layout the plan gives node `name`'s output (replicated where it has no strategy)."""
+        s = self.strategies.get(name)
+        return s.output if s is not None else (R,) * len(self.sizes)
+
+    def redistribute(self, producer: fx.Node, dst, gp) -> fx.Node:
+        """`producer`'s local value in layout `dst`, with gradient reduction `gp` on the way back."""
+        src = self.out_placement(producer.name)
+        gp = tuple(gp) if producer.name in self.grad_nodes else ()
         # a ZeRO parameter's gradient stays unreduced on its axes: the optimizer reduce-scatters it
-        zero = strategies.get(producer.name)
-        keep = tuple(zero.zero_axes) if zero is not None and producer.name in grad_nodes else ()
+        zero = self.strategies.get(producer.name)
+        keep = tuple(zero.zero_axes) if zero is not None and producer.name in self.grad_nodes else ()
         if tuple(src) == tuple(dst) and not gp and not keep:
-            return env[producer.name]
+            return self.env[producer.name]
         key = (producer.name, tuple(dst), gp)
-        if key not in cache:
-            try:
-                steps = plan_steps(tuple(src), tuple(dst), gp, keep_partial=keep)
-            except UnsupportedRedistribution as e:
-                raise PlanError(f"plan asks for an unsupported layout change at {producer.name}: {e}") from e
-            is_param_gather = cap.info[producer.name].kind == PARAM and any(
-                s.forward_kind == ALL_GATHER for s in steps)
-            counter[0] += 1
-            mod_name = f"redist_{counter[0]}_{producer.name}"
-            label = f"{producer.name}: {_describe(steps, names)}"
-            root.add_module(mod_name, RedistributeModule(steps, comm, label, gathered if is_param_gather else None))
-            cache[key] = g.call_module(mod_name, (env[producer.name],))
-        return cache[key]
+        if key not in self._cache:
+            self._cache[key] = self._call_redistribute(producer, tuple(src), tuple(dst), gp, keep)
+        return self._cache[key]
 
-    def map_args(node, s):
+    def _call_redistribute(self, producer: fx.Node, src: tuple, dst: tuple, gp: tuple, keep: tuple) -> fx.Node:
+        """A new RedistributeModule for src -> dst, and the node calling it on `producer`."""
+        try:
+            steps = plan_steps(src, dst, gp, keep_partial=keep)
+        except UnsupportedRedistribution as e:
+            raise PlanError(f"plan asks for an unsupported layout change at {producer.name}: {e}") from e
+        is_param_gather = self.cap.info[producer.name].kind == PARAM and any(
+            s.forward_kind == ALL_GATHER for s in steps)
+        self._count += 1
+        mod_name = f"redist_{self._count}_{producer.name}"
+        label = f"{producer.name}: {_describe(steps, self.names)}"
+        self.root.add_module(mod_name, RedistributeModule(steps, self.comm, label,
+                                                          self.gathered if is_param_gather else None))
+        return self.g.call_module(mod_name, (self.env[producer.name],))
+
+    def map_args(self, node: fx.Node, s):
+        """`node`'s args and kwargs in the local graph, each tensor input in the layout strategy `s` wants."""
         count = [0]
 
         def visit(a):
             if isinstance(a, fx.Node):
-                if a.name in cap.info and _is_tensor(a):
+                if a.name in self.cap.info and _is_tensor(a):
                     i = count[0]
                     count[0] += 1
                     if s is None:
-                        return env[a.name]
-                    return redistribute(a, s.inputs[i], s.grad_partial(i))
-                return env[a.name]
+                        return self.env[a.name]
+                    return self.redistribute(a, s.inputs[i], s.grad_partial(i))
+                return self.env[a.name]
             if isinstance(a, (list, tuple)):
                 return type(a)(visit(x) for x in a)
             if isinstance(a, dict):
@@ -160,72 +214,67 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
             return a
         return visit(node.args), visit(node.kwargs)
 
-    made_for = []   # (number of nodes in g before, original node): which node each new one was made for
-    for node in cap.graph.nodes:
-        made_for.append((len(g.nodes), node.name))
-        if node.op == "placeholder":
-            env[node.name] = g.placeholder(node.name)
-            continue
-        if node.op == "get_attr":  # e.g. the body of a no_grad region (a higher-order op's submodule)
-            attr = getattr(cap.exported.graph_module, node.target)
-            if isinstance(attr, torch.nn.Module):
-                root.add_module(node.target, attr)
-            else:
-                root.register_buffer(node.target, attr)
-            env[node.name] = g.get_attr(node.target)
-            continue
-        if node.op == "output":
-            s = strategies["output"]
-            flat = tensor_args(node)
-            outs = []
-            for i, a in enumerate(flat):
-                x = redistribute(a, s.inputs[i], ())
-                scale = output_grad_scale(s.inputs[i], sizes)
-                if scale != 1.0 and a.name in grad_nodes:
-                    x = g.call_function(scale_grad, (x, scale))
-                outs.append(x)
-            g.output(tuple(outs))
-            continue
+    def _emit_get_attr(self, node: fx.Node) -> None:
+        """Carry over an attribute of the exported module, e.g. the body of a no_grad region (a higher-order op's)."""
+        attr = getattr(self.cap.exported.graph_module, node.target)
+        if isinstance(attr, torch.nn.Module):
+            self.root.add_module(node.target, attr)
+        else:
+            self.root.register_buffer(node.target, attr)
+        self.env[node.name] = self.g.get_attr(node.target)
+
+    def _emit_output(self, node: fx.Node) -> None:
+        """The outputs in the plan's output layouts, each gradient scaled as output_grad_scale says."""
+        s = self.strategies["output"]
+        outs = []
+        for i, a in enumerate(tensor_args(node)):
+            x = self.redistribute(a, s.inputs[i], ())
+            scale = output_grad_scale(s.inputs[i], self.sizes)
+            if scale != 1.0 and a.name in self.grad_nodes:
+                x = self.g.call_function(scale_grad, (x, scale))
+            outs.append(x)
+        self.g.output(tuple(outs))
+
+    def _emit_op(self, node: fx.Node) -> None:
+        """A call_function node, run on this rank's shards (its inputs redistributed first)."""
         name = op_name(node)
         if name in DROPPED_OPS:
-            continue
-        s = strategies.get(node.name)
+            return
+        s = self.strategies.get(node.name)
         if name == "aten.sym_size.int":
-            t, d = node.args[0], node.args[1]
-            x = g.call_function(node.target, (env[t.name], d))
-            f = dim_factor(out_placement(t.name), d, sizes)
-            env[node.name] = g.call_function(operator.mul, (x, f)) if f > 1 else x
-            continue
-        args, kwargs = map_args(node, s)
+            self.env[node.name] = self._global_size(node)
+            return
+        args, kwargs = self.map_args(node, s)
         if name in SQUEEZE_OPS:
-            # a split dim may be size 1 on a rank; squeeze exactly the dims that are size 1 whole
-            whole = cap.info[node.args[0].name].meta
-            whole = whole[0] if isinstance(whole, list) else whole
-            dims = squeezed_dims(node, whole.hint)
-            env[node.name] = g.call_function(torch.ops.aten.squeeze.dims, (args[0], dims))
-            continue
+            self.env[node.name] = self._squeeze(node, args)
+            return
         if name in SHAPE_ARG_OPS and s is not None:
-            args = (args[0], _localize_shape(g, args[1], s.output, sizes)) + tuple(args[2:])
+            args = (args[0], _localize_shape(self.g, args[1], s.output, self.sizes)) + tuple(args[2:])
         # a traced view may rely on strides the local tensor lacks (CPU SDPA returns a
         # transposed layout, so `.contiguous()` vanished from the trace): reshape copies only then
         if name in VIEW_OPS:
             target = torch.ops.aten.reshape.default
         else:
-            target, extra = local_target(node, s, coords, sizes)
+            target, extra = local_target(node, s, self.coords, self.sizes)
             if extra:  # vocab_parallel_embedding(weight, indices, start, local padding_idx)
                 args, kwargs = (args[0], args[1]) + extra, {}
-        new = g.call_function(target, args, kwargs)
+        new = self.g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-        env[node.name] = new
-    g.lint()
-    gm = fx.GraphModule(root, g, class_name="LocalGraph")
-    starts = [k for k, _ in made_for]
-    # which captured node each local node was made for: a pipeline cuts the local graph by it (stages.py)
-    gm.meta["origin"] = {new.name: made_for[bisect.bisect_right(starts, k) - 1][1]
-                         for k, new in enumerate(gm.graph.nodes)}
-    if plan.checkpointed:
-        gm = _checkpoint_blocks(gm, cap, plan.checkpointed, made_for, comm)
-    return gm, gathered
+        self.env[node.name] = new
+
+    def _global_size(self, node: fx.Node) -> fx.Node:
+        """A sym_size read of a local tensor, multiplied back to the global size the graph computes with."""
+        t, d = node.args[0], node.args[1]
+        x = self.g.call_function(node.target, (self.env[t.name], d))
+        f = dim_factor(self.out_placement(t.name), d, self.sizes)
+        return self.g.call_function(operator.mul, (x, f)) if f > 1 else x
+
+    def _squeeze(self, node: fx.Node, args) -> fx.Node:
+        """A squeeze of exactly the dims that are size 1 whole: a split dim may be size 1 on a rank."""
+        whole = self.cap.info[node.args[0].name].meta
+        whole = whole[0] if isinstance(whole, list) else whole
+        dims = squeezed_dims(node, whole.hint)
+        return self.g.call_function(torch.ops.aten.squeeze.dims, (args[0], dims))
 
 
 def output_grad_scale(placements, axis_sizes) -> float:

@@ -1,0 +1,219 @@
+"""Check a parallel module against the single-device one.
+
+single_device_reference records the numbers a parallel run must reproduce;
+parallel_record, run on every rank (by run_threaded or run_gloo), records
+what the parallel module did, for a test to compare.
+
+run_gloo runs N real processes talking gloo over localhost TCP. Slow to start
+(each process imports torch) but nothing is simulated; for end-to-end checks.
+"""
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn import functional as F
+
+from .threaded import RankError
+
+__all__ = ["run_gloo", "gpt_loss", "single_device_reference", "parallel_record"]
+
+
+# -----------------------------------------------------------------------------
+# real multi-process gloo
+
+def _free_port() -> int:
+    # The port is free now; rank 0 binds it a moment later. A race with another
+    # program is possible but rare, and shows as an init error, not a hang.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank, world_size, port, result_dir, fn, args):
+    """One rank's process: join gloo, run fn, leave its result (rank<r>.pt) or its traceback (rank<r>.err)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, *args)
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
+    except BaseException:
+        # A failing rank makes its peers fail too (connection closed), and
+        # spawn may report a peer first; the time tells the parent the cause.
+        # Written before destroy_process_group, i.e. before peers can notice.
+        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+    # written only on success: a missing file means the rank failed
+    torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+
+
+def _first_failure(result_dir, rank, msg):
+    """(rank, traceback) of the rank that failed first by its .err file's time; (rank, msg) if none wrote one."""
+    failures = []
+    for name in os.listdir(result_dir):
+        if name.endswith(".err"):
+            with open(os.path.join(result_dir, name)) as f:
+                when, tb = f.read().split("\n", 1)
+            failures.append((float(when), int(name[4:-4]), tb))
+    return min(failures)[1:] if failures else (rank, msg)
+
+
+def run_gloo(world_size: int, fn, *args, timeout: float = 300) -> list:
+    """Run fn(rank, *args) in world_size processes joined by a gloo process group.
+
+    fn must be a module-level function (processes are spawned, so fn and args
+    are pickled). Returns fn's return values in rank order (saved with
+    torch.save, so tensors, dicts and numbers all travel). If a rank raises,
+    the others are killed and RankError carries that rank's traceback. If the
+    run exceeds timeout seconds, all processes are killed and TimeoutError raised.
+    """
+    with tempfile.TemporaryDirectory(prefix="autopar_gloo_") as result_dir:
+        ctx = _spawn_ranks(world_size, result_dir, fn, args)
+        _wait_for_ranks(ctx, result_dir, world_size, timeout)
+        return _load_results(result_dir, world_size)
+
+
+def _spawn_ranks(world_size: int, result_dir: str, fn, args: tuple):
+    """Start the rank processes (not waiting for them), each single-threaded; returns spawn's context."""
+    # Children read OMP_NUM_THREADS when they import torch, before any of
+    # our code runs in them, so it must be in the environment they inherit.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return mp.start_processes(
+            _gloo_worker, args=(world_size, _free_port(), result_dir, fn, args),
+            nprocs=world_size, join=False, start_method="spawn")
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def _wait_for_ranks(ctx, result_dir: str, world_size: int, timeout: float) -> None:
+    """Join every rank; RankError for the first that failed, TimeoutError past `timeout`; no process outlives it."""
+    try:
+        deadline = time.monotonic() + timeout
+        # join returns False while any process runs, raises if one failed
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"run_gloo: {world_size} ranks did not finish "
+                                   f"within {timeout} s (deadlock in a collective?)")
+    except mp.ProcessRaisedException as e:
+        rank, tb = _first_failure(result_dir, e.error_index, e.msg)
+        raise RankError(rank, f"rank {rank} of {world_size} raised:\n{tb}") from e
+    except mp.ProcessExitedException as e:
+        raise RankError(e.error_index, f"rank {e.error_index} of {world_size} "
+                                       f"exited: {e.msg}") from e
+    finally:
+        # after a timeout, a failure or Ctrl-C in the parent: no orphans
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def _load_results(result_dir: str, world_size: int) -> list:
+    """The return values the ranks saved, in rank order."""
+    results = []
+    for rank in range(world_size):
+        path = os.path.join(result_dir, f"rank{rank}.pt")
+        results.append(torch.load(path, weights_only=False))
+    return results
+
+
+def gpt_loss(logits, targets):
+    """Mean cross-entropy over all B*T positions."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# -----------------------------------------------------------------------------
+# the reference a parallel run is compared with
+
+def single_device_reference(model_fn, inputs, targets, loss_fn, steps=3, lr=1e-2, optimizer=None) -> dict:
+    """Train model_fn() on one device and record what a parallel run must reproduce.
+
+    model_fn returns a freshly seeded model (call it again for the parallel
+    run and both start from the same weights). inputs is one tensor or a tuple
+    of them (passed as model(*inputs)). Every step uses the same full batch:
+    loss = loss_fn(model(*inputs), targets); loss.backward(); optimizer(lr).step()
+    (`optimizer`: a torch.optim class, AdamW by default; SGD shows a wrong gradient scale, Adam hides it).
+
+    Returns a dict:
+      outputs: model output of step 1 (before any update), detached
+      grads:   {param name: grad of step 1}, cloned (params without a grad left out)
+      params:  {param name: value after all `steps` optimizer steps}, cloned
+      losses:  [loss of step 1, ..., loss of step `steps`] as floats
+    """
+    model = model_fn()
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    opt = (optimizer or torch.optim.AdamW)(model.parameters(), lr=lr)
+    record = {"outputs": None, "grads": {}, "params": {}, "losses": []}
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = model(*inputs)
+        loss = loss_fn(out, targets)
+        loss.backward()
+        if step == 0:
+            record["outputs"] = out.detach().clone()
+            record["grads"] = {n: p.grad.detach().clone()
+                               for n, p in model.named_parameters() if p.grad is not None}
+        record["losses"].append(loss.item())
+        opt.step()
+    record["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return record
+
+
+def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: tuple, inputs, targets,
+                    loss_fn, steps: int = 3, lr: float = 1e-2, plan_kwargs: dict | None = None,
+                    optimizer=None) -> dict:
+    """The parallel counterpart of single_device_reference, run on one rank.
+
+    `model` is the same freshly seeded single-device model (a copy is taken),
+    inputs/targets are the global batch. Records this rank's outputs of step
+    1, the whole gradients of step 1, the whole parameters after all steps,
+    the local losses, the plan and the collectives logged during step 1.
+    """
+    import copy
+
+    import autopar
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = copy.deepcopy(model)
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
+    pm = autopar.parallelize(model, mesh, inputs, record_comm=True, **(plan_kwargs or {}))
+    local_in = pm.plan.local_inputs(*inputs)
+    (local_targets,) = pm.plan.local_targets(targets)
+    # the wrapper steps ZeRO parameters on their slices; other parameters it passes through
+    opt = autopar.ShardedOptimizer(pm, optimizer or torch.optim.AdamW, lr=lr)
+    record = {"outputs": None, "grads": {}, "params": {}, "losses": [], "plan": pm.plan, "comm": []}
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        if step == 0:
+            pm.comm.log.records.clear()
+        out = pm(*local_in)
+        loss = loss_fn(out, local_targets)
+        loss.backward()
+        if step == 0:
+            record["outputs"] = out.detach().clone()
+            record["grads"] = opt.full_grads()
+        record["losses"].append(loss.item())
+        opt.step()
+        if step == 0:
+            # after step(): ZeRO's collectives run there; full_grads()'s own are not the step's
+            record["comm"] = [r for r in pm.comm.log.records if r[3] != "checkpoint"]
+    record["params"] = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    return record

@@ -1,0 +1,167 @@
+"""Toy models the tests parallelize: small, fp32, deterministic given torch.manual_seed.
+
+MLP and a nanoGPT-style GPT (with GPTWithLoss, the variant that computes its
+loss inside forward), plus thin wrappers that make Hugging Face models
+exportable (WithLabels, LogitsOnly) and tiny_llama.
+"""
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+__all__ = ["MLP", "GPTConfig", "CausalSelfAttention", "Block", "GPT", "GPTWithLoss", "WithLabels", "LogitsOnly",
+           "tiny_llama"]
+
+
+class MLP(nn.Module):
+    """Linear layers of the given sizes with an activation between them (none after the last)."""
+
+    def __init__(self, sizes: Sequence[int], bias: bool = True, activation: str = "gelu"):
+        super().__init__()
+        if len(sizes) < 2:
+            raise ValueError(f"MLP needs at least 2 sizes (in, out), got {list(sizes)}")
+        acts = {"gelu": nn.GELU, "relu": nn.ReLU}
+        if activation not in acts:
+            raise ValueError(f"activation must be one of {sorted(acts)}, got {activation!r}")
+        layers = []
+        for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+            if i > 0:
+                layers.append(acts[activation]())
+            layers.append(nn.Linear(n_in, n_out, bias=bias))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 64
+    block_size: int = 16
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 32
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        # separate q, k, v (not nanoGPT's fused c_attn) so each is a plain
+        # Linear a sharding rule can split by heads on its own
+        self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # No key bias: it shifts every score in a softmax row equally, so its gradient is
+        # exactly zero and Adam would turn rounding noise in it into lr-sized updates.
+        self.k = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.o = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+
+    def forward(self, x):
+        B, T, C = x.shape
+        hs = C // self.n_head
+        q = self.q(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k(x).view(B, T, self.n_head, hs).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_head, hs).transpose(1, 2)
+        # no attention dropout: config.dropout acts on the residual branches only
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.o(y))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.dropout(self.proj(self.gelu(self.fc(self.ln_2(x)))))
+        return x
+
+
+class GPT(nn.Module):
+    """nanoGPT without weight tying: idx [B, T] int64 -> logits [B, T, vocab_size]."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, idx):
+        # B and T come from the input, so torch.export keeps them symbolic
+        B, T = idx.shape
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class GPTWithLoss(GPT):
+    """nanoGPT's own signature: forward(idx, targets=None) -> (logits, loss), the loss computed inside.
+
+    Targets of -1 are not counted (nanoGPT's ignore_index), so a batch split unevenly
+    over padding still averages over the counted targets only."""
+
+    def forward(self, idx, targets=None):
+        logits = super().forward(idx)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+class WithLabels(nn.Module):
+    """A Hugging Face model called as its authors call it for training: model(input_ids=..., labels=...),
+    returning its ModelOutput (loss and logits). torch.export takes positional example inputs, hence
+    this thin wrapper."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels)
+
+
+class LogitsOnly(nn.Module):
+    """A Hugging Face causal LM as a tensor -> tensor module: autopar plans the logits
+    (HF models return a ModelOutput and take keyword arguments)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def tiny_llama(num_layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 32) -> nn.Module:
+    """Hugging Face Llama in miniature (vocab 64, up to 32 positions), as a LogitsOnly module in train
+    mode. The defaults are grouped-query attention: 4 query heads share 2 key/value heads, so tp=2
+    gives each rank one. Needs transformers (a test dependency)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=num_layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
+                      use_cache=False, attn_implementation="sdpa")
+    return LogitsOnly(LlamaForCausalLM(cfg)).train()
