@@ -1,13 +1,12 @@
 """autopar: automatic DP / FSDP / TP plans for PyTorch training, planned by ILP over a symbolic cost model."""
 from .api import parallelize, plan
 from .audit import AuditReport, audit
-from .errors import (AutoparError, CaptureError, InputShapeError, DivisibilityWarning, InfeasiblePlanError, MeshError, PipelineError, PlanError,
-                     ShardingError,
-                     UnsupportedOpWarning)
-from .runtime.optim import ShardedOptimizer
-from .plan_result import Plan
 from .cost.precision import BF16_MIXED, OptimizerSpec, Precision
+from .errors import (AutoparError, CaptureError, DivisibilityWarning, InfeasiblePlanError, InputShapeError, MeshError,
+                     PipelineError, PlanError, ShardingError, UnsupportedOpWarning)
+from .plan_result import Plan
 from .runtime.module import ParallelModule
+from .runtime.optim import ShardedOptimizer
 from .whatif import max_batch, min_compute_bound_batch
 
 __all__ = ["plan", "parallelize", "audit", "AuditReport", "Plan", "ParallelModule", "ShardedOptimizer",

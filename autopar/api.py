@@ -5,20 +5,19 @@ import time
 
 import torch
 
-
-from .cost.checkpointing import check_mode
 from .capture.export import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
-from .runtime.collectives import AxisGroup, Comm
+from .capture.repeat import capture_repeated
+from .cost.checkpointing import check_mode
+from .cost.precision import optimizer_spec, precision_of
 from .cost.terms import first_meta, needs_grad
 from .errors import AutoparError, CaptureError, MeshError, PlanError
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan
-from .cost.precision import optimizer_spec, precision_of
-from .search.pipeline import check_request
-from .capture.repeat import capture_repeated
-from .runtime.rewrite import rewrite
-from .runtime.module import ParallelModule
 from .planner import plan_captured
+from .runtime.collectives import AxisGroup, Comm
+from .runtime.module import ParallelModule
+from .runtime.rewrite import rewrite
+from .search.pipeline import check_request
 
 
 def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_limit=None,

@@ -22,8 +22,8 @@ import torch
 import cost_models as cm
 
 from .runtime.collectives import CommLog
-from .runtime.recompute import CheckpointRegion
 from .runtime.module import ParallelModule
+from .runtime.recompute import CheckpointRegion
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ table a person can check, and round-trips through JSON.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field
 
 import sympy
 import torch
@@ -15,19 +15,17 @@ from sympy.printing.str import StrPrinter
 
 from cost_models import format_bytes
 
-from .errors import PlanError
-from .search.solution import GREEDY, GREEDY_NO_BOUND
-from .mesh import MeshSpec
-from .sharding.placement import format_placements, shard_full_tensor
-from .search.pipeline import PipelinePlan
-from .cost.predict import Memory, Predicted
-from .sharding.strategies import Strategy
-from .search.solution import OPTIMAL, TIME_LIMIT
 from .capture.export import PARAM
 from .cost.precision import OptimizerSpec, Precision
+from .cost.predict import Memory, Predicted
 from .cost.problem import Problem
+from .errors import PlanError
+from .mesh import MeshSpec
 from .search.classics import Roles
-from .search.solution import Solution
+from .search.pipeline import PipelinePlan
+from .search.solution import GREEDY, GREEDY_NO_BOUND, OPTIMAL, TIME_LIMIT, Solution
+from .sharding.placement import format_placements, shard_full_tensor
+from .sharding.strategies import Strategy
 
 FORMAT_VERSION = 1
 

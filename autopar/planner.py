@@ -14,24 +14,30 @@ import time
 from dataclasses import dataclass
 
 import cost_models as cm
+
 from .capture.blocks import find_blocks
-from .capture.export import Captured, PARAM
+from .capture.export import PARAM, Captured
 from .cost.checkpointing import check_mode, checkpointable_stacks
 from .cost.liveness import live_sets
-from .cost.precision import as_computed, optimizer_spec, param_bytes as param_bytes_of, precision_of
+from .cost.precision import as_computed, optimizer_spec
+from .cost.precision import param_bytes as param_bytes_of
+from .cost.precision import precision_of
 from .cost.predict import group_redistributions, peak_working_set, predict
 from .cost.problem import Problem, build_edges
 from .cost.terms import first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan, Searched, make_plan
-from .search.classics import check_promised_splits, PIPE, Roles, axis_roles, check_tensor_parallel_divisibility, role_assignments, with_pipeline
+from .search.classics import (PIPE, Roles, axis_roles, check_promised_splits, check_tensor_parallel_divisibility,
+                              role_assignments, with_pipeline)
 from .search.ilp import solve
-from .search.pipeline import GPIPE, ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates, num_layers
+from .search.pipeline import (GPIPE, ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
+                              num_layers)
 from .search.solution import INFEASIBLE, Solution
 from .search.stage_costs import device_prediction, op_costs
 from .search.stage_partition import partition
 from .sharding.strategies import all_strategies
+
 
 def _hardware(hardware, mesh):
     default = "h100"

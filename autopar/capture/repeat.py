@@ -30,9 +30,10 @@ import torch.fx as fx
 from torch import nn
 
 from .._compat import storage_id, trace_lock
-from .export import AUTO, BUFFER, OP, PARAM, Captured, _canonical_names, capture
 from ..errors import CaptureError
-from .traced_layers import NotRepeated, TRACED, TracedLayers, check_repeat, moved_name, name_strides, placeholder_name, renamed_block, section_of, split_name, traced_blocks
+from .export import AUTO, BUFFER, OP, PARAM, Captured, _canonical_names, capture
+from .traced_layers import (TRACED, NotRepeated, TracedLayers, check_repeat, moved_name, name_strides, placeholder_name,
+                            renamed_block, section_of, split_name, traced_blocks)
 
 log = logging.getLogger(__name__)
 

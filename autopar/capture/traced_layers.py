@@ -12,8 +12,9 @@ import dataclasses
 import re
 
 import torch.fx as fx
+
 from .blocks import block_of, node_signature
-from .export import BUFFER, Captured, OP, PARAM
+from .export import BUFFER, OP, PARAM, Captured
 
 TRACED = 3   # layers traced per stack: block 0 (may differ), 1 and 2 (a repeat and its wiring)
 

@@ -44,8 +44,8 @@ from torch import fx
 
 from .._compat import storage_id
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured, TensorMeta
-from ..sharding.placement import P, R, S
 from ..sharding.op_spec import OpSpec, op_name, tensor_args
+from ..sharding.placement import P, R, S
 from ..sharding.rules import rule_for
 from .saved_tensors import Arg, New, Out, first_of, kernel_family, op_arg, op_keeps
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import ActivationModel, activation_model
 from ..capture.blocks import block_nodes
 from ..capture.export import Captured
 from ..errors import AutoparError
+from .activations import ActivationModel, activation_model
 
 NONE, FULL = "none", "full"
 MODES = (NONE, FULL, "auto")

@@ -12,8 +12,8 @@ it keeps its base alive instead.
 """
 from __future__ import annotations
 
-from .activations import storage_owners
 from ..capture.export import OP, Captured
+from .activations import storage_owners
 
 
 def storage_owner(cap: Captured) -> dict[str, str]:

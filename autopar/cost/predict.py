@@ -13,13 +13,13 @@ import sympy
 import cost_models as cm
 
 from ..capture.export import BUFFER, INPUT, OP, PARAM
-from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
-                    is_saved, gathered_weight_bytes, node_compute_time, output_bytes, param_memory,
-                    reduce_itemsize, regathers, zero_collectives)
 from ..sharding.placement import numel
 from ..sharding.redistribute import ALL_GATHER, Collective
 from .checkpointing import recomputed_ops
 from .problem import charge_key, checkpoint_model
+from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
+                    gathered_weight_bytes, is_saved, node_compute_time, output_bytes, param_memory, reduce_itemsize,
+                    regathers, zero_collectives)
 
 
 @dataclass(frozen=True)

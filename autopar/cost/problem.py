@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 from ..capture.export import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
 from ..mesh import MeshSpec
+from ..sharding.op_spec import tensor_args
 from ..sharding.placement import numel
 from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution
-from ..sharding.op_spec import tensor_args
 from ..sharding.strategies import NodeStrategies
 from .checkpointing import checkpointed_model
-from .terms import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time,
-                    param_memory, reduce_itemsize, regathers, zero_collectives)
+from .terms import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time, param_memory,
+                    reduce_itemsize, regathers, zero_collectives)
 
 
 @dataclass

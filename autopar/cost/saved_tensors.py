@@ -19,8 +19,8 @@ import torch
 from torch import fx
 
 from ..capture.export import Captured, TensorMeta
-from ..sharding.placement import P
 from ..sharding.op_spec import op_name, tensor_args
+from ..sharding.placement import P
 
 CPU, CUDA = "cpu", "cuda"
 

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import cost_models as cm
 import torch.fx as fx
 
-from .activations import ActivationModel, activation_model, node_activation_bytes
+import cost_models as cm
+
 from ..capture.export import PARAM, Captured, TensorMeta
 from ..mesh import MeshSpec
-from ..sharding.placement import P, R, S, Placements, local_shape, numel
-from .precision import ParamBytes
-from ..sharding.redistribute import Collective, plan_steps, step_collectives
 from ..sharding.op_spec import op_name, tensor_args
+from ..sharding.placement import P, Placements, R, S, local_shape, numel
+from ..sharding.redistribute import Collective, plan_steps, step_collectives
+from .activations import ActivationModel, activation_model, node_activation_bytes
+from .precision import ParamBytes
 
 MATMUL_OPS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default",
               "aten.addmm.default"}

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..sharding.placement import shard_dim
-from ..sharding.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHUNK, NONE, REDUCE_SCATTER, ZERO,
-                                     Step, transition)
+from ..sharding.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHUNK, NONE, REDUCE_SCATTER, ZERO, Step,
+                                     transition)
 
 
 @dataclass

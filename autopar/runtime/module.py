@@ -15,11 +15,10 @@ import torch.fx as fx
 
 from .._compat import unflatten_outputs
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
-from .collectives import Comm
 from ..errors import InputShapeError, PlanError
 from ..sharding.placement import R, dim_factor, is_shard, shard_dim, shard_full_tensor
+from .collectives import Comm
 from .rewrite import GatheredParams
-
 
 LoadResult = namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
 
@@ -108,6 +107,7 @@ class ParallelModule(torch.nn.Module):
     def _cut_stages(self, gm, cap: Captured, plan) -> set:
         """This device's stages of the local graph (stages.py); returns the weights they read."""
         import weakref
+
         from .stages import StageModule, cut, stage_graph
         pipe = plan.pipeline
         placeholders_of = {n.name: (cap.info[n.name].kind, cap.info[n.name].target_name)
@@ -158,6 +158,7 @@ class ParallelModule(torch.nn.Module):
     def _pipeline_step(self, local_inputs, loss_fn, targets):
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage
+
         from .stages import make_schedule
         self._graph_for_mode()   # raises if this mode's graph is not the one the stages were cut from
         pipe = self.plan.pipeline

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .collectives import transform
 from ..errors import PlanError
 from ..sharding.placement import P, R, S, shard_full_tensor
 from ..sharding.redistribute import plan_steps
+from .collectives import transform
 
 
 @dataclass

@@ -18,12 +18,12 @@ import torch.fx as fx
 
 from ..capture.export import PARAM, Captured
 from ..cost.checkpointing import checkpointable_stacks
-from .collectives import Comm, Redistribute, scale_grad, transform
 from ..errors import PlanError
-from ..sharding.placement import R, chunk_index, dim_factor, is_shard
-from .recompute import outline
-from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
 from ..sharding.op_spec import op_name, tensor_args
+from ..sharding.placement import R, chunk_index, dim_factor, is_shard
+from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
+from .collectives import Comm, Redistribute, scale_grad, transform
+from .recompute import outline
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                  "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",

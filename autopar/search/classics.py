@@ -13,15 +13,14 @@ from dataclasses import dataclass
 
 from cost_models import format_bytes
 
-from ..capture.export import PARAM, NodeInfo
+from ..capture.export import OP, PARAM, NodeInfo
+from ..cost.problem import Problem
 from ..cost.terms import param_memory
 from ..errors import AutoparError, DivisibilityWarning, ShardingError
 from ..mesh import MeshSpec
+from ..sharding.op_spec import tensor_args
 from ..sharding.placement import P, R, is_shard, local_shape, numel
 from ..sharding.redistribute import UnsupportedRedistribution, plan_steps
-from ..capture.export import OP
-from ..cost.problem import Problem
-from ..sharding.op_spec import tensor_args
 
 DP, FSDP, TP, ZERO1, ZERO2 = "dp", "fsdp", "tp", "zero1", "zero2"
 # auto on a mesh of many axes (role_assignments): the axis splits the batch, and each parameter is

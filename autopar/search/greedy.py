@@ -39,14 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..capture.export import OP, OUTPUT
-from .classics import Roles, allow_edge
 from ..cost.predict import predict
+from ..cost.problem import (Problem, edge_cost, edge_signature, follows_batch, memory_reserve, node_memory, node_time,
+                            repeat_memory)
 from ..sharding.redistribute import UnsupportedRedistribution
-from ..cost.problem import (Problem, edge_cost, edge_signature, follows_batch, memory_reserve, node_memory,
-                            node_time, repeat_memory)
-from .solution import Solution
-from .classics import allowed_flags
-from .solution import GREEDY
+from .classics import Roles, allow_edge, allowed_flags
+from .solution import GREEDY, Solution
 
 BEAM_WIDTH = 256
 # lambda in seconds per byte: at the low end memory never tips a choice, at the high end it always does

@@ -19,14 +19,14 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 import cost_models as cm
 
 from ..cost.checkpointing import recomputed_ops
-from .classics import Roles, allow_edge
+from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
+                            memory_reserve, node_memory, node_time, recompute_edge_cost, repeat_memory, tied_edges)
 from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes
 from ..errors import InfeasiblePlanError
 from ..sharding.redistribute import UnsupportedRedistribution
+from .classics import Roles, allow_edge, allowed_flags
 from .greedy import bound_gap, greedy
 from .solution import GREEDY_NO_BOUND, INFEASIBLE, OPTIMAL, TIME_LIMIT, Solution
-from ..cost.problem import Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch, memory_reserve, node_memory, node_time, recompute_edge_cost, repeat_memory, tied_edges
-from .classics import allowed_flags
 
 TIME_SCALE = 1e6      # seconds -> microseconds keeps HiGHS's tolerances meaningful
 MEM_SCALE = 2.0 ** -20  # bytes -> MiB

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-
 from ..capture.blocks import block_nodes
 from ..capture.export import Captured
 from ..errors import PipelineError

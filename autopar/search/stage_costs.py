@@ -11,13 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import cost_models as cm
 import torch
-from ..capture.export import BUFFER, Captured, INPUT, OP, PARAM
+
+import cost_models as cm
+
+from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
 from ..cost.predict import Memory, Predicted, group_redistributions, redistribution_collectives
-from ..cost.terms import activation_bytes, collectives_bytes, collectives_time, first_meta, node_compute_time, output_bytes, param_memory, zero_collectives
-from .pipeline import PipelinePlan
+from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, first_meta, node_compute_time,
+                          output_bytes, param_memory, zero_collectives)
 from ..sharding.placement import numel
+from .pipeline import PipelinePlan
+
 
 @dataclass
 class OpCosts:

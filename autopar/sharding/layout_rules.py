@@ -5,7 +5,9 @@ Their one question is which input dim each output dim is (a split dim must stay 
 first of its group through a reshape); rules.py holds the ops that compute and the table.
 """
 from __future__ import annotations
+
 from .op_spec import Letters, OpSpec, op_name, wrap_dim
+
 
 def view_rule(node, ins, out):
     """reshape/view: a split dim survives only as the first dim of its group."""

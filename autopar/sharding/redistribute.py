@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from .placement import P, R, Placements, is_shard, local_shape, numel, shard_dim
+from .placement import P, Placements, R, is_shard, local_shape, numel, shard_dim
 
 # kinds of one-axis transition; "chunk" and "zero" need no communication
 NONE, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, CHUNK, ZERO = (

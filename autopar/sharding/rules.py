@@ -7,12 +7,12 @@ An op missing from RULES is replicated with an UnsupportedOpWarning.
 """
 from __future__ import annotations
 
-
 import torch.fx as fx
-from .layout_rules import cat_rule, diff_rule, expand_rule, getitem_rule, index_rule, pad_rule, permute_rule, select_rule, slice_rule, split_rule, squeeze_rule, t_rule, transpose_rule, unsqueeze_rule, view_rule
+
+from .layout_rules import (cat_rule, diff_rule, expand_rule, getitem_rule, index_rule, pad_rule, permute_rule,
+                           select_rule, slice_rule, split_rule, squeeze_rule, t_rule, transpose_rule, unsqueeze_rule,
+                           view_rule)
 from .op_spec import Letters, OpSpec, Rule, elementwise, op_name, wrap_dim
-
-
 
 # ---------------------------------------------------------------- rule builders
 

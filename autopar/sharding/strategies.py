@@ -18,8 +18,8 @@ import torch.fx as fx
 from ..capture.export import INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
 from ..errors import UnsupportedOpWarning
 from ..mesh import MeshSpec
-from .placement import P, R, Placements, S, dim_factor, local_shape, numel
 from .op_spec import OpSpec, op_name, tensor_args
+from .placement import P, Placements, R, S, dim_factor, local_shape, numel
 from .rules import rule_for
 
 

@@ -14,8 +14,7 @@ this package (tests/test_layering.py checks it).
 """
 
 from .harness import gpt_loss, parallel_record, run_gloo, single_device_reference
-from .models import (GPT, MLP, Block, CausalSelfAttention, GPTConfig, GPTWithLoss, LogitsOnly, WithLabels,
-                     tiny_llama)
+from .models import GPT, MLP, Block, CausalSelfAttention, GPTConfig, GPTWithLoss, LogitsOnly, WithLabels, tiny_llama
 from .threaded import RankError, run_threaded
 
 __all__ = ["run_threaded", "run_gloo", "RankError",

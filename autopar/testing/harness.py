@@ -188,8 +188,9 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
     """
     import copy
 
-    import autopar
     from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
 
     model = copy.deepcopy(model)
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)

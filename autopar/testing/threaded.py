@@ -10,8 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .._compat import (current_world, install_threaded_pg, reset_threaded_pg, uninstall_threaded_pg,
-                       wake_threaded_ranks)
+from .._compat import current_world, install_threaded_pg, reset_threaded_pg, uninstall_threaded_pg, wake_threaded_ranks
 
 __all__ = ["RankError", "run_threaded"]
 
