@@ -1,0 +1,95 @@
+"""A model built on the meta device, parallelized, allocated shard by shard and filled from a
+DCP checkpoint that the single-device model wrote, trains like the single-device model.
+
+This is how a model too big for one device is trained: no rank ever holds the whole model.
+The standard DCP round trip is what loads it:
+    pm.to_empty(device="cpu"); sd = pm.state_dict(); dcp.load(sd, checkpoint_id=...); pm.load_state_dict(sd)
+each rank reading only the slices its shards hold.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.testing import GPT, GPTConfig, gpt_loss, run_threaded, single_device_reference
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+LR = 0.1
+# (strategy, mesh shape, axis names, optimizer): SGD everywhere (a wrong gradient scale shows in it),
+# AdamW on the 2-D mesh
+CASES = [("fsdp", (2,), ("dp",), torch.optim.SGD), ("fsdp", (4,), ("dp",), torch.optim.SGD),
+         ("fsdp+tp", (2, 2), ("dp", "tp"), torch.optim.SGD), ("fsdp+tp", (2, 2), ("dp", "tp"), torch.optim.AdamW),
+         ("auto", (4,), ("a",), torch.optim.SGD)]
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_dcp")
+    dcp.save(_model().state_dict(), checkpoint_id=str(path), no_dist=True)   # as a single-device user would
+    return str(path)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, CFG.vocab_size, (8, CFG.block_size), generator=g)
+    y = torch.randint(0, CFG.vocab_size, (8, CFG.block_size), generator=g)
+    return x, y
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")   # dcp.save without a process group says it assumes one
+@pytest.mark.parametrize("strategy,shape,axes,optimizer", CASES)
+def test_meta_built_model_loaded_from_dcp_trains_like_one_device(checkpoint, strategy, shape, axes, optimizer):
+    x, y = _batch()
+    ref = single_device_reference(_model, x, y, gpt_loss, steps=3, lr=LR, optimizer=optimizer)
+    whole_bytes = sum(p.numel() * p.element_size() for p in _model().parameters())
+    world = 1
+    for s in shape:
+        world *= s
+    kwargs = {"strategy": strategy, "hardware": "cpu", "optimizer": "sgd" if optimizer is torch.optim.SGD else "adamw"}
+    if strategy == "auto":   # unlimited, auto replicates a model this small (fastest); a limit makes it shard
+        ddp = autopar.plan(_model(), (x,), dict(zip(axes, shape)), **dict(kwargs, strategy="ddp"))
+        kwargs["memory_limit"] = int(0.7 * ddp.predicted.memory.total)
+
+    def run(rank):
+        with torch.device("meta"):
+            model = GPT(CFG)
+        pm = autopar.parallelize(model, init_device_mesh("cpu", shape, mesh_dim_names=axes), (x,), **kwargs)
+        on_meta = all(p.is_meta for p in pm.parameters())
+        pm.to_empty(device="cpu")
+        sd = pm.state_dict()
+        dcp.load(sd, checkpoint_id=checkpoint)
+        pm.load_state_dict(sd)
+        local_bytes = sum(p.numel() * p.element_size() for p in pm.parameters())
+        (local_x,) = pm.plan.local_inputs(x)
+        (local_y,) = pm.plan.local_targets(y)
+        opt = autopar.ShardedOptimizer(pm, optimizer, lr=LR)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = gpt_loss(pm(local_x), local_y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        params = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+        return on_meta, local_bytes, float(pm.plan.predicted.memory.params), losses, params
+
+    atol = 1e-5 if optimizer is torch.optim.SGD else 1e-3
+    results = run_threaded(world, run)
+    # each rank's loss is the mean over its shard of the batch; equal shards: their mean is the global loss
+    mean_losses = torch.tensor([r[3] for r in results]).mean(0)
+    torch.testing.assert_close(mean_losses, torch.tensor(ref["losses"]), atol=atol, rtol=0)
+    for on_meta, local_bytes, predicted, _, params in results:
+        assert on_meta, "parallelize allocated parameters of a meta-built model"
+        assert local_bytes == predicted, (local_bytes, predicted)
+        assert local_bytes < whole_bytes   # every case splits some weight: no rank holds the whole model
+        assert params.keys() == ref["params"].keys()
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(params[name], want, atol=atol, rtol=0, msg=name)
