@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.testing import GPT, GPTConfig, gpt_loss, run_threaded, single_device_reference
+from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo, run_threaded, single_device_reference
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 LR = 0.1
@@ -93,3 +93,54 @@ def test_meta_built_model_loaded_from_dcp_trains_like_one_device(checkpoint, str
         assert params.keys() == ref["params"].keys()
         for name, want in ref["params"].items():
             torch.testing.assert_close(params[name], want, atol=atol, rtol=0, msg=name)
+
+
+def _initialized_on_one_device(seed: int) -> dict:
+    """What a single device gets initializing a meta-built GPT module by module, in modules() order."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _init_rank(rank, strategy, shape, axes):
+    with torch.device("meta"):
+        model = GPT(CFG)
+    x, _ = _batch()
+    pm = autopar.parallelize(model, init_device_mesh("cpu", shape, mesh_dim_names=axes), (x,),
+                             strategy=strategy, hardware="cpu")
+    with pytest.raises(autopar.PlanError, match="to_empty"):
+        pm.init_weights()     # the shards are still on meta
+    pm.to_empty(device="cpu")
+    torch.manual_seed(123)    # every rank alike, as a single device would seed
+    pm.init_weights()
+    return {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+
+
+# real processes: threaded ranks would share (and interleave draws from) one random generator
+@pytest.mark.gloo
+@pytest.mark.parametrize("strategy,shape,axes", [("fsdp", (2,), ("dp",)), ("fsdp+tp", (2, 2), ("dp", "tp"))])
+def test_init_weights_fills_the_shards_as_one_device_would(strategy, shape, axes):
+    want = _initialized_on_one_device(seed=123)
+    world = shape[0] * (shape[1] if len(shape) > 1 else 1)
+    for got in run_gloo(world, _init_rank, strategy, shape, axes):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, atol=0, rtol=0, msg=name)
+
+
+def test_init_weights_refuses_a_model_built_with_real_tensors():
+    x, _ = _batch()
+
+    def run(rank):
+        pm = autopar.parallelize(_model(), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), (x,),
+                                 strategy="fsdp", hardware="cpu")
+        with pytest.raises(autopar.PlanError, match="meta device"):
+            pm.init_weights()
+        return True
+
+    assert all(run_threaded(2, run))

@@ -6,6 +6,7 @@ shards of the parameters and a local fx graph with every collective inserted, pl
 
 Reading order: collectives.py (collectives as autograd functions: each backward is the
 conjugate collective), rewrite.py (global graph -> local graph), recompute.py (checkpointed
-blocks), module.py (the module users train), optim.py, stages.py (pipeline stages under
+blocks), module.py (the module users train), initialization.py (a meta-built
+model's shards initialized from scratch), optim.py, stages.py (pipeline stages under
 torch's schedules).
 """

@@ -18,6 +18,7 @@ from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
 from ..errors import InputShapeError, PlanError
 from ..sharding.placement import R, dim_factor, is_shard, shard_dim, shard_full_tensor
 from .collectives import Comm
+from .initialization import init_shards
 from .rewrite import GatheredParams
 
 LoadResult = namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
@@ -34,6 +35,11 @@ def _set_by_path(root: torch.nn.Module, fqn: str, value, as_param: bool):
         mod.register_parameter(leaf, value)
     else:
         mod.register_buffer(leaf, value)
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and all(t.is_meta for t in tensors)
 
 
 class _Store(torch.nn.Module):
@@ -57,6 +63,9 @@ class ParallelModule(torch.nn.Module):
         self._exported = cap.exported
         self._coords = tuple(a.coord for a in comm.axes)
         self.store = _Store()
+        # a meta-built model's module tree, for init_weights (held outside nn.Module's registry, so its
+        # meta tensors are not this module's parameters); None for a model built with real tensors
+        self.__dict__["_meta_model"] = model if _on_meta(model) else None
         ep = cap.exported
         needed = self._cut_stages(gm, cap, plan) if plan.pipeline is not None else None
         full_params = dict(model.named_parameters(remove_duplicate=False))
@@ -91,6 +100,22 @@ class ParallelModule(torch.nn.Module):
         for fqn, p in self.store.named_parameters():
             if fqn in plan.param_zero and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._check_zero_optimizer)
+
+    def init_weights(self, fn=None) -> None:
+        """Initialize a meta-built model's shards from scratch, after `to_empty(device=...)`.
+
+        Runs `fn(module)`, else the model's own `_init_weights(module)` (Hugging Face, nanoGPT), else
+        each module's `reset_parameters()`, one module at a time on whole tensors, keeping this
+        rank's slice (runtime/initialization.py). Seed every rank alike: the shards then hold
+        what a single device running the same initialization in `model.modules()` order would.
+        """
+        if self._meta_model is None:
+            raise PlanError("init_weights is for a model built on the meta device (its parameters are "
+                            "initialized already otherwise); build it under `with torch.device('meta'):`")
+        shards = dict(self.store.named_parameters())
+        shards.update(dict(self.store.named_buffers()))
+        init_shards(self._meta_model, shards, self.plan.param_placements, self._aliases, self._coords,
+                    self.plan.mesh.axis_sizes, fn)
 
     def _check_zero_optimizer(self, param):
         # a plain torch optimizer would step on this rank's unreduced gradient: wrong, silently
