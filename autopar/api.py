@@ -1,10 +1,12 @@
 """The public entry points: autopar.plan (offline) and autopar.parallelize (on every rank)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
+from .capture.compute_dtype import cast_inputs, own_param_dtypes, traced_in
 from .capture.export import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
 from .capture.repeat import capture_repeated
 from .cost.checkpointing import check_mode
@@ -59,7 +61,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
         example_inputs = (example_inputs,)
     check_request(mesh_spec(mesh), pipeline_axis, microbatches, schedule, _first_batch(example_inputs))
     t0 = time.perf_counter()
-    capture_fn = capture if trace_every_layer else capture_repeated
+    capture_fn = _at_compute_dtype(capture if trace_every_layer else capture_repeated, model, precision)
     cap = capture_fn(model, example_inputs, dynamic_shapes)
     t_capture = time.perf_counter() - t0
     return plan_captured(cap, mesh, hardware=hardware, memory_limit=memory_limit, strategy=strategy,
@@ -67,6 +69,22 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
                           time_limit=time_limit, t_capture=t_capture, pipeline_axis=pipeline_axis,
                           microbatches=microbatches, schedule=schedule,
                           recapture=_recapture(capture_fn, model, example_inputs, dynamic_shapes))
+
+
+def _at_compute_dtype(capture_fn, model: torch.nn.Module, precision):
+    """`capture_fn`, tracing the model as it computes under the precision policy (compute_dtype.py): its
+    floating weights and inputs in the compute dtype, so the graph holds the casts the model's code makes."""
+    own = own_param_dtypes(model)
+    floating = {d for d in own.values() if d.is_floating_point}
+    compute = precision_of(precision).compute
+    if compute is None or floating <= {compute}:
+        return capture_fn
+
+    def traced(model, example_inputs, dynamic_shapes):
+        with traced_in(model, compute):
+            cap = capture_fn(model, cast_inputs(example_inputs, compute), dynamic_shapes)
+        return dataclasses.replace(cap, compute_dtype=compute, param_dtypes=own)
+    return traced
 
 
 def _first_batch(example_inputs: tuple):
@@ -110,8 +128,9 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     spec = mesh_spec(mesh)
-    cap = capture(model, example_inputs, dynamic_shapes)
-    recapture = _recapture(capture, model, example_inputs, dynamic_shapes)
+    capture_fn = _at_compute_dtype(capture, model, plan.precision if plan is not None else plan_kwargs.get("precision"))
+    cap = capture_fn(model, example_inputs, dynamic_shapes)
+    recapture = _recapture(capture_fn, model, example_inputs, dynamic_shapes)
     if plan is None:
         plan = _plan_on_rank0(cap, mesh, plan_kwargs, recapture)
     if plan.pipeline is not None:   # its graph is one microbatch's
@@ -147,7 +166,7 @@ def _other_mode(model, example_inputs, dynamic_shapes, cap: Captured, plan: Plan
     was = model.training
     try:
         model.train(not was)
-        other = capture(model, example_inputs, dynamic_shapes)
+        other = _at_compute_dtype(capture, model, plan.precision)(model, example_inputs, dynamic_shapes)
     except CaptureError as e:
         return f"the model does not capture in {'eval' if was else 'train'} mode: {e}"
     finally:
@@ -194,12 +213,20 @@ def _check_plan_matches(plan: Plan, cap: Captured, spec: MeshSpec) -> None:
 
 
 def _check_runtime_precision(plan: Plan, cap: Captured) -> None:
-    """The runtime trains in the model's own dtype; a plan for another policy cannot run as planned."""
-    dtypes = {str(first_meta(i.meta).dtype).removeprefix("torch.") for i in cap.info.values()
-              if i.kind == PARAM and first_meta(i.meta).dtype.is_floating_point}
-    asked = {f: d for f, d in plan.precision.items() if d is not None and {d} != dtypes}
-    if asked:
-        raise PlanError(
-            f"the plan's precision policy {asked} differs from the model's parameter dtype(s) {sorted(dtypes)}; "
-            "autopar plans mixed precision (autopar.plan) but its runtime trains in the model's own dtype. "
-            "Convert the model (model.to(dtype)) and plan with precision=None to run it")
+    """The runtime keeps each floating weight once, in the policy's master dtype, with its gradient and
+    optimizer state in that dtype too (a torch optimizer keeps state in its parameter's dtype): a policy
+    asking for another gradient or optimizer-state dtype cannot run as planned."""
+    policy = precision_of(plan.precision)
+    for name, info in cap.info.items():
+        if info.kind != PARAM:
+            continue
+        own = cap.param_dtypes.get(info.target_name, first_meta(info.meta).dtype)
+        if not own.is_floating_point:
+            continue
+        p = policy.resolve(own)
+        for field, dtype in (("grad_accum", p.grad_accum), ("optimizer_state", p.optimizer_state)):
+            if dtype != p.master:
+                raise PlanError(
+                    f"precision {field}={dtype} differs from the master dtype {p.master} (parameter "
+                    f"{info.target_name!r}): autopar's runtime keeps gradients and optimizer state in the dtype it "
+                    f"stores the weight in; plan with {field}=None (or {p.master})")

@@ -28,7 +28,7 @@ from .cost.terms import first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan, Searched, make_plan
-from .search.classics import (PIPE, Roles, axis_roles, check_promised_splits, check_tensor_parallel_divisibility,
+from .search.classics import (PIPE, Roles, axis_roles, without_zero, check_promised_splits, check_tensor_parallel_divisibility,
                               role_assignments, with_pipeline)
 from .search.ilp import solve
 from .search.pipeline import (GPIPE, ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
@@ -181,9 +181,11 @@ def _serial_time(plan: Plan, spec: MeshSpec) -> float:
 def _problem(cap: Captured, env: Request, checkpointing: str):
     spec = env.spec
     policy, opt = precision_of(env.precision), optimizer_spec(env.optimizer)
-    param_bytes = {n: param_bytes_of(policy, opt, first_meta(i.meta).dtype) for n, i in cap.info.items()
-                   if i.kind == PARAM}
-    cap = as_computed(cap, policy)  # the graph as it runs: floating tensors in the compute dtype
+    # bytes from the dtype the model holds a parameter in: a graph traced at the compute dtype shows that one
+    param_bytes = {n: param_bytes_of(policy, opt, cap.param_dtypes.get(i.target_name, first_meta(i.meta).dtype))
+                   for n, i in cap.info.items() if i.kind == PARAM}
+    if cap.compute_dtype is None:
+        cap = as_computed(cap, policy)  # the graph as it runs: floating tensors in the compute dtype
     hw = _hardware(env.hardware, env.mesh)
     try:
         axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, env.links)
@@ -191,6 +193,8 @@ def _problem(cap: Captured, env: Request, checkpointing: str):
         raise MeshError(str(e)) from e
     canonical = find_blocks(cap).canonical if env.tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
+    if any(pb.cast for pb in param_bytes.values()):
+        strategies = without_zero(strategies)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
                    needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
                    stacks=checkpointable_stacks(cap) if checkpointing != "none" else ())
@@ -205,6 +209,10 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     check_tensor_parallel_divisibility(cap, roles)
     t0 = time.perf_counter()
     prob, policy, opt, hw = _problem(cap, env, checkpointing)
+    if strategy in ("zero1", "zero2") and any(pb.cast for pb in prob.param_bytes.values()):
+        raise PlanError(f"strategy {strategy!r} under a mixed-precision policy: autopar keeps each weight once, in "
+                        "the master dtype, and casts it where it is used, so ZeRO has no separate master copy to "
+                        "split; use 'fsdp' (which splits the weights themselves), or plan without precision=")
     if checkpointing == "full" and not prob.stacks:
         raise PlanError("checkpointing='full' found no stack of repeated blocks to checkpoint (an nn.ModuleList "
                         "of 2+ layers whose ops run one layer after another); use checkpointing='auto' or 'none'")

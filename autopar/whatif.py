@@ -1,4 +1,8 @@
-"""What-if queries on a plan's symbolic predictions: how large a batch fits, how large a batch hides communication.
+"""What-if queries: how large a batch fits, how large a batch hides communication, how many devices fit.
+
+The first two read a plan's symbolic predictions; `min_axis_size` plans again
+at candidate sizes of one mesh axis (a sharded size is no symbol: ceil(d / n)
+per split dim, and the search may lay a weight out otherwise at another n).
 
 A plan made with a dynamic batch (a `torch.export.Dim` on the inputs' dim 0 in
 `dynamic_shapes`) carries its predictions as sympy expressions in that dim
@@ -17,11 +21,14 @@ from __future__ import annotations
 import math
 
 import sympy
+import torch
 
 import cost_models as cm
 
+from .capture.repeat import capture_repeated
 from .errors import AutoparError
 from .plan_result import Plan
+from .planner import plan_captured
 
 # Doubling the batch more often than this means memory does not really grow with it
 # (a term like 1e-30 * batch); a global batch of 2**64 samples is no batch anyone trains.
@@ -107,6 +114,64 @@ def min_compute_bound_batch(plan: Plan, *, symbol: str | None = None) -> int:
         base, per_sample = _linear_terms(compute - comm, batch, axis)
         smallest = max(smallest, _first_covered(base, per_sample, shards, axis, compute, comm, batch))
     return shards * smallest
+
+
+# the memory a model's size sets, whatever the batch: what "does it fit on N devices?" asks first
+WEIGHT_PARTS = ("params", "master", "grads", "optimizer")
+
+
+def min_axis_size(model, example_inputs, axis: str, memory_limit, *, mesh=None, parts=WEIGHT_PARTS,
+                  max_size: int = 1 << 16, **plan_options) -> int:
+    """The smallest size of mesh axis `axis` at which the plan's predicted memory per device, summed
+    over `parts` of `plan.predicted.memory`, is within `memory_limit`.
+
+    E.g. "the smallest FSDP degree at which weights, gradients and Adam state fit in 95 GB":
+    `min_axis_size(model, (idx,), "dp", "95GB", strategy="fsdp")`. `example_inputs` hold one
+    device's batch along dim 0; at size n the plan is made for that times every axis's size.
+    `mesh`: the other axes, {name: size}; `plan_options` go to autopar.plan (strategy, precision,
+    optimizer, hardware, ...). The default parts are those the model's size sets (weights, master
+    copy, gradients, optimizer state); add "activations" and "transient" for the whole step.
+
+    No layout holds less than a 1/n share of what one device holds (padding only adds), so the
+    sizes below whole / limit cannot fit: the scan starts there and plans at each size up from it
+    until one fits, usually one or two plans.
+    """
+    try:
+        limit = cm.parse_bytes(memory_limit)
+    except cm.CostModelError as e:
+        raise AutoparError(f"autopar.min_axis_size: memory_limit: {e}") from e
+    others = dict(mesh or {})
+    if axis in others:
+        raise AutoparError(f"autopar.min_axis_size: axis {axis!r} is the one sized here; leave it out of mesh=")
+    unknown = [p for p in parts if p not in ("params", "master", "grads", "optimizer", "activations", "transient")]
+    if unknown:
+        raise AutoparError(f"autopar.min_axis_size: parts {unknown} are not parts of plan.predicted.memory")
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+    def needed(n: int) -> float:
+        sizes = {**others, axis: n}
+        devices = math.prod(sizes.values())
+        batch = tuple(_repeat_batch(t, devices) for t in inputs)
+        plan = plan_captured(capture_repeated(model, batch), {axis: n, **others}, **plan_options)
+        return float(sum(getattr(plan.predicted.memory, p) for p in parts))
+
+    n = max(1, math.ceil(needed(1) / limit))
+    while n <= max_size:
+        if needed(n) <= limit:
+            return n
+        n += 1
+    raise AutoparError(f"autopar.min_axis_size: no size of {axis!r} up to {max_size} brings {'+'.join(parts)} "
+                       f"within {cm.format_bytes(limit)} per device: the strategy does not split them over "
+                       f"{axis!r} (ddp and tp keep weights or their state whole there), or the limit is too low")
+
+
+def _repeat_batch(t, times: int):
+    """`t` with its dim 0 `times` as long (meta tensors stay on meta: nothing is allocated)."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return t
+    if t.is_meta:
+        return torch.empty((t.shape[0] * times,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta")
+    return t.repeat((times,) + (1,) * (t.dim() - 1))
 
 
 # ----------------------------------------------------------------------------- the batch dim

@@ -1,10 +1,13 @@
 """A named strategy that cannot split the weights it promises to split is never silent.
 
-Splits must divide evenly, so fsdp (or ZeRO) on an axis of size 3 over a
-model whose dims are powers of two splits nothing: the plan would be DDP in
-effect. That raises ShardingError; leaving only some weights whole warns
-(DivisibilityWarning) with the bytes it costs. Strategies that keep weights
-whole on purpose (ddp; biases and norms under tp) say nothing.
+FSDP and ZeRO split any weight, padded (torch.chunk's layout) where the axis
+size does not divide, so fsdp on an axis of size 3 over a model whose dims are
+powers of two splits every weight unevenly. Tensor parallelism runs ops on
+the shards and splits only evenly: tp on 3 over such a model raises
+ShardingError. A weight an axis cannot split, e.g. a bias tp already splits in
+two that fsdp on 3 would have to split again, warns (DivisibilityWarning) with
+the bytes it costs. Strategies that keep weights whole on purpose (ddp; biases
+and norms under tp) say nothing.
 """
 import copy
 import warnings
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.sharding.placement import local_shape
 from autopar.testing import GPT, MLP, GPTConfig, run_threaded
 
 
@@ -24,50 +28,62 @@ def _divisibility_warnings(fn):
     return result, [str(w.message) for w in caught if issubclass(w.category, autopar.DivisibilityWarning)]
 
 
-@pytest.mark.parametrize("strategy, mesh, what", [
-    ("fsdp", {"dp": 3}, "every weight"),
-    ("zero1", {"dp": 3}, "the optimizer state of every weight"),
-    ("fsdp+tp", {"dp": 3, "tp": 2}, "every weight"),
-    ("fsdp", {"dp": 6}, "every weight"),
-])
-def test_axis_that_splits_no_weight_raises(strategy, mesh, what):
+@pytest.mark.parametrize("strategy, mesh", [("fsdp", {"dp": 3}), ("fsdp", {"dp": 6}), ("zero1", {"dp": 3}),
+                                            ("zero2", {"dp": 6})])
+def test_axis_size_that_divides_no_dim_splits_every_weight_unevenly(strategy, mesh):
     # every dim is 8 or 16: 3 and 6 divide none
-    with pytest.raises(autopar.ShardingError) as info:
-        autopar.plan(MLP([8, 16, 8]), (torch.randn(6, 8),), mesh, strategy=strategy)
-    msg = str(info.value)
+    model = MLP([8, 16, 8])
+    plan, msgs = _divisibility_warnings(lambda: autopar.plan(model, (torch.randn(6, 8),), mesh, strategy=strategy))
+    assert not msgs, msgs
     n = mesh["dp"]
-    assert f"strategy {strategy!r} splits {what} over mesh axis 'dp'" in msg
-    assert f"its size {n} does not divide" in msg and "'layers.0.weight' (16, 8)" in msg
-    # what to do: 2 (of 3) or 4 (of 6) divides every dim; or a strategy that keeps weights whole
-    assert f"(e.g. {4 if n == 6 else 2})" in msg and "strategy='ddp'" in msg and "strategy='auto'" in msg
+    for name, p in model.named_parameters():
+        if strategy == "fsdp":
+            assert plan.param_placements[name] != ("R",), name
+        else:
+            assert plan.param_zero[name] == (int(strategy[-1]), ("dp",)), name
+    if strategy == "fsdp":   # the largest shard is priced: ceil(dim / n) rows
+        shards = sum(4 * torch.Size(local_shape(tuple(p.shape), plan.param_placements[name], (n,))).numel()
+                     for name, p in model.named_parameters())
+        assert plan.predicted.memory.params == shards
+        assert plan.predicted.memory.params > 4 * sum(p.numel() for p in model.parameters()) / n   # padding
+    else:   # ZeRO: flat slices of ceil(numel / n) elements, two AdamW states each
+        assert plan.predicted.memory.optimizer == sum(8 * -(-p.numel() // n) for p in model.parameters())
 
 
-def _parallelize_fsdp(rank, model, x):
+def test_tp_axis_that_splits_no_weight_raises():
+    with pytest.raises(autopar.ShardingError) as info:
+        autopar.plan(MLP([8, 16, 8]), (torch.randn(6, 8),), {"tp": 3}, strategy="tp")
+    msg = str(info.value)
+    assert "'layers.0.weight' of shape (16, 8)" in msg and "'tp' of size 3 divides none of its dims" in msg
+
+
+def _parallelize_tp(rank, model, x):
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("tp",))
     try:
-        autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="fsdp")
+        autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="tp")
     except autopar.ShardingError as e:
         return str(e)
     return None
 
 
 def test_parallelize_on_three_ranks_raises_on_every_rank():
-    messages = run_threaded(3, _parallelize_fsdp, MLP([8, 16, 8]), torch.randn(6, 8))
-    assert all(m is not None and "'layers.0.weight' (16, 8)" in m and "size 3" in m for m in messages), messages
+    messages = run_threaded(3, _parallelize_tp, MLP([8, 16, 8]), torch.randn(6, 8))
+    assert all(m is not None and "(16, 8)" in m and "size 3" in m for m in messages), messages
 
 
 def test_some_weights_left_whole_warn_once_with_their_cost():
-    # 3 divides 15, so both linears split along it; the last bias (8,) cannot
-    model, x = MLP([8, 15, 8]), torch.randn(6, 8)
-    plan, msgs = _divisibility_warnings(lambda: autopar.plan(model, (x,), {"dp": 3}, strategy="fsdp"))
+    # tp splits the first bias (16,) in two; fsdp on 3 would have to split those halves again,
+    # which only an even split can do (nested uneven chunks are not torch.chunk's layout)
+    model, x = MLP([8, 16, 8]), torch.randn(6, 8)
+    plan, msgs = _divisibility_warnings(lambda: autopar.plan(model, (x,), {"dp": 3, "tp": 2}, strategy="fsdp+tp"))
     assert len(msgs) == 1, msgs
-    assert "leaves 1 whole" in msgs[0] and "1 of the 4 weights: 'layers.2.bias' (8,)" in msgs[0]
-    # fp32 AdamW: weight, gradient and two states = 16 B per element; 8 elements held whole
-    # instead of a third: 128 * 2/3 B more per device
+    assert "leaves 1 whole" in msgs[0] and "1 of the 4 weights: 'layers.0.bias' (16,)" in msgs[0]
+    # fp32 AdamW: weight, gradient and two states = 16 B per element; 8 elements (half the bias) held
+    # on every dp rank instead of a third: 128 * 2/3 B more per device
     assert "costs 85 B more per device than splitting them 3 ways" in msgs[0]
-    assert plan.param_placements["layers.2.bias"] == ("R",)
-    assert plan.param_placements["layers.0.weight"] != ("R",)
+    assert plan.param_placements["layers.0.bias"] == ("R", "S(0)")
+    assert plan.param_placements["layers.0.weight"][0] != "R"
 
 
 def test_dividing_dims_neither_raise_nor_warn():

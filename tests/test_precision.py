@@ -19,15 +19,17 @@ def _per_param(plan, model):
     return (m.params + m.master + m.grads + m.optimizer) / sum(p.numel() for p in model.parameters())
 
 
-def test_fp32_adam_costs_16_bytes_and_bf16_mixed_18():
+def test_fp32_adam_and_bf16_mixed_both_cost_16_bytes():
     model, x = _model()
     fp32 = autopar.plan(model, (x,), {"dp": 2}, strategy="ddp")
     assert _per_param(fp32, model) == 16          # 4 weight + 4 grad + 2 x 4 AdamW moments
     mixed = autopar.plan(model, (x,), {"dp": 2}, strategy="ddp", precision=autopar.BF16_MIXED)
-    assert _per_param(mixed, model) == 18         # 2 bf16 weight + 4 master + 4 grad + 8 moments
+    # the weight is kept once, as the fp32 master, and cast to bf16 where it is used (as FSDP2 does)
+    assert _per_param(mixed, model) == 16         # 4 fp32 master + 4 grad + 8 moments
     n = sum(p.numel() for p in model.parameters())
-    assert (mixed.predicted.memory.params, mixed.predicted.memory.master) == (2 * n, 4 * n)
-    assert "master" in str(mixed) and "master" not in str(fp32).split("predicted per device")[1].split("\n")[0]
+    assert (mixed.predicted.memory.params, mixed.predicted.memory.master) == (4 * n, 0)
+    # what bf16 halves: the activations autograd keeps
+    assert mixed.predicted.memory.activations * 2 == fp32.predicted.memory.activations
 
 
 @pytest.mark.parametrize("optimizer, expect", [("sgd", 8), ("sgd-momentum", 12), ("adam", 16), ("adamw", 16)])
@@ -51,7 +53,7 @@ def test_optimizer_instances_are_read():
 def test_bytes_per_element_follow_each_dtype():
     pb = param_bytes(autopar.Precision(compute="bf16", master="fp32", grad_accum="fp32", reduce="bf16",
                                        optimizer_state="bf16"), optimizer_spec("adamw"), torch.float32)
-    assert (pb.weight, pb.master, pb.grad, pb.reduce, pb.optimizer) == (2, 4, 4, 2, 4)
+    assert (pb.weight, pb.master, pb.grad, pb.reduce, pb.optimizer, pb.cast) == (4, 0, 4, 2, 4, True)
     plain = param_bytes(precision_of(None), optimizer_spec("adamw"), torch.bfloat16)
     assert (plain.weight, plain.master, plain.grad, plain.optimizer, plain.total) == (2, 0, 2, 4, 8)
 
@@ -83,11 +85,22 @@ def test_bf16_compute_halves_activations_and_uses_the_bf16_peak():
 
 def test_precision_round_trips_through_json():
     model, x = _model()
-    plan = autopar.plan(model, (x,), {"dp": 2}, strategy="zero2", precision=autopar.BF16_MIXED)
+    plan = autopar.plan(model, (x,), {"dp": 2}, strategy="fsdp", precision=autopar.BF16_MIXED)
     back = autopar.Plan.from_json(plan.to_json())
     assert back.precision == plan.precision == autopar.BF16_MIXED.to_dict()
-    assert back.param_zero == plan.param_zero and back.optimizer == plan.optimizer
+    assert back.param_placements == plan.param_placements and back.optimizer == plan.optimizer
     assert back.predicted.memory == plan.predicted.memory
+
+
+def test_zero_under_mixed_precision_is_refused_and_auto_does_not_pick_it():
+    """ZeRO splits a master copy kept beside the compute-dtype weight; autopar keeps one copy (the master)."""
+    model, x = _model()
+    with pytest.raises(autopar.PlanError, match="'fsdp'"):
+        autopar.plan(model, (x,), {"dp": 2}, strategy="zero2", precision=autopar.BF16_MIXED)
+    ddp = autopar.plan(model, (x,), {"dp": 2}, strategy="ddp", precision=autopar.BF16_MIXED)
+    tight = autopar.plan(model, (x,), {"dp": 2}, precision=autopar.BF16_MIXED,
+                         memory_limit=int(0.8 * ddp.predicted.memory.total))
+    assert not tight.param_zero and any(p != ("R",) for p in tight.param_placements.values())
 
 
 def test_bad_precision_and_optimizer_are_named():
@@ -100,19 +113,21 @@ def test_bad_precision_and_optimizer_are_named():
         autopar.plan(model, (x,), {"dp": 2}, optimizer="lion")
 
 
-def _parallelize_mixed(rank, model, x):
+def _parallelize_with(rank, model, x, precision):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     try:
-        autopar.parallelize(model, mesh, (x,), strategy="ddp", precision=autopar.BF16_MIXED)
+        autopar.parallelize(model, mesh, (x,), strategy="ddp", precision=precision)
     except autopar.PlanError as e:
         return str(e)
     return None
 
 
 def test_runtime_refuses_a_policy_it_would_not_follow():
-    """Planned in bf16 but run in fp32 would silently break every prediction: say so instead."""
+    """A torch optimizer keeps gradients and state in its parameter's dtype: a plan priced with bf16
+    gradients beside fp32 masters would not run as priced, so parallelize says so."""
     from autopar.testing import run_threaded
     model, x = _model()
-    for message in run_threaded(2, _parallelize_mixed, model, x):
-        assert message is not None and "model.to(dtype)" in message
+    policy = autopar.Precision(compute="bf16", master="fp32", grad_accum="bf16")
+    for message in run_threaded(2, _parallelize_with, model, x, policy):
+        assert message is not None and "grad_accum=torch.bfloat16 differs from the master dtype" in message

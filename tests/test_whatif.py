@@ -16,6 +16,7 @@ from torch import nn
 
 import autopar
 import cost_models as cm
+from autopar.testing import GPT, MLP, GPTConfig
 
 BATCH = torch.export.Dim("batch")
 SEQ = torch.export.Dim("seq")
@@ -312,3 +313,40 @@ def test_axes_without_communication_are_covered_at_any_batch():
     plan = _plan("ddp", {"dp": 4, "tp": 1})
     assert sympy.sympify(plan.symbolic.comm_time["tp"]).is_zero
     assert autopar.min_compute_bound_batch(plan) == 2844  # as DDP on dp=4 alone
+
+
+# ----------------------------------------------------------------------------- how many devices fit
+
+def _xxl():
+    """A 220B-parameter GPT on the meta device: fp32 weights, gradients and AdamW's two states
+    (16 B per parameter) are 3517.6 GB, which no dim of it divides into 37, 38 or 39 shards."""
+    cfg = GPTConfig(vocab_size=24064, block_size=1024, n_layer=68, n_head=128, n_embd=16384, bias=False)
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def test_fsdp_weight_state_of_a_huge_model_is_its_nth_part_at_degrees_that_divide_nothing():
+    model = _xxl()
+    whole = 16 * sum(p.numel() for p in model.parameters())
+    assert round(whole / 1e9, 1) == 3517.6
+    for n in (37, 38, 39):
+        idx = torch.empty((n, 8), dtype=torch.long, device="meta")
+        plan = autopar.plan(model, (idx,), {"dp": n}, strategy="fsdp", optimizer="adamw", hardware="h100")
+        mem = plan.predicted.memory
+        state = mem.params + mem.grads + mem.optimizer
+        assert mem.master == 0   # fp32: the weights are the master copy
+        # a 1/n share, plus the padding of the last shard of each split dim (under 0.3% here)
+        assert whole / n <= state <= whole / n * 1.003, (n, state, whole / n)
+        assert all(p != ("R",) for p in plan.param_placements.values())
+
+
+def test_min_axis_size_answers_the_smallest_fsdp_degree_that_fits():
+    # 3517.6 GB / 37 = 95.07 GB > 95 GB; / 38 = 92.6 GB
+    idx = torch.empty((1, 8), dtype=torch.long, device="meta")
+    n = autopar.min_axis_size(_xxl(), (idx,), "dp", "95GB", strategy="fsdp", optimizer="adamw", hardware="h100")
+    assert n == 38
+
+
+def test_min_axis_size_says_when_no_size_splits_the_weights():
+    with pytest.raises(autopar.AutoparError, match="does not split them"):
+        autopar.min_axis_size(MLP([8, 16, 8]), (torch.randn(1, 8),), "dp", 100, strategy="ddp", max_size=8)

@@ -57,6 +57,10 @@ class Captured:
     input_names: list[str] = field(default_factory=list)  # user-input placeholders, in order
     aliases: dict[str, str] = field(default_factory=dict)   # tied parameter name -> canonical name
     ranges: dict = field(default_factory=dict)  # dynamic dim symbol -> (least, most or None) sizes allowed
+    # traced with floating weights in this dtype (compute_dtype.py; None: the model's own), and the
+    # dtype the model holds each parameter in (by name), which a policy's master copy defaults to
+    compute_dtype: Any = None
+    param_dtypes: dict = field(default_factory=dict)
 
     def nodes(self):
         return self.graph.nodes

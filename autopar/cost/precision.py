@@ -1,11 +1,16 @@
 """Precision policy and optimizer: how many bytes each parameter costs.
 
-A training step keeps, per parameter element: the weight in the compute dtype,
-a master copy when the compute dtype is narrower (mixed precision), the
-gradient in the accumulation dtype, and the optimizer's state tensors. The
-gradient crosses the network in the reduce dtype. So fp32 AdamW costs
-4 + 4 + 2*4 = 16 bytes per parameter and bf16 compute with fp32 master,
-gradients and AdamW state 2 + 4 + 4 + 2*4 = 18.
+A training step keeps, per parameter element: the weight, the gradient in the
+accumulation dtype, and the optimizer's state tensors. The gradient crosses
+the network in the reduce dtype. Under mixed precision the module keeps one
+copy of each weight, in the master dtype, and casts it to the compute dtype
+where an op uses it (after the FSDP all-gather's input cast, as FSDP2's
+MixedPrecisionPolicy does): a cast copy lives while its op runs, not for the
+step. So fp32 AdamW costs 4 + 4 + 2*4 = 16 bytes per parameter, and so does
+bf16 compute with fp32 master, gradients and AdamW state; what bf16 halves is
+the activations and the weight all-gathers. (Megatron and apex O2 keep a bf16
+copy beside the fp32 master, 18 bytes with fp32 gradients; autopar does not:
+the copy would go stale behind any optimizer that does not refresh it.)
 """
 from __future__ import annotations
 
@@ -118,11 +123,12 @@ def optimizer_spec(value="adamw") -> OptimizerSpec:
 @dataclass(frozen=True)
 class ParamBytes:
     """Bytes per parameter element, by what they hold."""
-    weight: int        # in the compute dtype
-    master: int        # 0 when the optimizer updates the compute-dtype weight itself
+    weight: int        # as stored: the master dtype (the compute dtype's copy exists only while an op runs)
+    master: int        # a second, persistent copy for the optimizer: 0, autopar keeps one (module docstring)
     grad: int
     reduce: int        # per element crossing the network in a gradient reduction
     optimizer: int     # all state tensors together
+    cast: bool = False  # stored in the master dtype and cast to a narrower compute dtype at each use
 
     @property
     def total(self) -> int:
@@ -132,11 +138,13 @@ class ParamBytes:
 def param_bytes(precision: Precision, optimizer: OptimizerSpec, param_dtype: torch.dtype,
                 trainable: bool = True) -> ParamBytes:
     p = precision.resolve(param_dtype)
-    if not trainable or not param_dtype.is_floating_point:
+    if not param_dtype.is_floating_point:
         return ParamBytes(param_dtype.itemsize, 0, 0, 0, 0)
-    master = 0 if p.master == p.compute else p.master.itemsize
-    return ParamBytes(p.compute.itemsize, master, p.grad_accum.itemsize, p.reduce.itemsize,
-                      optimizer.states_per_param * p.optimizer_state.itemsize)
+    cast = p.compute != p.master
+    if not trainable:
+        return ParamBytes(p.master.itemsize, 0, 0, 0, 0, cast)
+    return ParamBytes(p.master.itemsize, 0, p.grad_accum.itemsize, p.reduce.itemsize,
+                      optimizer.states_per_param * p.optimizer_state.itemsize, cast)
 
 
 def as_computed(cap, precision: Precision):

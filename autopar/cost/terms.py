@@ -25,8 +25,8 @@ import cost_models as cm
 from ..capture.export import PARAM, Captured, TensorMeta
 from ..mesh import MeshSpec
 from ..sharding.op_spec import op_name, tensor_args
-from ..sharding.placement import P, Placements, R, S, local_shape, numel
-from ..sharding.redistribute import Collective, plan_steps, step_collectives
+from ..sharding.placement import P, Placements, R, S, ceil_div, local_shape, numel, shard_dim, uneven_dims
+from ..sharding.redistribute import Collective, UnsupportedRedistribution, plan_steps, step_collectives
 from .activations import ActivationModel, activation_model, node_activation_bytes
 from .precision import ParamBytes
 
@@ -144,8 +144,9 @@ def param_memory(meta: TensorMeta, strategy, mesh: MeshSpec, pb: ParamBytes, sym
     split = 1
     for a in strategy.zero_axes:
         split *= mesh.axis_sizes[a]
-    state = n / split if strategy.zero else n
-    grads = n / split if strategy.zero >= 2 else n
+    sliced = ceil_div(n, split)   # the largest slice, padded where split does not divide (placement.py)
+    state = sliced if strategy.zero else n
+    grads = sliced if strategy.zero >= 2 else n
     return ParamMemory(n * pb.weight, state * pb.master, grads * pb.grad, state * pb.optimizer)
 
 
@@ -197,6 +198,7 @@ def edge_collectives(producer: str, src: Placements, dst: Placements, grad_parti
     if src == dst and not (grad_flows and grad_partial) and not keep_partial:
         return []
     steps = plan_steps(src, dst, grad_partial if grad_flows else (), keep_partial=keep_partial)
+    check_uneven_gathered(meta, src, steps, mesh)
     out = []
     for st in steps:
         for c in step_collectives(st, shape_of(meta, symbolic), meta.itemsize, mesh.axis_sizes, where, regather,
@@ -208,6 +210,23 @@ def edge_collectives(producer: str, src: Placements, dst: Placements, grad_parti
                 c = replace(c, full_bytes=c.full_bytes * reduce_itemsize / meta.itemsize)
             out.append(c)
     return out
+
+
+def check_uneven_gathered(meta: TensorMeta, src: Placements, steps, mesh: MeshSpec) -> None:
+    """A tensor stored split unevenly (a parameter, placement.py) may only be all-gathered, on the
+    axes that split it so, before anything else: ops and all-to-alls take even shards only."""
+    uneven = {d for d in uneven_dims(meta.hint, src, mesh.axis_sizes)}
+    if not uneven:
+        return
+    axes = {a for a, p in enumerate(src) if shard_dim(p) in uneven}
+    for st in steps:
+        if st.axis in axes:
+            if st.forward_kind != cm.ALL_GATHER:
+                break
+            axes.discard(st.axis)
+    if axes:
+        raise UnsupportedRedistribution(f"an uneven split of dim(s) {sorted(uneven)} on axes {sorted(axes)} "
+                                        "must be gathered first")
 
 
 def regathers(cap: Captured, producer: str, consumer: str, index: int, grad_nodes: set) -> bool:

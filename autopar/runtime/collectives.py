@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..sharding.placement import shard_dim
+from ..sharding.placement import chunk_span, shard_dim
 from ..sharding.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHUNK, NONE, REDUCE_SCATTER, ZERO, Step,
                                      transition)
 
@@ -53,15 +53,23 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase: str) -> torch.Tensor:
-    """Turn the local tensor of layout `src` on `axis` into the local tensor of layout `dst`."""
+def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase: str,
+              whole: int | None = None) -> torch.Tensor:
+    """Turn the local tensor of layout `src` on `axis` into the local tensor of layout `dst`.
+
+    `whole`: the length of the split dim once gathered, for a split that does not divide (the
+    pieces are torch.chunk's, placement.chunk_span); None: n times this rank's piece. A split that
+    does not divide is padded to n equal pieces for the collective and cut back after it.
+    """
     kind = transition(src, dst)
     ax = comm.axes[axis]
     n, g = ax.size, ax.group
     if kind == NONE:
         return x
     if kind == CHUNK:
-        return x.chunk(n, dim=shard_dim(dst))[ax.coord].contiguous()
+        d = shard_dim(dst)
+        start, length = chunk_span(x.shape[d], n, ax.coord)
+        return x.narrow(d, start, length).contiguous()
     if kind == ZERO:  # R -> P: one rank keeps the value so the pending sum counts it once
         return x if ax.coord == 0 else torch.zeros_like(x)
     if kind == ALL_REDUCE:
@@ -71,17 +79,23 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         return y
     if kind == ALL_GATHER:
         d = shard_dim(src)
-        xs = x.movedim(d, 0).contiguous()
-        out = xs.new_empty((n * xs.shape[0],) + tuple(xs.shape[1:]))
+        size = n * x.shape[d] if whole is None else whole
+        piece = -(-size // n)
+        xs = _pad_to(x.movedim(d, 0), piece).contiguous()
+        out = xs.new_empty((n * piece,) + tuple(xs.shape[1:]))
         _log(comm, ALL_GATHER, axis, _bytes(out), phase)
         _all_gather(out, xs, group=g)
+        out = out[:size]   # the padding off (a prefix: still contiguous)
         return out if d == 0 else out.movedim(0, d).contiguous()
     if kind == REDUCE_SCATTER:
         d = shard_dim(dst)
-        xs = x.movedim(d, 0).contiguous()
-        out = xs.new_empty((xs.shape[0] // n,) + tuple(xs.shape[1:]))
+        size = x.shape[d]
+        piece = -(-size // n)
+        xs = _pad_to(x.movedim(d, 0), n * piece).contiguous()
+        out = xs.new_empty((piece,) + tuple(xs.shape[1:]))
         _log(comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
         _reduce_scatter(out, xs, group=g)
+        out = out[:chunk_span(size, n, ax.coord)[1]]
         return out if d == 0 else out.movedim(0, d).contiguous()
     if kind == ALL_TO_ALL:
         d_in, d_out = shard_dim(src), shard_dim(dst)
@@ -93,21 +107,50 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
     raise AssertionError(kind)
 
 
+def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+    """`x` with zeros appended along dim 0 up to `length` rows (itself when it has them)."""
+    if x.shape[0] == length:
+        return x
+    return torch.cat([x, x.new_zeros((length - x.shape[0],) + tuple(x.shape[1:]))])
+
+
 def _log(comm: Comm, kind, axis, nbytes, phase):
     if comm.log is not None:
         comm.log.add(kind, axis, nbytes, phase)
 
 
 class Redistribute(torch.autograd.Function):
+    """One Step; `whole`: the length of the dim it splits or gathers, where the split does not divide."""
     @staticmethod
-    def forward(ctx, x, step: Step, comm: Comm):
-        ctx.step, ctx.comm = step, comm
-        return transform(x, step.src, step.dst, step.axis, comm, comm.forward_phase)
+    def forward(ctx, x, step: Step, comm: Comm, whole=None):
+        ctx.step, ctx.comm, ctx.whole = step, comm, whole
+        return transform(x, step.src, step.dst, step.axis, comm, comm.forward_phase, whole)
 
     @staticmethod
     def backward(ctx, grad):
         s = ctx.step
-        return transform(grad, s.grad_dst, s.grad_src, s.axis, ctx.comm, "backward"), None, None
+        return transform(grad, s.grad_dst, s.grad_src, s.axis, ctx.comm, "backward", ctx.whole), None, None, None
+
+
+class CastAndRedistribute(torch.autograd.Function):
+    """A weight stored in the master dtype, as an op uses it: cast to the compute dtype, then the steps
+    (so an FSDP all-gather moves compute-dtype bytes). Backward casts the gradient to the reduce dtype
+    before the steps' reductions and returns it in the master dtype: one function, because autograd
+    would cast a gradient leaving a step back to that step's input dtype before the next reduced it."""
+    @staticmethod
+    def forward(ctx, master, steps, wholes, comm: Comm, compute_dtype, reduce_dtype):
+        ctx.steps, ctx.wholes, ctx.comm, ctx.reduce_dtype, ctx.master_dtype = steps, wholes, comm, reduce_dtype, master.dtype
+        x = master.to(compute_dtype)
+        for s, whole in zip(steps, wholes):
+            x = transform(x, s.src, s.dst, s.axis, comm, comm.forward_phase, whole)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.to(ctx.reduce_dtype)
+        for s, whole in zip(reversed(ctx.steps), reversed(ctx.wholes)):
+            g = transform(g, s.grad_dst, s.grad_src, s.axis, ctx.comm, "backward", whole)
+        return g.to(ctx.master_dtype), None, None, None, None, None
 
 
 class ScaleGrad(torch.autograd.Function):

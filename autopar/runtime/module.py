@@ -14,9 +14,11 @@ import torch
 import torch.fx as fx
 
 from .._compat import unflatten_outputs
+from ..capture.compute_dtype import cast_inputs
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
+from ..cost.precision import precision_of
 from ..errors import InputShapeError, PlanError
-from ..sharding.placement import R, dim_factor, is_shard, shard_dim, shard_full_tensor
+from ..sharding.placement import R, dim_factor, gathered_size, is_shard, shard_dim, shard_full_tensor
 from .collectives import Comm
 from .initialization import init_shards
 from .rewrite import GatheredParams
@@ -51,6 +53,10 @@ class ParallelModule(torch.nn.Module):
                  model: torch.nn.Module, device_mesh=None, other_mode=None):
         super().__init__()
         self.plan = plan
+        device = mesh_device(device_mesh)
+        for graph in (gm, other_mode[0] if isinstance(other_mode, tuple) else None):
+            if graph is not None and device is not None:
+                on_device(graph, device)
         self.graph_module = gm
         self.comm = comm
         self.device_mesh = device_mesh
@@ -70,6 +76,10 @@ class ParallelModule(torch.nn.Module):
         needed = self._cut_stages(gm, cap, plan) if plan.pipeline is not None else None
         full_params = dict(model.named_parameters(remove_duplicate=False))
         full_buffers = dict(model.named_buffers(remove_duplicate=False))
+        # whole shapes: a shard split unevenly (placement.py) does not tell them
+        self._global_shapes = {fqn: tuple(p.shape) for fqn, p in full_params.items()}
+        master_dtypes = _master_dtypes(full_params, plan)
+        self._compute_dtype = cap.compute_dtype   # floating inputs are cast to it (compute_dtype.py)
         self._aliases = dict(cap.aliases)   # tied names -> canonical name (state_dict lists both)
         self._placeholder_sources = []  # (kind, fqn) per graph placeholder, in order
         self._constants = {}
@@ -83,7 +93,9 @@ class ParallelModule(torch.nn.Module):
                     full = full_params[fqn]
                     local = shard_full_tensor(full.detach(), plan.param_placements[fqn], self._coords,
                                               plan.mesh.axis_sizes)
-                    _set_by_path(self.store, fqn, torch.nn.Parameter(local.clone(), full.requires_grad), True)
+                    # the master dtype a precision policy keeps the weight in (its own dtype without one)
+                    local = local.to(master_dtypes.get(fqn, local.dtype), copy=True)
+                    _set_by_path(self.store, fqn, torch.nn.Parameter(local, full.requires_grad), True)
                 self._placeholder_sources.append((PARAM, fqn))
             elif info.kind == BUFFER:
                 fqn = info.target_name
@@ -189,9 +201,7 @@ class ParallelModule(torch.nn.Module):
         pipe = self.plan.pipeline
         group = self.device_mesh.get_group(pipe.axis)
         if self._pipeline_stages is None:
-            device = torch.device(self.device_mesh.device_type)
-            if device.type == "cuda":
-                device = torch.device("cuda", torch.cuda.current_device())
+            device = mesh_device(self.device_mesh)
             self._pipeline_stages = [PipelineStage(m, s, pipe.num_stages, device, group=group)
                                      for s, m in zip(self._stage_indices, self._stage_modules)]
         has_targets = targets is not None   # decided before the placeholder targets below replace None
@@ -226,6 +236,7 @@ class ParallelModule(torch.nn.Module):
             raise PlanError(f"the parallel module takes {self._num_inputs} inputs (this rank's shard of each, "
                             f"from plan.local_inputs), got {len(local_inputs)}")
         check_input_shapes(self._input_shapes, local_inputs)
+        local_inputs = cast_inputs(local_inputs, self._compute_dtype)
         graph_module, gathered = self._graph_for_mode()
         params = dict(self.store.named_parameters())
         buffers = dict(self.store.named_buffers())
@@ -271,9 +282,9 @@ class ParallelModule(torch.nn.Module):
             raise PlanError("a pipelined module holds only its stages' parameters, which DTensors over the whole "
                             "mesh cannot describe; use state_dict(full=True) (this device's stages, whole)")
         for fqn, p in self.store.named_parameters():
-            out[fqn] = self._export_tensor(p.detach(), self.plan.param_placements[fqn], full)
+            out[fqn] = self._export_tensor(p.detach(), self.plan.param_placements[fqn], full, self._global_shapes[fqn])
         for fqn, b in self.store.named_buffers():
-            out[fqn] = self._export_tensor(b.detach(), (R,) * self.plan.mesh.num_axes, full)
+            out[fqn] = self._export_tensor(b.detach(), (R,) * self.plan.mesh.num_axes, full, tuple(b.shape))
         for alias, canonical in self._aliases.items():  # tied weights appear under every name, as in torch
             if canonical in out:
                 out[alias] = out[canonical]
@@ -281,23 +292,30 @@ class ParallelModule(torch.nn.Module):
 
     def full_grads(self) -> dict:
         """Whole gradients by original parameter name (gathers split ones): for checks and debugging."""
-        return {fqn: self._export_tensor(p.grad.detach(), self.plan.param_placements[fqn], True)
+        return {fqn: self._export_tensor(p.grad.detach(), self.plan.param_placements[fqn], True,
+                                         self._global_shapes[fqn])
                 for fqn, p in self.store.named_parameters() if p.grad is not None}
 
-    def _export_tensor(self, local, placements, full):
+    def _export_tensor(self, local, placements, full, shape):
+        """This rank's `local` piece of a tensor of whole `shape`: gathered whole, or as a DTensor."""
         from .collectives import transform
         if full:
             x = local
+            current = tuple(placements)
             for a in reversed(range(len(placements))):
                 if is_shard(placements[a]):
-                    x = transform(x, placements[a], R, a, self.comm, "checkpoint")
+                    whole = gathered_size(shape, current, a, self.plan.mesh.axis_sizes)
+                    x = transform(x, placements[a], R, a, self.comm, "checkpoint", whole)
+                    current = current[:a] + (R,) + current[a + 1:]
             return x
         if self.device_mesh is None:
             raise PlanError("state_dict() as DTensors needs the DeviceMesh given to parallelize; "
                             "use state_dict(full=True) for whole tensors")
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        pls = [Shard(shard_dim(p)) if is_shard(p) else Replicate() for p in placements]
-        return DTensor.from_local(local, self.device_mesh, pls, run_check=False)
+        from torch.distributed.tensor import DTensor
+        # shape and stride given: a split that does not divide leaves ranks' pieces of unequal length,
+        # which DTensor lays out as torch.chunk does, as placement.py does
+        return DTensor.from_local(local, self.device_mesh, dtensor_placements(placements), run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_strides(shape))
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Accepts DTensors or whole tensors, in any layout; keeps this module's layout."""
@@ -312,12 +330,67 @@ class ParallelModule(torch.nn.Module):
             for fqn, value in state_dict.items():
                 if fqn not in own:
                     continue
-                if hasattr(value, "full_tensor"):
-                    value = value.full_tensor()
                 placements = self.plan.param_placements.get(self._aliases.get(fqn, fqn),
                                                              (R,) * self.plan.mesh.num_axes)
+                if _same_layout(value, self.device_mesh, placements):
+                    own[fqn].copy_(value.to_local())   # this rank's piece already: nothing whole is made
+                    continue
+                if hasattr(value, "full_tensor"):
+                    value = value.full_tensor()
                 own[fqn].copy_(shard_full_tensor(value, placements, self._coords, self.plan.mesh.axis_sizes))
         return LoadResult(missing, unexpected)
+
+
+def mesh_device(device_mesh) -> torch.device | None:
+    """The device this rank computes on: the mesh's type (this process's current CUDA device on "cuda")."""
+    if device_mesh is None:
+        return None
+    device = torch.device(device_mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def on_device(gm: fx.GraphModule, device: torch.device) -> None:
+    """Every device the graph names (`torch.arange(T, device=idx.device)` traced on the CPU, or on meta for
+    a model built there) made `device`, in the graph and the subgraphs of its higher-order ops: the module
+    computes where its mesh is, whatever device the example inputs were on."""
+    def retarget(a):
+        return device if isinstance(a, torch.device) and a != device else a
+
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = fx.node.map_aggregate(node.args, retarget)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, retarget)
+            module.recompile()
+
+
+def _master_dtypes(params: dict, plan) -> dict:
+    """Parameter name -> the dtype the plan's precision policy keeps it in (floating ones only)."""
+    policy = precision_of(plan.precision)
+    return {fqn: policy.resolve(p.dtype).master for fqn, p in params.items() if p.dtype.is_floating_point}
+
+
+def dtensor_placements(placements) -> list:
+    """autopar's placements ("S(d)" / "R" per axis) as DTensor's."""
+    from torch.distributed.tensor import Replicate, Shard
+    return [Shard(shard_dim(p)) if is_shard(p) else Replicate() for p in placements]
+
+
+def _same_layout(value, mesh, placements) -> bool:
+    """Is `value` a DTensor laid out over `mesh` as `placements` say (so its local piece is ours)?"""
+    if mesh is None or not hasattr(value, "placements") or value.device_mesh != mesh:
+        return False
+    return list(value.placements) == dtensor_placements(placements)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def input_shape_specs(cap: Captured, plan) -> list:

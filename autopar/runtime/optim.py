@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PlanError
-from ..sharding.placement import P, R, S, shard_full_tensor
+from ..sharding.placement import P, R, S, gathered_size, shard_full_tensor
 from ..sharding.redistribute import plan_steps
 from .collectives import transform
 
@@ -101,10 +101,7 @@ class ShardedOptimizer:
                 self._reduce(z, "optimizer")
         self.optimizer.step()
         for z in self._zero:
-            x = z.slice.detach()
-            for st in z.gather_steps:
-                x = transform(x, st.src, st.dst, st.axis, self.comm, "optimizer")
-            z.param.copy_(x.view_as(z.param))
+            z.param.copy_(self._gather(z, z.slice.detach(), "optimizer").view_as(z.param))
             if z.level == 1:
                 z.slice.grad = None   # level 1 keeps the whole gradient, not a second, sliced one
 
@@ -127,14 +124,21 @@ class ShardedOptimizer:
                 for st in z.reduce_steps:
                     g = transform(g, P, R, st.axis, self.comm, "checkpoint")
             elif z.slice.grad is not None:
-                g = z.slice.grad
-                for st in z.gather_steps:
-                    g = transform(g, st.src, st.dst, st.axis, self.comm, "checkpoint")
-                g = g.view_as(z.param)
+                g = self._gather(z, z.slice.grad, "checkpoint").view_as(z.param)
             else:
                 continue
-            grads[z.name] = self.module._export_tensor(g, self.module.plan.param_placements[z.name], True)
+            grads[z.name] = self.module._export_tensor(g, self.module.plan.param_placements[z.name], True,
+                                                       self.module._global_shapes[z.name])
         return grads
+
+    def _gather(self, z: _ZeroParam, x: torch.Tensor, phase: str) -> torch.Tensor:
+        """The whole flat tensor from this rank's slice (slices of a count the axes do not divide are
+        padded for the all-gather: placement.chunk_span)."""
+        flat = (z.param.numel(),)
+        for st in z.gather_steps:
+            x = transform(x, st.src, st.dst, st.axis, self.comm, phase,
+                          gathered_size(flat, st.before, st.axis, self.module.plan.mesh.axis_sizes))
+        return x
 
     def slice_grads(self) -> list:
         """Gradients this wrapper holds for ZeRO-2 slices (for audits)."""

@@ -18,11 +18,12 @@ import torch.fx as fx
 
 from ..capture.export import PARAM, Captured
 from ..cost.checkpointing import checkpointable_stacks
+from ..cost.precision import precision_of
 from ..errors import PlanError
 from ..sharding.op_spec import op_name, tensor_args
-from ..sharding.placement import R, chunk_index, dim_factor, is_shard
+from ..sharding.placement import R, chunk_index, dim_factor, gathered_size, is_shard
 from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
-from .collectives import Comm, Redistribute, scale_grad, transform
+from .collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
 from .recompute import outline
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
@@ -71,27 +72,62 @@ class GatheredParams:
 
 
 class RedistributeModule(torch.nn.Module):
-    def __init__(self, steps, comm: Comm, label: str, gathered: GatheredParams | None = None):
+    """The steps of one layout change. `wholes`: per step, the length of the dim it splits or gathers
+    (a parameter's may not divide: placement.py), or None to take it from the local shard."""
+
+    def __init__(self, steps, comm: Comm, label: str, gathered: GatheredParams | None = None, wholes=None,
+                 cast=None):
         super().__init__()
         self.steps, self.comm, self.label, self.gathered = steps, comm, label, gathered
+        self.wholes = tuple(wholes or (None,) * len(steps))
+        # (compute dtype, reduce dtype) for a weight stored in the master dtype (mixed precision), else None
+        self.cast = cast
 
     def forward(self, x):
         local = x
-        for s in self.steps:
-            x = Redistribute.apply(x, s, self.comm)
+        if self.cast is not None:
+            x = CastAndRedistribute.apply(x, self.steps, self.wholes, self.comm, *self.cast)
+        else:
+            for s, whole in zip(self.steps, self.wholes):
+                x = Redistribute.apply(x, s, self.comm, whole)
         if self.gathered is not None:
             self.gathered.register(x, local.detach(), self)
         return x
 
     @torch.no_grad()
     def gather_again(self, local):
-        x = local
-        for s in self.steps:
-            x = transform(x, s.src, s.dst, s.axis, self.comm, "backward")
+        x = local if self.cast is None else local.to(self.cast[0])
+        for s, whole in zip(self.steps, self.wholes):
+            x = transform(x, s.src, s.dst, s.axis, self.comm, "backward", whole)
         return x
 
     def extra_repr(self) -> str:
         return self.label
+
+
+def weight_casts(cap: Captured, plan) -> dict:
+    """Parameter node -> (compute dtype, reduce dtype) for each weight the policy stores in a master dtype
+    and casts where it is used (cost/precision.py); empty without mixed precision."""
+    policy = precision_of(plan.precision)
+    out = {}
+    for name, info in cap.info.items():
+        if info.kind != PARAM:
+            continue
+        own = cap.param_dtypes.get(info.target_name, info.meta.dtype)
+        if not own.is_floating_point:
+            continue
+        p = policy.resolve(own)
+        if p.compute != p.master:
+            out[name] = (p.compute, p.reduce)
+    return out
+
+
+def _step_whole(step, shape, axis_sizes) -> int | None:
+    """The length of the dim `step` splits or gathers on its axis, whole along that axis."""
+    for placements in (step.before, step.after):
+        if is_shard(placements[step.axis]):
+            return gathered_size(tuple(shape), placements, step.axis, axis_sizes)
+    return None
 
 
 def _describe(steps, axis_names) -> str:
@@ -148,6 +184,7 @@ class _Rewriter:
         # one layout change per (producer, layout, gradient reduction), shared by all its consumers
         self._cache: dict = {}
         self._count = 0
+        self.casts = weight_casts(cap, plan)
 
     def emit(self, node: fx.Node) -> None:
         """Add the local counterpart of captured `node` (nothing for an op that is dropped)."""
@@ -172,7 +209,7 @@ class _Rewriter:
         # a ZeRO parameter's gradient stays unreduced on its axes: the optimizer reduce-scatters it
         zero = self.strategies.get(producer.name)
         keep = tuple(zero.zero_axes) if zero is not None and producer.name in self.grad_nodes else ()
-        if tuple(src) == tuple(dst) and not gp and not keep:
+        if tuple(src) == tuple(dst) and not gp and not keep and producer.name not in self.casts:
             return self.env[producer.name]
         key = (producer.name, tuple(dst), gp)
         if key not in self._cache:
@@ -185,13 +222,17 @@ class _Rewriter:
             steps = plan_steps(src, dst, gp, keep_partial=keep)
         except UnsupportedRedistribution as e:
             raise PlanError(f"plan asks for an unsupported layout change at {producer.name}: {e}") from e
-        is_param_gather = self.cap.info[producer.name].kind == PARAM and any(
-            s.forward_kind == ALL_GATHER for s in steps)
+        is_param = self.cap.info[producer.name].kind == PARAM
+        cast = self.casts.get(producer.name)
+        # an FSDP weight, or one cast for its op (mixed precision), is made again for backward, not kept
+        regathered = is_param and (cast is not None or any(s.forward_kind == ALL_GATHER for s in steps))
+        # a parameter's storage may split a dim unevenly (placement.py): its steps need the whole length
+        wholes = [_step_whole(s, self.cap.info[producer.name].meta.hint, self.sizes) for s in steps] if is_param else None
         self._count += 1
         mod_name = f"redist_{self._count}_{producer.name}"
-        label = f"{producer.name}: {_describe(steps, self.names)}"
+        label = f"{producer.name}: {_describe(steps, self.names)}" + (f"; cast to {cast[0]}" if cast else "")
         self.root.add_module(mod_name, RedistributeModule(steps, self.comm, label,
-                                                          self.gathered if is_param_gather else None))
+                                                          self.gathered if regathered else None, wholes, cast))
         return self.g.call_module(mod_name, (self.env[producer.name],))
 
     def map_args(self, node: fx.Node, s):

@@ -7,6 +7,7 @@ cost model, not a separate code path.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from ..cost.terms import param_memory
 from ..errors import AutoparError, DivisibilityWarning, ShardingError
 from ..mesh import MeshSpec
 from ..sharding.op_spec import tensor_args
-from ..sharding.placement import P, R, is_shard, local_shape, numel
+from ..sharding.placement import P, R, is_shard, local_shape, numel, shard_dim, uneven_dims
 from ..sharding.redistribute import UnsupportedRedistribution, plan_steps
 
 DP, FSDP, TP, ZERO1, ZERO2 = "dp", "fsdp", "tp", "zero1", "zero2"
@@ -114,9 +115,14 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
         except UnsupportedRedistribution:
             return False
 
+    def tp_split(strategy, a):
+        # tensor parallelism runs ops on the stored shards: only an even split will do (placement.py)
+        p = strategy.output[a]
+        return is_shard(p) and shard_dim(p) not in uneven_dims(info.meta.hint, strategy.output, roles.axis_sizes)
+
     for a, role in enumerate(roles.roles):
         if (role == TP and info.meta is not None and info.meta.ndim >= 2
-                and not any(is_shard(t.output[a]) for t in strategies)):
+                and not any(tp_split(t, a) for t in strategies)):
             raise ShardingError(
                 f"parameter {info.target_name!r} of shape {tuple(info.meta.hint)}: tensor-parallel axis "
                 f"{roles.axis_names[a]!r} of size {roles.axis_sizes[a]} divides none of its dims, so it cannot "
@@ -132,8 +138,10 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
                 good = False
             if role not in (None, DATA) and a in s.zero_axes and ZERO_LEVEL.get(role) != s.zero:
                 good = False
+            if role == TP and is_shard(p) and not tp_split(s, a):
+                good = False
             if role == TP and info.meta is not None and info.meta.ndim >= 2 and not is_shard(p) and any(
-                    is_shard(t.output[a]) for t in strategies):
+                    tp_split(t, a) for t in strategies):
                 good = False
         ok.append(good and gatherable(s.output))
     for a, role in enumerate(roles.roles):
@@ -149,6 +157,18 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
         # ZeRO over every zero axis where the flat tensor divides; whole (as DDP) where it does not
         ok = [o and s.zero_axes == zero_axes for o, s in zip(ok, strategies)]
     return ok
+
+
+def without_zero(strategies: dict) -> dict:
+    """The strategies with no ZeRO variant of any parameter: under mixed precision the runtime keeps
+    each weight once, in the master dtype, and ZeRO's saving is a master copy split beside a whole
+    compute-dtype weight (cost/precision.py), a copy the runtime does not keep."""
+    out = {}
+    for name, ns in strategies.items():
+        if ns.kind == PARAM and any(s.zero for s in ns.strategies):
+            ns = dataclasses.replace(ns, strategies=[s for s in ns.strategies if not s.zero])
+        out[name] = ns
+    return out
 
 
 def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False) -> list[bool]:
@@ -263,11 +283,12 @@ _NAMED = 3   # weights a message names before it gives only the count
 def check_promised_splits(cap, roles: Roles, strategy: str, chosen: dict, param_bytes: dict) -> None:
     """A named strategy that leaves weights whole where it promises to split them says so.
 
-    Splits must divide evenly (uneven ones are not supported yet), so on an
-    axis of size 3 fsdp may split nothing and plan DDP in effect. If no weight
-    splits on such an axis the strategy was not applied at all: ShardingError.
-    If some stay whole because the axis size divides none of their dims: one
-    DivisibilityWarning with what they cost. (Weights whole although they
+    FSDP and ZeRO split any weight, padded where the axis size does not divide
+    (placement.py), but tp splits only evenly, and neither splits a dim another
+    axis splits already unless it divides: so an axis may split nothing and the
+    plan be DDP in effect there. If no weight splits on such an axis the
+    strategy was not applied at all: ShardingError. If some stay whole because
+    the axis cannot split them: one DivisibilityWarning with what they cost. (Weights whole although they
     divide are whole by the layout rules, e.g. a bias tp already splits under
     fsdp+tp: allowed_param_storage.)
     `chosen`: parameter node -> its chosen Strategy; `param_bytes`: node -> ParamBytes.
@@ -279,7 +300,9 @@ def check_promised_splits(cap, roles: Roles, strategy: str, chosen: dict, param_
             continue
         promised = [m for m in chosen if _promised(role, cap.info[m].meta)]
         whole = [m for m in promised if not _is_split(role, chosen[m], a)]
-        indivisible = [m for m in whole if not _divides(role, _shape_on_axis(roles, cap.info[m].meta, chosen[m], a), n)]
+        num_zero = sum(1 for r in roles.roles if r in ZERO_LEVEL)
+        indivisible = [m for m in whole if not _divides(role, _shape_on_axis(roles, cap.info[m].meta, chosen[m], a),
+                                                        n, _free_dims(cap.info[m].meta, chosen[m], a), num_zero)]
         if not indivisible:
             continue
         if len(whole) == len(promised):
@@ -302,15 +325,27 @@ def _is_split(role, strategy, a: int) -> bool:
     return a in strategy.zero_axes if role in ZERO_LEVEL else is_shard(strategy.output[a])
 
 
+def _free_dims(meta, strategy, a: int) -> bool:
+    """Does the weight have a dim that no axis but `a` splits (so `a` may split it unevenly)?"""
+    taken = {shard_dim(p) for b, p in enumerate(strategy.output) if b != a and is_shard(p)}
+    return any(d not in taken for d in range(meta.ndim))
+
+
 def _shape_on_axis(roles: Roles, meta, strategy, a: int) -> tuple:
     """The shape the axis would split: the weight as the other axes leave it."""
     others = tuple(R if b == a else p for b, p in enumerate(strategy.output))
     return local_shape(meta.hint, others, roles.axis_sizes)
 
 
-def _divides(role, shape: tuple, n: int) -> bool:
+def _divides(role, shape: tuple, n: int, free_dims=None, zero_axes: int = 1) -> bool:
+    """Can an axis of size n split this weight (`shape`: as the other axes leave it)?
+
+    Evenly always; unevenly (padded, placement.py) FSDP a dim no other axis splits (`free_dims`),
+    ZeRO a flat tensor over one axis; tp never (its ops run on the shards)."""
     if role in ZERO_LEVEL:   # ZeRO splits the flat tensor
-        return numel(shape) % n == 0
+        return numel(shape) % n == 0 or zero_axes == 1
+    if role == FSDP and free_dims:
+        return True
     return any(d % n == 0 for d in shape)
 
 
@@ -341,7 +376,7 @@ def _none_split_message(cap, roles: Roles, strategy: str, a: int, chosen: dict, 
     role, name = roles.roles[a], roles.axis_names[a]
     return (f"strategy {strategy!r} splits {_PROMISE[role]} over mesh axis {name!r}, but it splits none there "
             f"({_indivisible(cap, roles, a, chosen, num_promised, indivisible)}), so the plan would be DDP in "
-            f"effect on {name!r} (uneven splits are not supported yet). Use "
+            f"effect on {name!r}. Use "
             f"{_advice(cap, roles, a, chosen, indivisible)}, or strategy='ddp' to keep weights whole on purpose, "
             f"or strategy='auto'")
 

@@ -160,15 +160,19 @@ def step_collectives(step: Step, shape: Sequence, itemsize: int, axis_sizes: Seq
     """The collectives one step launches. `regather`: gathered again in backward (FSDP)."""
     out = []
 
-    def full_bytes(placements: Placements):
-        whole = placements[:step.axis] + (R,) + placements[step.axis + 1:]
-        return numel(local_shape(shape, whole, axis_sizes)) * itemsize
+    def full_bytes():
+        # the tensor whole along the axis; where the step splits it, n pieces of the largest
+        # shard: the padded buffer a split that does not divide moves (placement.py)
+        for placements in (step.before, step.after):
+            if is_shard(placements[step.axis]):
+                return numel(local_shape(shape, placements, axis_sizes)) * axis_sizes[step.axis] * itemsize
+        return numel(local_shape(shape, step.before, axis_sizes)) * itemsize
 
     if step.forward_kind in COMMUNICATING:
-        fb = full_bytes(step.before)
+        fb = full_bytes()
         out.append(Collective(step.forward_kind, step.axis, fb, "forward", where, tensor))
         if regather and step.forward_kind == ALL_GATHER:
             out.append(Collective(ALL_GATHER, step.axis, fb, "backward", where, tensor))
     if step.backward_kind in COMMUNICATING:
-        out.append(Collective(step.backward_kind, step.axis, full_bytes(step.after), "backward", where, tensor))
+        out.append(Collective(step.backward_kind, step.axis, full_bytes(), "backward", where, tensor))
     return out

@@ -19,7 +19,7 @@ from ..capture.export import INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
 from ..errors import UnsupportedOpWarning
 from ..mesh import MeshSpec
 from .op_spec import OpSpec, op_name, tensor_args
-from .placement import P, Placements, R, S, dim_factor, local_shape, numel
+from .placement import P, Placements, R, S, can_split_unevenly, dim_factor, local_shape, numel
 from .rules import rule_for
 
 
@@ -136,7 +136,8 @@ def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategie
 
 
 def placeholder_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_dim: int = 0) -> NodeStrategies:
-    """Storage placements. Parameters may split any dim; user inputs only their batch dim."""
+    """Storage placements. Parameters may split any dim, evenly or not (padded, placement.py: they are
+    gathered before use, so no op sees an uneven shard); user inputs only their batch dim, evenly."""
     info = cap.info[node.name]
     meta = info.meta
     n = mesh.num_axes
@@ -150,7 +151,8 @@ def placeholder_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_d
         choices = [R]
     out = []
     for combo in itertools.product(choices, repeat=n):
-        if _divides(meta, combo, mesh.axis_sizes):
+        if _divides(meta, combo, mesh.axis_sizes) or (
+                info.kind == PARAM and can_split_unevenly(meta.hint, combo, mesh.axis_sizes)):
             out.append(Strategy((), tuple(combo)))
             if info.kind == PARAM and meta.dtype.is_floating_point:
                 out += zero_variants(combo, meta, mesh)
@@ -160,8 +162,9 @@ def placeholder_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_d
 def zero_variants(storage: Placements, meta: TensorMeta, mesh: MeshSpec) -> list:
     """ZeRO-1/2 over every non-empty set of axes that keep the weight whole.
 
-    The state is a flat slice of the local tensor, so the local element
-    count must divide by the product of those axes' sizes.
+    The state is a flat slice of the local tensor: over one axis, padded where
+    that axis's size does not divide the element count (torch.chunk's layout);
+    over several, the count must divide by the product of their sizes.
     """
     whole = [a for a, p in enumerate(storage) if p == R and mesh.axis_sizes[a] > 1]
     local = numel(local_shape(meta.hint, storage, mesh.axis_sizes))
@@ -171,7 +174,7 @@ def zero_variants(storage: Placements, meta: TensorMeta, mesh: MeshSpec) -> list
             n = 1
             for a in axes:
                 n *= mesh.axis_sizes[a]
-            if local % n == 0:
+            if local % n == 0 or len(axes) == 1:
                 out += [Strategy((), tuple(storage), level, axes) for level in (1, 2)]
     return out
 
