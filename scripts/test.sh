@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 # and the CI machine has a local CPU wheel of this version.
 python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet -e ".[test]"
-python -m pytest "$@"   # testpaths in pyproject.toml: tests/
+python -m pytest --durations=15 "$@"   # testpaths in pyproject.toml: tests/; the slowest 15 listed last

@@ -8,6 +8,8 @@ each rank reading only the slices its shards hold.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -47,50 +49,41 @@ def _batch():
     return x, y
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")   # dcp.save without a process group says it assumes one
-@pytest.mark.parametrize("strategy,shape,axes,optimizer", CASES)
-def test_meta_built_model_loaded_from_dcp_trains_like_one_device(checkpoint, strategy, shape, axes, optimizer):
-    x, y = _batch()
+def _meta_rank(rank, shape, axes, optimizer, kwargs, checkpoint, x, y):
+    """One rank: build on meta, parallelize, allocate, load the DCP checkpoint, train 3 steps."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    pm = autopar.parallelize(model, init_device_mesh("cpu", shape, mesh_dim_names=axes), (x,), **kwargs)
+    on_meta = all(p.is_meta for p in pm.parameters())
+    pm.to_empty(device="cpu")
+    sd = pm.state_dict()
+    dcp.load(sd, checkpoint_id=checkpoint)
+    pm.load_state_dict(sd)
+    local_bytes = sum(p.numel() * p.element_size() for p in pm.parameters())
+    (local_x,) = pm.plan.local_inputs(x)
+    (local_y,) = pm.plan.local_targets(y)
+    opt = autopar.ShardedOptimizer(pm, optimizer, lr=LR)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        loss = gpt_loss(pm(local_x), local_y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    params = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    # what this rank allocated for gradients and optimizer state (AdamW's scalar step counters aside)
+    grads = [p.grad for p in pm.parameters() if p.grad is not None] + opt.slice_grads()
+    states = [t for st in opt.state.values() for k, t in st.items() if k != "step" and torch.is_tensor(t)]
+    measured = {"params": local_bytes, "grads": _bytes(grads), "optimizer": _bytes(states)}
+    predicted = {part: float(getattr(pm.plan.predicted.memory, part)) for part in measured}
+    return on_meta, measured, predicted, losses, params
+
+
+def _check_meta_run(results, strategy, optimizer, world, x, y):
+    """The ranks' losses and final weights are one device's; each rank's bytes are the prediction's."""
     ref = single_device_reference(_model, x, y, gpt_loss, steps=3, lr=LR, optimizer=optimizer)
     whole_bytes = sum(p.numel() * p.element_size() for p in _model().parameters())
-    world = 1
-    for s in shape:
-        world *= s
-    kwargs = {"strategy": strategy, "hardware": "cpu", "optimizer": "sgd" if optimizer is torch.optim.SGD else "adamw"}
-    if strategy == "auto":   # unlimited, auto replicates a model this small (fastest); a limit makes it shard
-        ddp = autopar.plan(_model(), (x,), dict(zip(axes, shape)), **dict(kwargs, strategy="ddp"))
-        kwargs["memory_limit"] = int(0.7 * ddp.predicted.memory.total)
-
-    def run(rank):
-        with torch.device("meta"):
-            model = GPT(CFG)
-        pm = autopar.parallelize(model, init_device_mesh("cpu", shape, mesh_dim_names=axes), (x,), **kwargs)
-        on_meta = all(p.is_meta for p in pm.parameters())
-        pm.to_empty(device="cpu")
-        sd = pm.state_dict()
-        dcp.load(sd, checkpoint_id=checkpoint)
-        pm.load_state_dict(sd)
-        local_bytes = sum(p.numel() * p.element_size() for p in pm.parameters())
-        (local_x,) = pm.plan.local_inputs(x)
-        (local_y,) = pm.plan.local_targets(y)
-        opt = autopar.ShardedOptimizer(pm, optimizer, lr=LR)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            loss = gpt_loss(pm(local_x), local_y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        params = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
-        # what this rank allocated for gradients and optimizer state (AdamW's scalar step counters aside)
-        grads = [p.grad for p in pm.parameters() if p.grad is not None] + opt.slice_grads()
-        states = [t for st in opt.state.values() for k, t in st.items() if k != "step" and torch.is_tensor(t)]
-        measured = {"params": local_bytes, "grads": _bytes(grads), "optimizer": _bytes(states)}
-        predicted = {part: float(getattr(pm.plan.predicted.memory, part)) for part in measured}
-        return on_meta, measured, predicted, losses, params
-
     atol = 1e-5 if optimizer is torch.optim.SGD else 1e-3
-    results = run_threaded(world, run)
     # each rank's loss is the mean over its shard of the batch; equal shards: their mean is the global loss
     mean_losses = torch.tensor([r[3] for r in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(ref["losses"]), atol=atol, rtol=0)
@@ -107,6 +100,34 @@ def test_meta_built_model_loaded_from_dcp_trains_like_one_device(checkpoint, str
         assert params.keys() == ref["params"].keys()
         for name, want in ref["params"].items():
             torch.testing.assert_close(params[name], want, atol=atol, rtol=0, msg=name)
+
+
+def _kwargs(strategy, shape, axes, optimizer, x) -> dict:
+    kwargs = {"strategy": strategy, "hardware": "cpu", "optimizer": "sgd" if optimizer is torch.optim.SGD else "adamw"}
+    if strategy == "auto":   # unlimited, auto replicates a model this small (fastest); a limit makes it shard
+        ddp = autopar.plan(_model(), (x,), dict(zip(axes, shape)), **dict(kwargs, strategy="ddp"))
+        kwargs["memory_limit"] = int(0.7 * ddp.predicted.memory.total)
+    return kwargs
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")   # dcp.save without a process group says it assumes one
+@pytest.mark.parametrize("strategy,shape,axes,optimizer", CASES)
+def test_meta_built_model_loaded_from_dcp_trains_like_one_device(checkpoint, strategy, shape, axes, optimizer):
+    x, y = _batch()
+    world = math.prod(shape)
+    kwargs = _kwargs(strategy, shape, axes, optimizer, x)
+    results = run_threaded(world, _meta_rank, shape, axes, optimizer, kwargs, checkpoint, x, y)
+    _check_meta_run(results, strategy, optimizer, world, x, y)
+
+
+# the same on real processes, where each rank's memory is its own: 3 ranks, every split uneven
+@pytest.mark.gloo
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_meta_built_model_on_three_gloo_processes_trains_like_one_device(checkpoint):
+    x, y = _batch()
+    kwargs = _kwargs("fsdp", (3,), ("dp",), torch.optim.SGD, x)
+    results = run_gloo(3, _meta_rank, (3,), ("dp",), torch.optim.SGD, kwargs, checkpoint, x, y)
+    _check_meta_run(results, "fsdp", torch.optim.SGD, 3, x, y)
 
 
 def _bytes(tensors) -> int:

@@ -158,3 +158,50 @@ def test_a_policy_with_a_float32_input_casts_it_like_fsdp2():
     got = torch.cat(outs)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_fp16_trains_with_torch_sharded_grad_scaler():
+    """fp16 needs loss scaling. torch's ShardedGradScaler (its inf check all-reduced over the ranks, so
+    every rank skips the same steps) drives autopar.ShardedOptimizer as it drives any optimizer."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    x, y = _batch()
+    model = _model()
+    ref = single_device_reference(_model, x, y, gpt_loss, steps=4, lr=3e-3, optimizer=torch.optim.AdamW)
+    fp16 = autopar.Precision(compute="fp16", master="fp32")
+
+    def run(rank):
+        pm = autopar.parallelize(copy.deepcopy(model), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), (x,),
+                                 strategy="fsdp", precision=fp16, hardware="cpu")
+        opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=3e-3)
+        scaler = ShardedGradScaler(device="cpu", init_scale=2.0 ** 16)
+        (local_x,), (local_y,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+        losses = []
+        for _ in range(5):
+            opt.zero_grad(set_to_none=True)
+            loss = gpt_loss(pm(local_x), local_y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+        return losses, scaler.get_scale(), {p.dtype for p in pm.parameters()}
+
+    results = run_threaded(2, run)
+    for _, scale, dtypes in results:
+        # 4.3 x 2**16 overflows fp16 (65504): the first step is skipped on every rank and the scale halved
+        assert scale == 2.0 ** 15 and dtypes == {torch.float32}
+    losses = torch.tensor([r[0] for r in results]).mean(0)
+    assert losses[0] == losses[1]   # the skipped step changed nothing
+    # then it trains as float32 does, one step behind, to fp16 accuracy
+    torch.testing.assert_close(losses[1:], torch.tensor(ref["losses"]), rtol=0.01, atol=0)
+
+
+def test_bf16_gradient_reductions_move_half_the_bytes_as_predicted():
+    x, _ = _batch()
+    low = autopar.Precision(compute="bf16", master="fp32", reduce="bf16")
+    low_reduce = run_threaded(2, _audit, _model(), "fsdp", (2,), ("dp",), low, x)
+    mixed = run_threaded(2, _audit, _model(), "fsdp", (2,), ("dp",), "bf16-mixed", x)
+    for (report, kinds), (_, kinds32) in zip(low_reduce, mixed):
+        for row in report.rows:
+            assert row.measured == row.predicted, (row, str(report))
+        assert kinds["reduce_scatter"] * 2 == kinds32["reduce_scatter"]
+        assert kinds["all_gather"] == kinds32["all_gather"]

@@ -217,10 +217,12 @@ class ParallelModule(torch.nn.Module):
                             f"{pipe.microbatches} microbatches (plan.pipeline.microbatches); give the global batch "
                             "the plan was made for, cut by plan.local_inputs")
         if not has_targets and last:   # torch's schedule splits a target per microbatch even when the loss takes none
-            targets = torch.zeros(local_inputs[0].shape[0] if local_inputs else pipe.microbatches)
+            targets = torch.zeros(local_inputs[0].shape[0] if local_inputs else pipe.microbatches,
+                                  device=mesh_device(self.device_mesh))
         losses = []
         schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses)
-        loss = torch.stack([x.detach() for x in losses]).sum() if last else torch.zeros((), dtype=torch.float32)
+        loss = (torch.stack([x.detach() for x in losses]).sum() if last
+                else torch.zeros((), dtype=torch.float32, device=mesh_device(self.device_mesh)))   # NCCL: on the GPU
         if last:
             loss = loss.to(torch.float32)
         p = pipe.num_stages // pipe.stages_per_device
