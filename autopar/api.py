@@ -1,12 +1,11 @@
 """The public entry points: autopar.plan (offline) and autopar.parallelize (on every rank)."""
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 
-from .capture.compute_dtype import cast_inputs, own_param_dtypes, traced_in
+from .capture.compute_dtype import at_compute_dtype
 from .capture.export import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
 from .capture.repeat import capture_repeated
 from .cost.checkpointing import check_mode
@@ -72,19 +71,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
 
 
 def _at_compute_dtype(capture_fn, model: torch.nn.Module, precision):
-    """`capture_fn`, tracing the model as it computes under the precision policy (compute_dtype.py): its
-    floating weights and inputs in the compute dtype, so the graph holds the casts the model's code makes."""
-    own = own_param_dtypes(model)
-    floating = {d for d in own.values() if d.is_floating_point}
-    compute = precision_of(precision).compute
-    if compute is None or floating <= {compute}:
-        return capture_fn
-
-    def traced(model, example_inputs, dynamic_shapes):
-        with traced_in(model, compute):
-            cap = capture_fn(model, cast_inputs(example_inputs, compute), dynamic_shapes)
-        return dataclasses.replace(cap, compute_dtype=compute, param_dtypes=own)
-    return traced
+    """`capture_fn`, tracing the model at the precision policy's compute dtype (compute_dtype.py)."""
+    return at_compute_dtype(capture_fn, model, precision_of(precision).compute)
 
 
 def _first_batch(example_inputs: tuple):
@@ -224,6 +212,11 @@ def _check_runtime_precision(plan: Plan, cap: Captured) -> None:
         if not own.is_floating_point:
             continue
         p = policy.resolve(own)
+        if p.reduce != p.master and p.compute == p.master:
+            raise PlanError(
+                f"precision reduce={p.reduce} with compute and master both {p.master} (parameter "
+                f"{info.target_name!r}): autopar casts a gradient for its reduction where it casts the weight "
+                "for its use, and this policy casts no weight; give compute= a narrower dtype too, or reduce=None")
         for field, dtype in (("grad_accum", p.grad_accum), ("optimizer_state", p.optimizer_state)):
             if dtype != p.master:
                 raise PlanError(

@@ -28,7 +28,7 @@ from .cost.terms import first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan, Searched, make_plan
-from .search.classics import (PIPE, Roles, axis_roles, without_zero, check_promised_splits, check_tensor_parallel_divisibility,
+from .search.classics import (PIPE, Roles, axis_roles, check_promised_splits, check_tensor_parallel_divisibility,
                               role_assignments, with_pipeline)
 from .search.ilp import solve
 from .search.pipeline import (GPIPE, ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
@@ -193,8 +193,6 @@ def _problem(cap: Captured, env: Request, checkpointing: str):
         raise MeshError(str(e)) from e
     canonical = find_blocks(cap).canonical if env.tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
-    if any(pb.cast for pb in param_bytes.values()):
-        strategies = without_zero(strategies)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
                    needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
                    stacks=checkpointable_stacks(cap) if checkpointing != "none" else ())
@@ -209,10 +207,6 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     check_tensor_parallel_divisibility(cap, roles)
     t0 = time.perf_counter()
     prob, policy, opt, hw = _problem(cap, env, checkpointing)
-    if strategy in ("zero1", "zero2") and any(pb.cast for pb in prob.param_bytes.values()):
-        raise PlanError(f"strategy {strategy!r} under a mixed-precision policy: autopar keeps each weight once, in "
-                        "the master dtype, and casts it where it is used, so ZeRO has no separate master copy to "
-                        "split; use 'fsdp' (which splits the weights themselves), or plan without precision=")
     if checkpointing == "full" and not prob.stacks:
         raise PlanError("checkpointing='full' found no stack of repeated blocks to checkpoint (an nn.ModuleList "
                         "of 2+ layers whose ops run one layer after another); use checkpointing='auto' or 'none'")

@@ -25,8 +25,11 @@ import torch
 
 import cost_models as cm
 
+from .capture.compute_dtype import at_compute_dtype
+from .capture.export import AUTO, capture
 from .capture.repeat import capture_repeated
-from .errors import AutoparError
+from .cost.precision import precision_of
+from .errors import AutoparError, InfeasiblePlanError
 from .plan_result import Plan
 from .planner import plan_captured
 
@@ -121,20 +124,25 @@ WEIGHT_PARTS = ("params", "master", "grads", "optimizer")
 
 
 def min_axis_size(model, example_inputs, axis: str, memory_limit, *, mesh=None, parts=WEIGHT_PARTS,
-                  max_size: int = 1 << 16, **plan_options) -> int:
+                  strategy: str = "fsdp", max_size: int = 1 << 16, dynamic_shapes=AUTO,
+                  trace_every_layer: bool = False, **plan_options) -> int:
     """The smallest size of mesh axis `axis` at which the plan's predicted memory per device, summed
     over `parts` of `plan.predicted.memory`, is within `memory_limit`.
 
     E.g. "the smallest FSDP degree at which weights, gradients and Adam state fit in 95 GB":
-    `min_axis_size(model, (idx,), "dp", "95GB", strategy="fsdp")`. `example_inputs` hold one
-    device's batch along dim 0; at size n the plan is made for that times every axis's size.
-    `mesh`: the other axes, {name: size}; `plan_options` go to autopar.plan (strategy, precision,
-    optimizer, hardware, ...). The default parts are those the model's size sets (weights, master
-    copy, gradients, optimizer state); add "activations" and "transient" for the whole step.
+    `min_axis_size(model, (idx,), "dp", "95GB")`. `example_inputs` hold one device's batch along
+    dim 0; at size n the plan is made for that times every axis's size. `mesh`: the other axes,
+    {name: size}. The default parts are those the model's size sets (weights, master copy,
+    gradients, optimizer state); add "activations" and "transient" for the whole step.
+    `strategy` defaults to "fsdp", the one that splits the most of those parts over an axis; under
+    "auto", which picks the fastest plan, each size is planned with `memory_limit` (so the answer
+    is the smallest size with a plan whose whole step fits). `plan_options` (precision, optimizer,
+    hardware, checkpointing, ...) go to autopar.plan, as `dynamic_shapes` and `trace_every_layer` do.
 
     No layout holds less than a 1/n share of what one device holds (padding only adds), so the
     sizes below whole / limit cannot fit: the scan starts there and plans at each size up from it
-    until one fits, usually one or two plans.
+    until one fits, usually one or two plans. A strategy that splits none of `parts` over the axis
+    (ddp, tp) shows at the first size tried past 1, and is said at once.
     """
     try:
         limit = cm.parse_bytes(memory_limit)
@@ -146,23 +154,38 @@ def min_axis_size(model, example_inputs, axis: str, memory_limit, *, mesh=None, 
     unknown = [p for p in parts if p not in ("params", "master", "grads", "optimizer", "activations", "transient")]
     if unknown:
         raise AutoparError(f"autopar.min_axis_size: parts {unknown} are not parts of plan.predicted.memory")
+    if {"pipeline_axis", "microbatches", "schedule", "memory_limit"} & set(plan_options):
+        raise AutoparError("autopar.min_axis_size sizes a flat plan under its own memory_limit: leave out "
+                           "pipeline_axis, microbatches, schedule and memory_limit")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    capture_fn = at_compute_dtype(capture if trace_every_layer else capture_repeated, model,
+                                  precision_of(plan_options.get("precision")).compute)
 
     def needed(n: int) -> float:
         sizes = {**others, axis: n}
-        devices = math.prod(sizes.values())
-        batch = tuple(_repeat_batch(t, devices) for t in inputs)
-        plan = plan_captured(capture_repeated(model, batch), {axis: n, **others}, **plan_options)
+        batch = tuple(_repeat_batch(t, math.prod(sizes.values())) for t in inputs)
+        cap = capture_fn(model, batch, dynamic_shapes)
+        limited = {"memory_limit": limit} if strategy == "auto" and n > 1 else {}
+        try:
+            plan = plan_captured(cap, {axis: n, **others}, strategy=strategy, **limited, **plan_options)
+        except InfeasiblePlanError:
+            return math.inf
         return float(sum(getattr(plan.predicted.memory, p) for p in parts))
 
-    n = max(1, math.ceil(needed(1) / limit))
+    whole = needed(1)
+    n = max(2, math.ceil(whole / limit)) if whole > limit else 1
     while n <= max_size:
-        if needed(n) <= limit:
+        at_n = needed(n)
+        if at_n <= limit:
             return n
+        if at_n >= whole and strategy != "auto":
+            raise AutoparError(
+                f"autopar.min_axis_size: strategy {strategy!r} does not split {'+'.join(parts)} over {axis!r} "
+                f"({cm.format_bytes(at_n)} per device at size {n}, as on one device): ddp and tp keep weights or "
+                "their state whole there; use 'fsdp', 'zero1' or 'zero2'")
         n += 1
     raise AutoparError(f"autopar.min_axis_size: no size of {axis!r} up to {max_size} brings {'+'.join(parts)} "
-                       f"within {cm.format_bytes(limit)} per device: the strategy does not split them over "
-                       f"{axis!r} (ddp and tp keep weights or their state whole there), or the limit is too low")
+                       f"within {cm.format_bytes(limit)} per device under strategy {strategy!r}")
 
 
 def _repeat_batch(t, times: int):

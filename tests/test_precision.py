@@ -92,17 +92,6 @@ def test_precision_round_trips_through_json():
     assert back.predicted.memory == plan.predicted.memory
 
 
-def test_zero_under_mixed_precision_is_refused_and_auto_does_not_pick_it():
-    """ZeRO splits a master copy kept beside the compute-dtype weight; autopar keeps one copy (the master)."""
-    model, x = _model()
-    with pytest.raises(autopar.PlanError, match="'fsdp'"):
-        autopar.plan(model, (x,), {"dp": 2}, strategy="zero2", precision=autopar.BF16_MIXED)
-    ddp = autopar.plan(model, (x,), {"dp": 2}, strategy="ddp", precision=autopar.BF16_MIXED)
-    tight = autopar.plan(model, (x,), {"dp": 2}, precision=autopar.BF16_MIXED,
-                         memory_limit=int(0.8 * ddp.predicted.memory.total))
-    assert not tight.param_zero and any(p != ("R",) for p in tight.param_placements.values())
-
-
 def test_bad_precision_and_optimizer_are_named():
     model, x = _model()
     with pytest.raises(autopar.AutoparError, match="unknown dtype"):

@@ -343,10 +343,22 @@ def test_fsdp_weight_state_of_a_huge_model_is_its_nth_part_at_degrees_that_divid
 def test_min_axis_size_answers_the_smallest_fsdp_degree_that_fits():
     # 3517.6 GB / 37 = 95.07 GB > 95 GB; / 38 = 92.6 GB
     idx = torch.empty((1, 8), dtype=torch.long, device="meta")
-    n = autopar.min_axis_size(_xxl(), (idx,), "dp", "95GB", strategy="fsdp", optimizer="adamw", hardware="h100")
+    n = autopar.min_axis_size(_xxl(), (idx,), "dp", "95GB", optimizer="adamw", hardware="h100")   # fsdp
     assert n == 38
 
 
-def test_min_axis_size_says_when_no_size_splits_the_weights():
-    with pytest.raises(autopar.AutoparError, match="does not split them"):
-        autopar.min_axis_size(MLP([8, 16, 8]), (torch.randn(1, 8),), "dp", 100, strategy="ddp", max_size=8)
+def test_min_axis_size_under_auto_and_zero():
+    model, x = MLP([64, 256, 64]), torch.randn(1, 64)
+    whole = 16 * sum(p.numel() for p in model.parameters())
+    # auto plans each size under the limit: the whole step fits at the size it answers
+    n = autopar.min_axis_size(model, (x,), "dp", whole / 3, strategy="auto")
+    plan = autopar.plan(model, (x.repeat(n, 1),), {"dp": n}, memory_limit=whole / 3)
+    assert 3 <= n <= 4 and plan.predicted.memory.total <= whole / 3
+    # ZeRO-2 splits gradients and AdamW state (12 of 16 bytes), never the weight: 4/16 + 12/16/n is 0.625
+    # of the whole at n = 2 and 0.5 at 3 (plus a few padded elements)
+    assert autopar.min_axis_size(model, (x,), "dp", 0.51 * whole, strategy="zero2") == 3
+
+
+def test_min_axis_size_says_when_the_strategy_splits_nothing():
+    with pytest.raises(autopar.AutoparError, match="strategy 'ddp' does not split params.*use 'fsdp'"):
+        autopar.min_axis_size(MLP([8, 16, 8]), (torch.randn(1, 8),), "dp", 100, strategy="ddp")

@@ -22,6 +22,7 @@ are at run time, as FSDP2 leaves them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -61,3 +62,18 @@ def cast_inputs(inputs: tuple, dtype: torch.dtype | None) -> tuple:
 def own_param_dtypes(model: torch.nn.Module) -> dict:
     """Parameter name -> the dtype the model holds it in (what a policy's 'master' None means)."""
     return {name: p.dtype for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def at_compute_dtype(capture_fn, model: torch.nn.Module, dtype: torch.dtype | None):
+    """`capture_fn(model, example_inputs, dynamic_shapes)`, tracing the model with its floating weights and
+    inputs in `dtype` and recording it (`Captured.compute_dtype`, `.param_dtypes`); `capture_fn` itself
+    when `dtype` is None or the model's own."""
+    own = own_param_dtypes(model)
+    if dtype is None or {d for d in own.values() if d.is_floating_point} <= {dtype}:
+        return capture_fn
+
+    def traced(model, example_inputs, dynamic_shapes):
+        with traced_in(model, dtype):
+            cap = capture_fn(model, cast_inputs(example_inputs, dtype), dynamic_shapes)
+        return dataclasses.replace(cap, compute_dtype=dtype, param_dtypes=own)
+    return traced

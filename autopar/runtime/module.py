@@ -219,6 +219,7 @@ class ParallelModule(torch.nn.Module):
         if not has_targets and last:   # torch's schedule splits a target per microbatch even when the loss takes none
             targets = torch.zeros(local_inputs[0].shape[0] if local_inputs else pipe.microbatches,
                                   device=mesh_device(self.device_mesh))
+        local_inputs = cast_inputs(local_inputs, self._compute_dtype)   # as forward does
         losses = []
         schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses)
         loss = (torch.stack([x.detach() for x in losses]).sum() if last

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cost.precision import precision_of
 from ..errors import PlanError
 from ..sharding.placement import P, R, S, gathered_size, shard_full_tensor
 from ..sharding.redistribute import plan_steps
@@ -34,6 +35,7 @@ class _ZeroParam:
     level: int
     reduce_steps: list          # P -> S(0) on the ZeRO axes, outermost first
     gather_steps: list          # S(0) -> R
+    reduce_dtype: torch.dtype   # the gradient's dtype on the network
 
 
 class ShardedOptimizer:
@@ -63,6 +65,7 @@ class ShardedOptimizer:
             # one's hooks would otherwise reduce the gradients a second time, into slices nothing steps
             for h in module.zero_optimizer._hooks:
                 h.remove()
+        policy = precision_of(plan.precision)
         params = []
         for fqn, p in module.named_parameters():
             level, axis_names = plan.param_zero.get(fqn, (0, ()))
@@ -75,7 +78,7 @@ class ShardedOptimizer:
             whole = (R,) * len(sizes)
             local = shard_full_tensor(p.detach().reshape(-1), sliced, coords, sizes).clone()
             z = _ZeroParam(fqn, p, torch.nn.Parameter(local), level, plan_steps(partial, sliced),
-                           plan_steps(sliced, whole))
+                           plan_steps(sliced, whole), policy.resolve(p.dtype).reduce)
             if level >= 2:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda _, z=z: self._reduce(z, "backward")))
             self._zero.append(z)
@@ -84,9 +87,10 @@ class ShardedOptimizer:
         module.zero_optimizer = self
 
     def _reduce(self, z: _ZeroParam, phase: str) -> None:
-        g = z.param.grad.reshape(-1)
+        g = z.param.grad.reshape(-1).to(z.reduce_dtype)   # a precision policy's reduce dtype (cost/precision.py)
         for st in z.reduce_steps:
             g = transform(g, st.src, st.dst, st.axis, self.comm, phase)
+        g = g.to(z.slice.dtype)
         z.slice.grad = g if z.slice.grad is None else z.slice.grad + g
         if z.level >= 2:
             z.param.grad = None   # the point of level 2: the whole gradient does not outlive backward

@@ -7,7 +7,6 @@ cost model, not a separate code path.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -157,18 +156,6 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
         # ZeRO over every zero axis where the flat tensor divides; whole (as DDP) where it does not
         ok = [o and s.zero_axes == zero_axes for o, s in zip(ok, strategies)]
     return ok
-
-
-def without_zero(strategies: dict) -> dict:
-    """The strategies with no ZeRO variant of any parameter: under mixed precision the runtime keeps
-    each weight once, in the master dtype, and ZeRO's saving is a master copy split beside a whole
-    compute-dtype weight (cost/precision.py), a copy the runtime does not keep."""
-    out = {}
-    for name, ns in strategies.items():
-        if ns.kind == PARAM and any(s.zero for s in ns.strategies):
-            ns = dataclasses.replace(ns, strategies=[s for s in ns.strategies if not s.zero])
-        out[name] = ns
-    return out
 
 
 def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False) -> list[bool]:

@@ -19,7 +19,7 @@ from ..capture.export import INPUT, OP, OUTPUT, PARAM, Captured, TensorMeta
 from ..errors import UnsupportedOpWarning
 from ..mesh import MeshSpec
 from .op_spec import OpSpec, op_name, tensor_args
-from .placement import P, Placements, R, S, can_split_unevenly, dim_factor, local_shape, numel
+from .placement import P, Placements, R, S, can_split_unevenly, dim_factor, local_shape, numel, uneven_dims
 from .rules import rule_for
 
 
@@ -174,7 +174,9 @@ def zero_variants(storage: Placements, meta: TensorMeta, mesh: MeshSpec) -> list
             n = 1
             for a in axes:
                 n *= mesh.axis_sizes[a]
-            if local % n == 0 or len(axes) == 1:
+            # several axes: every rank's flat tensor must divide (an uneven split on another axis leaves
+            # some ranks a shorter one than `local`, the largest)
+            if len(axes) == 1 or (local % n == 0 and not uneven_dims(meta.hint, storage, mesh.axis_sizes)):
                 out += [Strategy((), tuple(storage), level, axes) for level in (1, 2)]
     return out
 
