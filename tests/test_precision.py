@@ -120,3 +120,13 @@ def test_runtime_refuses_a_policy_it_would_not_follow():
     policy = autopar.Precision(compute="bf16", master="fp32", grad_accum="bf16")
     for message in run_threaded(2, _parallelize_with, model, x, policy):
         assert message is not None and "grad_accum=torch.bfloat16 differs from the master dtype" in message
+
+
+def test_runtime_refuses_a_reduce_dtype_no_weight_cast_carries():
+    """The gradient is cast for its reduction where the weight is cast for its use: with compute and master
+    both float32 nothing is cast, and a bf16 reduce priced as such would run in float32."""
+    from autopar.testing import run_threaded
+    model, x = _model()
+    policy = autopar.Precision(reduce="bf16")
+    for message in run_threaded(2, _parallelize_with, model, x, policy):
+        assert message is not None and "reduce=torch.bfloat16 with compute and master both torch.float32" in message

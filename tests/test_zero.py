@@ -116,3 +116,17 @@ def test_a_zero_plan_without_the_wrapper_fails_loudly():
     model, x, _, _ = _mlp()
     for message in run_threaded(2, _plain_optimizer_backward, model, x):
         assert message is not None and "ShardedOptimizer" in message
+
+
+def test_zero_over_several_axes_only_where_every_rank_divides():
+    """Beside an uneven split on another axis, ranks hold flat tensors of different lengths: ZeRO over two
+    axes would cut them unlike the plan's slices, so only one-axis ZeRO (padded) is offered there."""
+    from autopar.capture.export import TensorMeta
+    from autopar.mesh import MeshSpec
+    from autopar.sharding.strategies import zero_variants
+    mesh = MeshSpec(("a", "b", "c"), (2, 2, 2))
+    meta = TensorMeta((3, 2), (3, 2), torch.float32)   # rows 2 + 1 over axis a: flat 4 and 2 elements
+    axes = {s.zero_axes for s in zero_variants(("S(0)", "R", "R"), meta, mesh)}
+    assert axes == {(1,), (2,)}
+    even = TensorMeta((4, 2), (4, 2), torch.float32)
+    assert (1, 2) in {s.zero_axes for s in zero_variants(("S(0)", "R", "R"), even, mesh)}
