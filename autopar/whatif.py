@@ -144,19 +144,8 @@ def min_axis_size(model, example_inputs, axis: str, memory_limit, *, mesh=None, 
     until one fits, usually one or two plans. A strategy that splits none of `parts` over the axis
     (ddp, tp) shows at the first size tried past 1, and is said at once.
     """
-    try:
-        limit = cm.parse_bytes(memory_limit)
-    except cm.CostModelError as e:
-        raise AutoparError(f"autopar.min_axis_size: memory_limit: {e}") from e
+    limit = _sizing_limit(memory_limit, axis, mesh, parts, plan_options)
     others = dict(mesh or {})
-    if axis in others:
-        raise AutoparError(f"autopar.min_axis_size: axis {axis!r} is the one sized here; leave it out of mesh=")
-    unknown = [p for p in parts if p not in ("params", "master", "grads", "optimizer", "activations", "transient")]
-    if unknown:
-        raise AutoparError(f"autopar.min_axis_size: parts {unknown} are not parts of plan.predicted.memory")
-    if {"pipeline_axis", "microbatches", "schedule", "memory_limit"} & set(plan_options):
-        raise AutoparError("autopar.min_axis_size sizes a flat plan under its own memory_limit: leave out "
-                           "pipeline_axis, microbatches, schedule and memory_limit")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     capture_fn = at_compute_dtype(capture if trace_every_layer else capture_repeated, model,
                                   precision_of(plan_options.get("precision")).compute)
@@ -186,6 +175,23 @@ def min_axis_size(model, example_inputs, axis: str, memory_limit, *, mesh=None, 
         n += 1
     raise AutoparError(f"autopar.min_axis_size: no size of {axis!r} up to {max_size} brings {'+'.join(parts)} "
                        f"within {cm.format_bytes(limit)} per device under strategy {strategy!r}")
+
+
+def _sizing_limit(memory_limit, axis: str, mesh, parts, plan_options: dict) -> float:
+    """min_axis_size's request checked; the limit in bytes."""
+    try:
+        limit = cm.parse_bytes(memory_limit)
+    except cm.CostModelError as e:
+        raise AutoparError(f"autopar.min_axis_size: memory_limit: {e}") from e
+    if axis in (mesh or {}):
+        raise AutoparError(f"autopar.min_axis_size: axis {axis!r} is the one sized here; leave it out of mesh=")
+    unknown = [p for p in parts if p not in ("params", "master", "grads", "optimizer", "activations", "transient")]
+    if unknown:
+        raise AutoparError(f"autopar.min_axis_size: parts {unknown} are not parts of plan.predicted.memory")
+    if {"pipeline_axis", "microbatches", "schedule", "memory_limit"} & set(plan_options):
+        raise AutoparError("autopar.min_axis_size sizes a flat plan under its own memory_limit: leave out "
+                           "pipeline_axis, microbatches, schedule and memory_limit")
+    return limit
 
 
 def _repeat_batch(t, times: int):

@@ -53,10 +53,7 @@ class ParallelModule(torch.nn.Module):
                  model: torch.nn.Module, device_mesh=None, other_mode=None):
         super().__init__()
         self.plan = plan
-        device = mesh_device(device_mesh)
-        for graph in (gm, other_mode[0] if isinstance(other_mode, tuple) else None):
-            if graph is not None and device is not None:
-                on_device(graph, device)
+        _on_mesh_device((gm, other_mode[0] if isinstance(other_mode, tuple) else None), device_mesh)
         self.graph_module = gm
         self.comm = comm
         self.device_mesh = device_mesh
@@ -352,6 +349,13 @@ def mesh_device(device_mesh) -> torch.device | None:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _on_mesh_device(graphs, device_mesh) -> None:
+    device = mesh_device(device_mesh)
+    for graph in graphs:
+        if graph is not None and device is not None:
+            on_device(graph, device)
 
 
 def on_device(gm: fx.GraphModule, device: torch.device) -> None:

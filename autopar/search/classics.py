@@ -115,9 +115,7 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
             return False
 
     def tp_split(strategy, a):
-        # tensor parallelism runs ops on the stored shards: only an even split will do (placement.py)
-        p = strategy.output[a]
-        return is_shard(p) and shard_dim(p) not in uneven_dims(info.meta.hint, strategy.output, roles.axis_sizes)
+        return _even_split(info, strategy, a, roles.axis_sizes)
 
     for a, role in enumerate(roles.roles):
         if (role == TP and info.meta is not None and info.meta.ndim >= 2
@@ -156,6 +154,13 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
         # ZeRO over every zero axis where the flat tensor divides; whole (as DDP) where it does not
         ok = [o and s.zero_axes == zero_axes for o, s in zip(ok, strategies)]
     return ok
+
+
+def _even_split(info: NodeInfo, strategy, a: int, axis_sizes) -> bool:
+    """Does the storage split on axis `a`, evenly? Tensor parallelism runs ops on the stored shards, and
+    only an even split will do (placement.py)."""
+    p = strategy.output[a]
+    return is_shard(p) and shard_dim(p) not in uneven_dims(info.meta.hint, strategy.output, axis_sizes)
 
 
 def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False) -> list[bool]:
