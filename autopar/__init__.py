@@ -5,12 +5,14 @@ from .cost.precision import BF16_MIXED, OptimizerSpec, Precision
 from .errors import (AutoparError, CaptureError, DivisibilityWarning, InfeasiblePlanError, InputShapeError, MeshError,
                      PipelineError, PlanError, ShardingError, UnsupportedOpWarning)
 from .plan_result import Plan
+from .runtime.dcp_checkpoint import load_checkpoint
 from .runtime.hf_checkpoint import load_hf_checkpoint
 from .runtime.module import ParallelModule
 from .runtime.optim import ShardedOptimizer
 from .whatif import max_batch, min_axis_size, min_compute_bound_batch
 
-__all__ = ["plan", "parallelize", "audit", "AuditReport", "Plan", "ParallelModule", "ShardedOptimizer", "load_hf_checkpoint",
+__all__ = ["plan", "parallelize", "audit", "AuditReport", "Plan", "ParallelModule", "ShardedOptimizer", "load_checkpoint",
+           "load_hf_checkpoint",
            "Precision", "BF16_MIXED", "OptimizerSpec", "AutoparError", "CaptureError",
            "InfeasiblePlanError", "InputShapeError", "DivisibilityWarning", "MeshError", "PipelineError", "PlanError", "ShardingError", "UnsupportedOpWarning",
            "max_batch", "min_compute_bound_batch", "min_axis_size"]

@@ -14,7 +14,8 @@ measured), then `--world` real processes each run
     with torch.device("meta"): model = GPT(cfg)
     pm = autopar.parallelize(model, mesh, (x,), strategy=...)                    # build
     pm.to_empty(device=...); sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path)
-    pm.load_state_dict(sd)                                                       # load
+    pm.load_state_dict(sd)                                                       # load: dcp.load
+    autopar.load_checkpoint(pm, path)                                            # load: autopar
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=...)
     loss = gpt_loss(pm(*local_x), *local_y); loss.backward(); opt.step()         # train step 1, 2, ...
 
@@ -34,7 +35,7 @@ CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()` at e
 
 Columns, one row per phase: the rank closest to its bound (--per-rank: every rank), its peak, the
 whole model's parameter bytes, its shard (`pm.parameters()`), one layer's whole weights (the
-biggest transformer block), the bound (shard + layer for build and load,
+biggest of the blocks, the embeddings and the head), the bound (shard + layer for build and load,
 `plan.predicted.memory.total` for a train step, whose parts are printed below the table), the
 margin (bound - peak) and whether the peak stays within the bound. The world size caps the ratio
 of the whole model to shard + layer below `--world` (a shard is 1/world of the model). Kineto
@@ -99,7 +100,8 @@ def model_sizes(cfg: GPTConfig) -> dict:
     units = {"wte": model.wte, "wpe": model.wpe, "ln_f": model.ln_f, "lm_head": model.lm_head,
              **{f"h.{i}": b for i, b in enumerate(model.h)}}
     unit_bytes = {k: _nbytes(m.parameters()) for k, m in units.items()}
-    block = max((k for k in unit_bytes if k.startswith("h.")), key=unit_bytes.get)
+    # one layer: a transformer block, the token or position embedding, or the head, whichever is biggest
+    block = max(unit_bytes, key=unit_bytes.get)
     biggest_param = max(model.named_parameters(), key=lambda kv: kv[1].numel())
     return {"whole": _nbytes(model.parameters()), "layer": unit_bytes[block], "layer_name": block,
             "units": unit_bytes, "biggest_param": (biggest_param[0], _nbytes([biggest_param[1]]))}
@@ -279,12 +281,15 @@ def _rank(rank: int, world: int, cfg: GPTConfig, strategy: str, device: str, ckp
         stop_profile()
         profile(with_stack=True)
 
-    phases.start("load")
+    phases.start("load: dcp.load")
     pm.to_empty(device=device)
     sd = pm.state_dict()
-    dcp.load(sd, checkpoint_id=ckpt)
+    dcp.load(sd, checkpoint_id=ckpt)   # the standard round trip
     pm.load_state_dict(sd)
     del sd
+    phases.stop()
+    phases.start("load: autopar")
+    autopar.load_checkpoint(pm, ckpt)   # the same, one whole tensor at a time at most
     phases.stop()
 
     (local_x,), (local_y,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
@@ -414,13 +419,15 @@ def _mib(b) -> str:
 
 
 def add_bounds(results: list, sizes: dict) -> None:
-    """Each row's bound: shard + one layer (build, load), the plan's predicted total (a train step)."""
+    """Each row's bound: shard + one layer (build, load) above what was live before the build (the rank's
+    batch), the plan's predicted total (a train step)."""
     for res in results:
+        before = res["rows"][0]["start"]
         for row in res["rows"]:
             if row["phase"].startswith("train"):
                 row["bound"], row["bound_is"] = res["predicted"]["total"], "predicted total"
             else:
-                row["bound"], row["bound_is"] = res["shard"] + sizes["layer"], "shard + layer"
+                row["bound"], row["bound_is"] = before + res["shard"] + sizes["layer"], "batch+shard+layer"
 
 
 def _shown(results: list, i: int, per_rank: bool):
@@ -431,15 +438,15 @@ def _shown(results: list, i: int, per_rank: bool):
 
 
 def print_table(results: list, sizes: dict, per_rank: bool) -> bool:
-    header = (f"{'phase':<13} {'rank':>4} {'peak':>8} {'RSS rise':>9} {'whole':>7} {'shard':>7} {'layer':>6} "
-              f"{'bound':>8} {'bound is':<15} {'margin':>7} {'within':>6}")
+    header = (f"{'phase':<15} {'rank':>4} {'peak':>8} {'RSS rise':>9} {'whole':>7} {'shard':>7} {'layer':>6} "
+              f"{'bound':>8} {'bound is':<17} {'margin':>7} {'within':>6}")
     print("MiB per rank" + ("" if per_rank else "; the rank closest to its bound") + "\n" + header)
     print("-" * len(header))
     for i, name in enumerate(row["phase"] for row in results[0]["rows"]):
         for r in _shown(results, i, per_rank):
             res, row = results[r], results[r]["rows"][i]
-            print(f"{name:<13} {r:>4} {_mib(row['peak']):>8} {_mib(row['rss_rise']):>9} {_mib(sizes['whole']):>7} "
-                  f"{_mib(res['shard']):>7} {_mib(sizes['layer']):>6} {_mib(row['bound']):>8} {row['bound_is']:<15} "
+            print(f"{name:<15} {r:>4} {_mib(row['peak']):>8} {_mib(row['rss_rise']):>9} {_mib(sizes['whole']):>7} "
+                  f"{_mib(res['shard']):>7} {_mib(sizes['layer']):>6} {_mib(row['bound']):>8} {row['bound_is']:<17} "
                   f"{_mib(row['bound'] - row['peak']):>7} {'yes' if row['peak'] <= row['bound'] else 'NO':>6}")
     p = results[0]["predicted"]
     print("\nprediction per rank (plan.predicted.memory, MiB): " + ", ".join(

@@ -1,0 +1,53 @@
+"""Filling a ParallelModule's shards from a torch.distributed.checkpoint (DCP) directory, one whole
+tensor at a time at most.
+
+The standard round trip works as it is: `sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path);
+pm.load_state_dict(sd)`. `pm.state_dict()`'s DTensors view this rank's shards, so DCP writes the
+slices into them. But a checkpoint that one device wrote stores every tensor whole, and DCP's
+filesystem reader `torch.load`s each whole tensor, copies the slice this rank needs, and moves to
+the next while its loop still holds the previous one: two whole tensors at once (measured by
+benchmarks/peak_memory.py). `load_checkpoint` hands the reader one read request at a time, so
+the whole tensor it loaded is dropped before the next is read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from torch.distributed.checkpoint import FileSystemReader
+
+from ..errors import PlanError
+from .module import LoadResult
+
+
+class OneTensorAtATimeReader(FileSystemReader):
+    """A FileSystemReader whose `read_data` serves one read request per call."""
+
+    def read_data(self, plan, planner):
+        fut = None
+        for item in plan.items:
+            fut = super().read_data(dataclasses.replace(plan, items=[item]), planner)
+            fut.wait()
+        return fut if fut is not None else super().read_data(plan, planner)
+
+
+def load_checkpoint(pm, path, *, strict: bool = True) -> LoadResult:
+    """Fill `pm`'s shards from the DCP checkpoint in directory `path`; call on every rank, after
+    `pm.to_empty(device=...)`.
+
+    The checkpoint may be a single device's `dcp.save(model.state_dict(), checkpoint_id=path)` or
+    any autopar module's `pm.state_dict()`, in any layout: each rank reads the slices its shards
+    hold, and holds at most one whole tensor of the checkpoint while it does. `strict`: as in
+    `load_state_dict`, a tensor the checkpoint lacks raises (its shard would hold garbage).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if pm.plan.pipeline is not None:
+        raise PlanError("load_checkpoint fills the DTensors of pm.state_dict(), which a pipelined module does not "
+                        "give; plan without a pipeline to load a checkpoint into shards")
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    sd = pm.state_dict()
+    dcp.load(sd, storage_reader=OneTensorAtATimeReader(os.fspath(path)),
+             planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    return pm.load_state_dict(sd, strict=strict)
