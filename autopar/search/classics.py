@@ -351,10 +351,17 @@ def _indivisible(cap, roles: Roles, a: int, chosen: dict, num_promised: int, nod
     """The clause that names them, e.g. "its size 3 does not divide any dim of 2 of the 5 weights: 'w' (4, 5)"."""
     role, n = roles.roles[a], roles.axis_sizes[a]
     which = f"the {num_promised}" if len(nodes) == num_promised else f"{len(nodes)} of the {num_promised}"
-    shown = ", ".join(f"{cap.info[m].target_name!r} {tuple(cap.info[m].meta.hint)}" for m in nodes[:_NAMED])
+    shown = ", ".join(_shape_text(cap, roles, chosen, a, m) for m in nodes[:_NAMED])
     more = f" and {len(nodes) - _NAMED} more" if len(nodes) > _NAMED else ""
     what = "the element count" if role in ZERO_LEVEL else "any dim"
     return f"its size {n} does not divide {what} of {which} weights: {shown}{more}"
+
+
+def _shape_text(cap, roles: Roles, chosen: dict, a: int, m: str) -> str:
+    """"'w' (16, 8)", and what the axis would split where the other axes split the weight already."""
+    whole = tuple(cap.info[m].meta.hint)
+    left = tuple(_shape_on_axis(roles, cap.info[m].meta, chosen[m], a))
+    return f"{cap.info[m].target_name!r} {whole}" + (f" ({left} as the other axes leave it)" if left != whole else "")
 
 
 def _advice(cap, roles: Roles, a: int, chosen: dict, nodes: list) -> str:
