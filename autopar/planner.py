@@ -19,7 +19,7 @@ from .capture.blocks import find_blocks
 from .capture.export import PARAM, Captured
 from .cost.checkpointing import check_mode, checkpointable_stacks
 from .cost.liveness import live_sets
-from .cost.precision import as_computed, optimizer_spec
+from .cost.precision import optimizer_spec
 from .cost.precision import param_bytes as param_bytes_of
 from .cost.precision import precision_of
 from .cost.predict import group_redistributions, peak_working_set, predict
@@ -184,8 +184,12 @@ def _problem(cap: Captured, env: Request, checkpointing: str):
     # bytes from the dtype the model holds a parameter in: a graph traced at the compute dtype shows that one
     param_bytes = {n: param_bytes_of(policy, opt, cap.param_dtypes.get(i.target_name, first_meta(i.meta).dtype))
                    for n, i in cap.info.items() if i.kind == PARAM}
-    if cap.compute_dtype is None:
-        cap = as_computed(cap, policy)  # the graph as it runs: floating tensors in the compute dtype
+    # the graph must be the one that runs: traced at the compute dtype (capture/compute_dtype.py)
+    traced = {first_meta(i.meta).dtype for i in cap.info.values()
+              if i.kind == PARAM and first_meta(i.meta).dtype.is_floating_point}
+    if policy.compute is not None and not traced <= {policy.compute}:
+        raise PlanError(f"the graph was traced with {sorted(map(str, traced))} weights, not the policy's compute dtype "
+                        f"{policy.compute}: capture it with capture.compute_dtype.at_compute_dtype, as autopar.plan does")
     hw = _hardware(env.hardware, env.mesh)
     try:
         axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, env.links)

@@ -44,8 +44,6 @@ benchmark, not a test.
 """
 import argparse
 import os
-import resource
-import socket
 import tempfile
 import time
 import traceback
@@ -61,6 +59,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.testing import GPT, GPTConfig, gpt_loss  # noqa: E402
+from autopar.testing.harness import free_port  # noqa: E402
 
 MiB = 1024 * 1024
 MARK = "peak_memory::"      # record_function names of the phases
@@ -109,25 +108,23 @@ def model_sizes(cfg: GPTConfig) -> dict:
 
 # ----------------------------------------------------------------------------- one rank
 
-def _rss_reset() -> int:
-    """Reset the resident high-water mark to the current resident size (Linux); returns that size in bytes."""
+def _rss_reset() -> int | None:
+    """Reset the resident high-water mark to the current resident size; that size in bytes, or None
+    where /proc cannot do it (not Linux): the RSS column then says n/a rather than a rise since start."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        return _status_kib("VmRSS") * 1024
     except OSError:
-        pass
-    return _status_kib("VmRSS") * 1024
+        return None
 
 
 def _status_kib(key: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB on Linux; a cruder fallback
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {key} in /proc/self/status")
 
 
 class _Phases:
@@ -151,7 +148,7 @@ class _Phases:
     def stop(self):
         self._rf.__exit__(None, None, None)
         row = {"phase": self.name, "seconds": time.perf_counter() - self.t0,
-               "rss_rise": _status_kib("VmHWM") * 1024 - self.rss_start}
+               "rss_rise": None if self.rss_start is None else _status_kib("VmHWM") * 1024 - self.rss_start}
         if self.cuda:
             torch.cuda.synchronize()
             row.update(cuda_start=self.cuda_start, peak=torch.cuda.max_memory_allocated())
@@ -353,12 +350,6 @@ def check_measurement() -> None:
 
 # ----------------------------------------------------------------------------- processes
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, backend, out_dir, args):
     torch.set_num_threads(1)
     if backend == "gloo" and not track_frees_on_all_threads():
@@ -387,7 +378,7 @@ def run_ranks(world: int, backend: str, args: tuple, timeout: float) -> list:
     os.environ.update(env)   # the children read these when they import torch
     with tempfile.TemporaryDirectory(prefix="peak_memory_") as out_dir:
         try:
-            ctx = mp.start_processes(_worker, args=(world, _free_port(), backend, out_dir, args), nprocs=world,
+            ctx = mp.start_processes(_worker, args=(world, free_port(), backend, out_dir, args), nprocs=world,
                                      join=False, start_method="spawn")
         finally:
             for k, v in saved.items():
@@ -445,7 +436,7 @@ def print_table(results: list, sizes: dict, per_rank: bool) -> bool:
     for i, name in enumerate(row["phase"] for row in results[0]["rows"]):
         for r in _shown(results, i, per_rank):
             res, row = results[r], results[r]["rows"][i]
-            print(f"{name:<15} {r:>4} {_mib(row['peak']):>8} {_mib(row['rss_rise']):>9} {_mib(sizes['whole']):>7} "
+            print(f"{name:<15} {r:>4} {_mib(row['peak']):>8} {'n/a' if row['rss_rise'] is None else _mib(row['rss_rise']):>9} {_mib(sizes['whole']):>7} "
                   f"{_mib(res['shard']):>7} {_mib(sizes['layer']):>6} {_mib(row['bound']):>8} {row['bound_is']:<17} "
                   f"{_mib(row['bound'] - row['peak']):>7} {'yes' if row['peak'] <= row['bound'] else 'NO':>6}")
     p = results[0]["predicted"]

@@ -207,3 +207,49 @@ def test_bf16_gradient_reductions_move_half_the_bytes_as_predicted():
             assert row.measured == row.predicted, (row, str(report))
         assert kinds["reduce_scatter"] * 2 == kinds32["reduce_scatter"]
         assert kinds["all_gather"] == kinds32["all_gather"]
+
+
+def test_bf16_mixed_hf_llama_with_labels_trains_like_float32():
+    """A model written elsewhere, used as its authors use it: HF Llama called with labels=, its loss computed
+    inside forward. Traced at bf16, its graph holds the model's own casts (RMSNorm in float32, rotary tables
+    cast to the activations' dtype). SGD: a wrong gradient scale would show."""
+    from autopar.testing import WithLabels, tiny_llama
+    torch.manual_seed(0)
+    model = WithLabels(tiny_llama().model)
+    x = torch.randint(0, 64, (8, 16))
+    labels = x.clone()
+    labels[1, :13] = -100   # ignored targets, unevenly spread over the batch shards
+    labels[6, 2:] = -100
+    steps, lr = 10, 0.5
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    want, want_grads = [], None
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = ref(x, labels).loss
+        loss.backward()
+        want_grads = want_grads or {n: p.grad.clone() for n, p in ref.named_parameters()}
+        opt.step()
+        want.append(loss.item())
+
+    def run(rank):
+        pm = autopar.parallelize(copy.deepcopy(model), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)),
+                                 (x, labels), strategy="fsdp", precision="bf16-mixed", hardware="cpu")
+        opt = autopar.ShardedOptimizer(pm, torch.optim.SGD, lr=lr)
+        local = pm.plan.local_inputs(x, labels)
+        losses, grads = [], None
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            out = pm(*local)
+            out.loss.backward()   # the global mean, the same on every rank
+            grads = grads or opt.full_grads()
+            opt.step()
+            losses.append(out.loss.item())
+        return losses, grads, out.logits.dtype
+
+    for losses, grads, dtype in run_threaded(2, run):
+        assert dtype == torch.bfloat16   # (HF computes the loss from the logits upcast to float32)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=0.03, atol=0)
+        for name, g in want_grads.items():
+            err = (grads[name] - g).abs().max() / g.abs().max()
+            assert err < 0.05, (name, float(err))

@@ -14,7 +14,6 @@ the copy would go stale behind any optimizer that does not refresh it.)
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -145,23 +144,3 @@ def param_bytes(precision: Precision, optimizer: OptimizerSpec, param_dtype: tor
         return ParamBytes(p.master.itemsize, 0, 0, 0, 0, cast)
     return ParamBytes(p.master.itemsize, 0, p.grad_accum.itemsize, p.reduce.itemsize,
                       optimizer.states_per_param * p.optimizer_state.itemsize, cast)
-
-
-def as_computed(cap, precision: Precision):
-    """The captured graph as it runs under the policy: floating tensors in the compute dtype.
-
-    An approximation where a model upcasts on purpose (e.g. a norm computed in
-    fp32): the trace of an fp32 model cannot show such casts.
-    """
-    if precision.compute is None:
-        return cap
-
-    def cast(meta):
-        if isinstance(meta, list):
-            return [cast(m) for m in meta]
-        if meta is None or not hasattr(meta, "dtype") or not meta.dtype.is_floating_point:
-            return meta
-        return dataclasses.replace(meta, dtype=precision.compute)
-
-    info = {n: dataclasses.replace(i, meta=cast(i.meta)) for n, i in cap.info.items()}
-    return dataclasses.replace(cap, info=info)

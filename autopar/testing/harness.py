@@ -28,7 +28,7 @@ __all__ = ["run_gloo", "gpt_loss", "single_device_reference", "parallel_record"]
 # -----------------------------------------------------------------------------
 # real multi-process gloo
 
-def _free_port() -> int:
+def free_port() -> int:
     # The port is free now; rank 0 binds it a moment later. A race with another
     # program is possible but rare, and shows as an init error, not a hang.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -93,7 +93,7 @@ def _spawn_ranks(world_size: int, result_dir: str, fn, args: tuple):
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         return mp.start_processes(
-            _gloo_worker, args=(world_size, _free_port(), result_dir, fn, args),
+            _gloo_worker, args=(world_size, free_port(), result_dir, fn, args),
             nprocs=world_size, join=False, start_method="spawn")
     finally:
         if saved is None:
