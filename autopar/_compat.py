@@ -112,3 +112,15 @@ def storage_id(t: torch.Tensor) -> int:
     while the tensors are alive (traced graphs keep theirs in node.meta).
     """
     return t.untyped_storage()._cdata
+
+
+# -----------------------------------------------------------------------------
+# the autograd engine
+
+def at_backward_end(callback) -> None:
+    """Run `callback()` once the backward pass now running has finished (call from inside backward).
+
+    DDP's reducer and FSDP2 wait for their asynchronous gradient reductions this way, so the
+    gradients are whole when `loss.backward()` returns; torch has no public API for it."""
+    from torch.autograd import Variable
+    Variable._execution_engine.queue_callback(callback)

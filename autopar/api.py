@@ -8,6 +8,7 @@ import torch
 from .capture.compute_dtype import at_compute_dtype
 from .capture.export import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
 from .capture.repeat import capture_repeated
+from .cost.buckets import DEFAULT_BUCKET_BYTES
 from .cost.checkpointing import check_mode
 from .cost.precision import optimizer_spec, precision_of
 from .cost.terms import first_meta, needs_grad
@@ -25,7 +26,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
          strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
          dynamic_shapes=AUTO, links=None, time_limit: float = 60.0, trace_every_layer: bool = False,
          pipeline_axis: str | None = None, microbatches: int | None = None, schedule: str | None = None,
-         **options) -> Plan:
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
 
     `mesh` is a DeviceMesh with named axes or a mapping {axis_name: size}; the
@@ -48,7 +49,11 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     search does not pick one unasked: a loop written for forward would break.
     `microbatches` (default: the search tries p, 2p and 4p) and `schedule`
     ("1f1b" by default: it holds fewer activations than "gpipe" for the same
-    bubble; or "interleaved-1f1b") pin those choices. See docs/ARCHITECTURE.md.
+    bubble; or "interleaved-1f1b") pin those choices. `bucket_bytes`: the
+    most bytes one data-parallel gradient all-reduce carries
+    (runtime/grad_buckets.py); DDP's 25 MiB by default, large enough that
+    per-call latency is small beside the bytes, small enough that the first
+    buckets go out while backward still runs. See docs/ARCHITECTURE.md.
     """
     if options:
         raise AutoparError(f"unknown option(s) {sorted(options)} for autopar.plan")
@@ -66,7 +71,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     return plan_captured(cap, mesh, hardware=hardware, memory_limit=memory_limit, strategy=strategy,
                           precision=precision, optimizer=optimizer, checkpointing=checkpointing, links=links,
                           time_limit=time_limit, t_capture=t_capture, pipeline_axis=pipeline_axis,
-                          microbatches=microbatches, schedule=schedule,
+                          microbatches=microbatches, schedule=schedule, bucket_bytes=bucket_bytes,
                           recapture=_recapture(capture_fn, model, example_inputs, dynamic_shapes))
 
 
@@ -130,13 +135,15 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
             for i, (name, size) in enumerate(zip(spec.axis_names, spec.axis_sizes))]
     from .runtime.collectives import CommLog
     comm = Comm(axes, CommLog() if record_comm else None)
-    gm, gathered = rewrite(cap, plan, comm, needs_grad(cap))
+    grad_nodes = needs_grad(cap)
+    gm, gathered = rewrite(cap, plan, comm, grad_nodes)
     if plan.pipeline is None:
         other_mode = _other_mode(model, example_inputs, dynamic_shapes, cap, plan, comm)
     else:   # stages are cut from one graph; say so rather than run the other mode with the wrong one
         other_mode = ("a pipelined module runs only the graph of the mode it was parallelized in"
                       if mode_dependent_ops(cap.graph) else None)
-    pm = ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh, other_mode=other_mode)
+    pm = ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh, other_mode=other_mode,
+                        grad_nodes=grad_nodes)
     return pm.train(model.training)
 
 
@@ -173,7 +180,7 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict, recapture) -> Plan:
     """
     import torch.distributed as dist
     known = {"hardware", "memory_limit", "strategy", "links", "time_limit", "precision", "optimizer",
-             "checkpointing", "pipeline_axis", "microbatches", "schedule"}
+             "checkpointing", "pipeline_axis", "microbatches", "schedule", "bucket_bytes"}
     unknown = sorted(set(plan_kwargs) - known)
     if unknown:
         raise AutoparError(f"unknown option(s) {unknown} for autopar.parallelize; it takes plan=, "

@@ -16,6 +16,7 @@ from sympy.printing.str import StrPrinter
 from cost_models import format_bytes
 
 from .capture.export import PARAM
+from .cost.buckets import DEFAULT_BUCKET_BYTES
 from .cost.precision import OptimizerSpec, Precision
 from .cost.predict import Memory, Predicted
 from .cost.problem import Problem
@@ -62,6 +63,7 @@ class Plan:
     optimizer: dict = field(default_factory=dict)   # {"name", "states_per_param"}
     checkpointed: tuple = ()          # stacks (module paths) whose blocks are recomputed in backward
     pipeline: PipelinePlan | None = None  # stages over a pipeline axis (search/pipeline.py); None: not pipelined
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most bytes one gradient bucket's all-reduce carries (cost/buckets.py)
 
     # ------------------------------------------------------------ inputs
     def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:
@@ -192,6 +194,7 @@ class Plan:
             "collectives": [asdict(c) for c in self.collectives],
             "predicted": pred(self.predicted, False), "symbolic": pred(self.symbolic, True),
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
+            "bucket_bytes": self.bucket_bytes,
             "symbols": self.symbols, "stats": {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str))},
         }
         return json.dumps(d, indent=1)
@@ -226,7 +229,8 @@ class Plan:
             collectives=tuple(CollectiveRecord(**c) for c in d["collectives"]),
             predicted=pred(d["predicted"], False), symbolic=pred(d["symbolic"], True),
             symbols=d.get("symbols", {}), stats=d.get("stats", {}),
-            pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None)
+            pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
+            bucket_bytes=d.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
 
 
 @dataclass
@@ -279,7 +283,7 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
                 symbols={str(s): v for s, v in cap.hints.items()}, stats=stats, param_zero=param_zero,
                 precision=searched.policy.to_dict(),
                 optimizer={"name": searched.optimizer.name, "states_per_param": searched.optimizer.states_per_param},
-                checkpointed=sol.checkpointed, pipeline=searched.pipeline)
+                checkpointed=sol.checkpointed, pipeline=searched.pipeline, bucket_bytes=prob.bucket_bytes)
 
 
 

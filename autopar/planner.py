@@ -14,9 +14,11 @@ import time
 from dataclasses import dataclass
 
 import cost_models as cm
+from cost_models.hardware import resolve_hardware
 
 from .capture.blocks import find_blocks
 from .capture.export import PARAM, Captured
+from .cost.buckets import DEFAULT_BUCKET_BYTES
 from .cost.checkpointing import check_mode, checkpointable_stacks
 from .cost.liveness import live_sets
 from .cost.precision import optimizer_spec
@@ -40,11 +42,13 @@ from .sharding.strategies import all_strategies
 
 
 def _hardware(hardware, mesh):
+    """(Hardware, per-axis links) from `hardware=`: a preset name, a cost_models.Hardware, or a spec (a dict or
+    the path of a JSON file, as autopar.calibrate writes), which may carry measured links per mesh axis name."""
     default = "h100"
     if hasattr(mesh, "device_type") and mesh.device_type == "cpu":
         default = "cpu"
     try:
-        return cm.get_hardware(hardware, default=default)
+        return resolve_hardware(hardware, default=default)
     except cm.CostModelError as e:
         raise AutoparError(str(e)) from e
 
@@ -78,7 +82,7 @@ def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
 def plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
                    optimizer="adamw", checkpointing="auto", links=None, time_limit=60.0, t_capture=0.0,
                    tie_blocks=True, pipeline_axis=None, microbatches=None, schedule=None,
-                   recapture=None) -> Plan:
+                   recapture=None, bucket_bytes=DEFAULT_BUCKET_BYTES) -> Plan:
     """The plan for a captured model. `recapture(m)` captures it again with batches of 1/m the size,
     which a pipelined plan is made for (its graph runs one microbatch at a time); without it the
     search does not pipeline."""
@@ -86,7 +90,7 @@ def plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, stra
     check_mode(checkpointing)
     check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap))
     env = Request(cap, spec, mesh, hardware, memory_limit, strategy, precision, optimizer, checkpointing, links,
-                   time_limit, t_capture, tie_blocks)
+                   time_limit, t_capture, tie_blocks, _check_bucket_bytes(bucket_bytes))
     axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule) if recapture is not None else []
     if pipeline_axis not in (None, "auto") and recapture is None:
         raise PipelineError("a pipelined plan needs the model to capture it again per microbatch; "
@@ -147,6 +151,14 @@ class Request:
     time_limit: float
     t_capture: float
     tie_blocks: bool
+    bucket_bytes: int     # gradient bucket size (cost/buckets.py)
+
+
+def _check_bucket_bytes(bucket_bytes) -> int:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise PlanError(f"bucket_bytes must be a positive number of bytes (DDP's default is "
+                        f"{DEFAULT_BUCKET_BYTES}), got {bucket_bytes!r}")
+    return bucket_bytes
 
 
 def _batch_size(cap: Captured):
@@ -190,16 +202,19 @@ def _problem(cap: Captured, env: Request, checkpointing: str):
     if policy.compute is not None and not traced <= {policy.compute}:
         raise PlanError(f"the graph was traced with {sorted(map(str, traced))} weights, not the policy's compute dtype "
                         f"{policy.compute}: capture it with capture.compute_dtype.at_compute_dtype, as autopar.plan does")
-    hw = _hardware(env.hardware, env.mesh)
+    hw, measured = _hardware(env.hardware, env.mesh)
+    # a spec's links serve the axes of the same name; links= still overrides any axis
+    links = {**{a: link for a, link in measured.items() if a in spec.axis_names}, **(env.links or {})}
     try:
-        axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, env.links)
+        axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, links)
     except cm.CostModelError as e:
         raise MeshError(str(e)) from e
     canonical = find_blocks(cap).canonical if env.tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
                    needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
-                   stacks=checkpointable_stacks(cap) if checkpointing != "none" else ())
+                   stacks=checkpointable_stacks(cap) if checkpointing != "none" else (),
+                   bucket_bytes=env.bucket_bytes)
     return prob, policy, opt, hw
 
 

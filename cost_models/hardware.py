@@ -5,6 +5,8 @@ Which mesh axis lives inside a node matters: NVLink is ~10x faster than
 InfiniBand, so the same collective costs very differently on the two.
 """
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -165,3 +167,116 @@ def axis_links(axes: Sequence[tuple[str, int]], hardware: Hardware,
         result[name] = hardware.intra_node_link if span <= hardware.devices_per_node else hardware.inter_node_link
     result.update(links)
     return {name: result[name] for name in names}  # keep mesh order
+
+
+# --------------------------------------------------------------------------- JSON specs
+# A spec is the Hardware's fields plus an optional per-axis-name "links" table (what
+# autopar.calibrate measured on each mesh axis) and an optional "measured" record that
+# readers ignore. Links are {"bandwidth": bytes/s, "latency": s}.
+
+_REQUIRED = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", "intra_node_link", "inter_node_link")
+_OPTIONAL = ("devices_per_node", "links", "measured")
+
+
+def _link_dict(link: Link) -> dict:
+    return {"bandwidth": link.bandwidth, "latency": link.latency}
+
+
+def hardware_to_dict(hardware: Hardware, links: "Mapping[str, Link] | None" = None, measured=None) -> dict:
+    """The JSON-ready dict of a Hardware and per-axis links (the inverse of hardware_from_dict)."""
+    d = {"name": hardware.name, "peak_flops": dict(hardware.peak_flops), "memory_bytes": int(hardware.memory_bytes),
+         "memory_bandwidth": hardware.memory_bandwidth, "intra_node_link": _link_dict(hardware.intra_node_link),
+         "inter_node_link": _link_dict(hardware.inter_node_link), "devices_per_node": hardware.devices_per_node,
+         "links": {axis: _link_dict(link) for axis, link in (links or {}).items()}}
+    if measured is not None:
+        d["measured"] = measured
+    return d
+
+
+def _number(value, field: str, source: str, kind=float):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CostModelError(f"{source}: field {field!r} must be a number, got {value!r}")
+    return kind(value)
+
+
+def _link(value, field: str, source: str) -> Link:
+    if not isinstance(value, Mapping):
+        raise CostModelError(f"{source}: field {field!r} must be {{'bandwidth': bytes/s, 'latency': s}}, "
+                             f"got {value!r}")
+    for key in ("bandwidth", "latency"):
+        if key not in value:
+            raise CostModelError(f"{source}: missing field '{field}.{key}'")
+    bandwidth = _number(value["bandwidth"], f"{field}.bandwidth", source)
+    latency = _number(value["latency"], f"{field}.latency", source)
+    try:
+        return Link(bandwidth, latency)
+    except CostModelError as e:
+        raise CostModelError(f"{source}: {field}: {e}") from None
+
+
+def hardware_from_dict(d, source: str = "hardware spec") -> "tuple[Hardware, dict[str, Link]]":
+    """(Hardware, {axis name: Link}) from a spec dict; CostModelError naming `source` and the bad field."""
+    if not isinstance(d, Mapping):
+        raise CostModelError(f"{source}: a hardware spec is a JSON object, got {type(d).__name__}")
+    missing = [f for f in _REQUIRED if f not in d]
+    if missing:
+        raise CostModelError(f"{source}: missing field {missing[0]!r} (a hardware spec needs "
+                             f"{', '.join(_REQUIRED)}; optional: {', '.join(_OPTIONAL)})")
+    unknown = sorted(set(d) - set(_REQUIRED) - set(_OPTIONAL))
+    if unknown:
+        raise CostModelError(f"{source}: unknown field(s) {unknown}; known: {', '.join(_REQUIRED + _OPTIONAL)}")
+    flops = d["peak_flops"]
+    if not isinstance(flops, Mapping):
+        raise CostModelError(f"{source}: field 'peak_flops' must map dtype names to FLOP/s, got {flops!r}")
+    links = d.get("links") or {}
+    if not isinstance(links, Mapping):
+        raise CostModelError(f"{source}: field 'links' must map mesh axis names to links, got {links!r}")
+    fields = dict(
+        name=str(d["name"]), peak_flops={str(k): _number(v, f"peak_flops.{k}", source) for k, v in flops.items()},
+        memory_bytes=_number(d["memory_bytes"], "memory_bytes", source, int),
+        memory_bandwidth=_number(d["memory_bandwidth"], "memory_bandwidth", source),
+        intra_node_link=_link(d["intra_node_link"], "intra_node_link", source),
+        inter_node_link=_link(d["inter_node_link"], "inter_node_link", source),
+        devices_per_node=_number(d.get("devices_per_node", 8), "devices_per_node", source, int))
+    try:
+        hardware = Hardware(**fields)
+    except CostModelError as e:
+        raise CostModelError(f"{source}: {e}") from None
+    return hardware, {str(axis): _link(v, f"links.{axis}", source) for axis, v in links.items()}
+
+
+def save_hardware(path, hardware: Hardware, links: "Mapping[str, Link] | None" = None, measured=None) -> None:
+    """Write a JSON spec that load_hardware (and autopar.plan(hardware=path)) reads back."""
+    with open(path, "w") as f:
+        json.dump(hardware_to_dict(hardware, links, measured), f, indent=2)
+        f.write("\n")
+
+
+def load_hardware(path) -> "tuple[Hardware, dict[str, Link]]":
+    """(Hardware, {axis name: Link}) from a JSON spec file; CostModelError naming the file on any problem."""
+    source = f"hardware spec {os.fspath(path)!r}"
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise CostModelError(f"{source}: cannot read it ({e.strerror or e})") from e
+    except json.JSONDecodeError as e:
+        raise CostModelError(f"{source}: not valid JSON ({e})") from e
+    return hardware_from_dict(d, source)
+
+
+def resolve_hardware(spec, default: str = "h100") -> "tuple[Hardware, dict[str, Link]]":
+    """(Hardware, per-axis links) from what a user passes as `hardware=`: a preset name, a Hardware,
+    a spec dict, or a path to a JSON spec (a name that is no preset and ends in .json or names a file).
+    Only a spec brings per-axis links; the others bring none."""
+    if isinstance(spec, Mapping):
+        return hardware_from_dict(spec)
+    is_preset = isinstance(spec, str) and spec.strip().lower() in PRESETS
+    if isinstance(spec, os.PathLike) or (isinstance(spec, str) and not is_preset
+                                         and (spec.endswith(".json") or os.path.isfile(spec))):
+        return load_hardware(spec)
+    if spec is None or isinstance(spec, Hardware) or is_preset:
+        return get_hardware(spec, default), {}
+    raise CostModelError(f"unknown hardware {spec!r}; give a preset name ({', '.join(sorted(PRESETS))}), a "
+                         f"cost_models.Hardware, a spec dict, or the path of a JSON spec (autopar.calibrate "
+                         f"writes one)")

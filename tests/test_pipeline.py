@@ -85,10 +85,18 @@ def _train(rank, mesh_shape, axis_names, plan_kwargs, x, y, config=None, plan_js
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
     plan = Plan.from_json(plan_json) if plan_json else None
-    pm = autopar.parallelize(_gpt(**(config or {})), mesh, (x,), hardware="cpu", plan=plan, **plan_kwargs)
+    pm = autopar.parallelize(_gpt(**(config or {})), mesh, (x,), hardware="cpu", plan=plan, record_comm=True,
+                             **plan_kwargs)
     (local_y,) = pm.plan.local_targets(y)
     out = _fit(pm, pm.plan.local_inputs(x), local_y)
     out["plan"] = pm.plan.to_json()
+    # data-axis all-reduces in backward, per training step (_fit runs STEPS per optimizer)
+    dp = pm.plan.mesh.axis_names.index("dp") if "dp" in pm.plan.mesh.axis_names else None
+    num = sum(1 for kind, axis, _, phase in pm.comm.log.records if kind == "all_reduce" and axis == dp
+              and phase == "backward")
+    out["dp_reduces_per_step"] = num / (STEPS * len(OPTIMIZERS))
+    out["num_buckets"] = pm._grad_buckets.num_buckets()
+    out["num_weights"] = sum(1 for _ in pm.parameters())
     return out
 
 
@@ -137,6 +145,13 @@ def test_pipelined_training_matches_one_device(case):
     if "microbatches" in kwargs:
         assert pipe.microbatches == kwargs["microbatches"]
     _check(results, ref, plan)
+    if kwargs.get("strategy") == "ddp":
+        # the data axis reduces each weight's gradient once per step, in buckets, not once per microbatch
+        # (+ microbatches: the position embedding's output gradient, summed where backward meets it)
+        for r in results:
+            assert r["num_buckets"] >= 1
+            assert r["dp_reduces_per_step"] <= r["num_buckets"] + pipe.microbatches
+            assert r["dp_reduces_per_step"] < r["num_weights"]
     # every parameter lives on some stage, and a device holds only its own stages' parameters
     per_device = [set(r["AdamW"]["params"]) for r in results]
     everything = set(ref["AdamW"]["params"])

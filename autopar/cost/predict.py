@@ -13,8 +13,9 @@ import sympy
 import cost_models as cm
 
 from ..capture.export import BUFFER, INPUT, OP, PARAM
-from ..sharding.placement import numel
-from ..sharding.redistribute import ALL_GATHER, Collective
+from ..sharding.placement import local_shape, numel
+from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective
+from .buckets import assign_buckets, deferred_axes
 from .checkpointing import recomputed_ops
 from .problem import charge_key, checkpoint_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
@@ -97,7 +98,7 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
     params, master, grads, opt, colls = _state_terms(prob, choice, symbolic)
     acts, compute = _op_terms(prob, choice, symbolic, saved, rerun)
     groups = group_redistributions(prob, choice)
-    colls += _redistributions(prob, groups, stacks, rerun, symbolic)
+    colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic))
     transient = _transient(prob, choice, groups, stacks, symbolic)
     comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
     total_comm = sum(comm_time.values())
@@ -106,6 +107,26 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
     pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
                      num(compute), num(compute + total_comm), {k: num(v) for k, v in by_kind.items()})
     return pred, colls
+
+
+def bucketed(prob, choice, colls: list) -> list:
+    """`colls` with each weight's data-axis gradient all-reduces replaced by the buckets that carry them
+    (buckets.py): one all-reduce per bucket and axis, of the bucket's bytes, as the module launches them."""
+    strategies = {n: ns.strategies[choice[n]] for n, ns in prob.strategies.items()}
+    deferred = deferred_axes(prob.cap, strategies, prob.grad_nodes)
+    if not deferred:
+        return colls
+    out = [c for c in colls if not (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in deferred.get(c.tensor, ()))]
+    entries, sizes = [], {}
+    for name, axes in reversed(deferred.items()):   # backward makes the gradients in reverse order of use
+        meta = first_meta(prob.cap.info[name].meta)
+        itemsize = reduce_itemsize(prob.param_bytes, name) or meta.itemsize
+        sizes[name] = numel(local_shape(meta.hint, strategies[name].output, prob.mesh.axis_sizes)) * itemsize
+        entries.append((name, sizes[name] // itemsize, axes, itemsize, itemsize))
+    for k, (axes, _, names) in enumerate(assign_buckets(entries, prob.bucket_bytes)):
+        out += [Collective(ALL_REDUCE, a, sum(sizes[n] for n in names), "backward", f"gradient bucket {k}",
+                           ",".join(names)) for a in axes]
+    return out
 
 
 def _state_terms(prob, choice, symbolic: bool):

@@ -16,6 +16,7 @@ from ..sharding.op_spec import tensor_args
 from ..sharding.placement import numel
 from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution
 from ..sharding.strategies import NodeStrategies
+from .buckets import DEFAULT_BUCKET_BYTES
 from .checkpointing import checkpointed_model
 from .terms import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time, param_memory,
                     reduce_itemsize, regathers, zero_collectives)
@@ -45,6 +46,7 @@ class Problem:
     stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
     checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
     node_cost_cache: dict = field(default_factory=dict, repr=False)    # see repeat_memory
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES          # gradient buckets' size (buckets.py)
 
 
 def build_edges(cap: Captured, strategies: dict) -> list[Edge]:

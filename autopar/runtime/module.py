@@ -16,11 +16,14 @@ import torch.fx as fx
 from .._compat import unflatten_outputs
 from ..capture.compute_dtype import cast_inputs
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
+from ..cost.buckets import deferred_axes
 from ..cost.precision import precision_of
-from ..errors import InputShapeError, PlanError
-from ..sharding.placement import R, dim_factor, gathered_size, is_shard, shard_dim, shard_full_tensor
+from ..errors import PlanError
+from ..sharding.placement import R, gathered_size, is_shard, shard_dim, shard_full_tensor
 from .collectives import Comm
+from .grad_buckets import GradBuckets
 from .initialization import init_shards
+from .input_shapes import check_input_shapes, input_shape_specs
 from .rewrite import GatheredParams
 
 LoadResult = namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
@@ -50,7 +53,7 @@ class _Store(torch.nn.Module):
 
 class ParallelModule(torch.nn.Module):
     def __init__(self, gm: fx.GraphModule, gathered: GatheredParams, cap: Captured, plan, comm: Comm,
-                 model: torch.nn.Module, device_mesh=None, other_mode=None):
+                 model: torch.nn.Module, device_mesh=None, other_mode=None, grad_nodes=frozenset()):
         super().__init__()
         self.plan = plan
         _on_mesh_device((gm, other_mode[0] if isinstance(other_mode, tuple) else None), device_mesh)
@@ -106,9 +109,22 @@ class ParallelModule(torch.nn.Module):
                 self._placeholder_sources.append((INPUT, None))
         self._num_inputs = sum(1 for k, _ in self._placeholder_sources if k == INPUT)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
-        for fqn, p in self.store.named_parameters():
-            if fqn in plan.param_zero and p.requires_grad:
+        self._grad_buckets = self._gradient_reductions(cap, grad_nodes)
+
+    def _gradient_reductions(self, cap: Captured, grad_nodes) -> GradBuckets:
+        """The buckets that reduce the gradients the graph leaves partial; ZeRO ones are the optimizer's."""
+        params = dict(self.store.named_parameters())
+        for fqn, p in params.items():
+            if fqn in self.plan.param_zero and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._check_zero_optimizer)
+        return _grad_buckets(cap, self.plan, self.comm, grad_nodes, params)
+
+    def no_sync(self):
+        """A context in which backward sums this rank's gradients without reducing them over the data axes:
+        the first backward after it reduces the sum once (gradient accumulation over microbatches, as
+        DDP's no_sync). Gradients of weights split over a data axis (FSDP, ZeRO) are still reduced each
+        backward: their reduction is what splits them."""
+        return self._grad_buckets.accumulating()
 
     def init_weights(self, fn=None) -> None:
         """Initialize a meta-built model's shards from scratch, after `to_empty(device=...)`.
@@ -218,7 +234,9 @@ class ParallelModule(torch.nn.Module):
                                   device=mesh_device(self.device_mesh))
         local_inputs = cast_inputs(local_inputs, self._compute_dtype)   # as forward does
         losses = []
-        schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses)
+        with self._grad_buckets.accumulating():   # every microbatch's data-axis gradient, reduced once below
+            schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses)
+        self._grad_buckets.flush()
         loss = (torch.stack([x.detach() for x in losses]).sum() if last
                 else torch.zeros((), dtype=torch.float32, device=mesh_device(self.device_mesh)))   # NCCL: on the GPU
         if last:
@@ -244,7 +262,7 @@ class ParallelModule(torch.nn.Module):
         args = []
         for kind, fqn in self._placeholder_sources:
             if kind == PARAM:
-                args.append(params[fqn])
+                args.append(self._grad_buckets.use(fqn, params[fqn]))
             elif kind == BUFFER:
                 args.append(buffers[fqn])
             elif kind == CONSTANT:
@@ -341,6 +359,19 @@ class ParallelModule(torch.nn.Module):
         return LoadResult(missing, unexpected)
 
 
+def _grad_buckets(cap: Captured, plan, comm: Comm, grad_nodes, params: dict) -> GradBuckets:
+    """The buckets of the weights whose gradient the graph leaves partial (grad_buckets.deferred_axes), in the
+    order backward makes those gradients: the reverse of their first use."""
+    policy = precision_of(plan.precision)
+    entries = []
+    for node, axes in reversed(deferred_axes(cap, plan.node_strategies, grad_nodes).items()):
+        fqn = cap.info[node].target_name
+        if fqn in params:   # a pipeline stage holds only its own weights
+            own = cap.param_dtypes.get(fqn, params[fqn].dtype)
+            entries.append((fqn, params[fqn], axes, policy.resolve(own).reduce))
+    return GradBuckets(entries, comm, plan.bucket_bytes)
+
+
 def mesh_device(device_mesh) -> torch.device | None:
     """The device this rank computes on: the mesh's type (this process's current CUDA device on "cuda")."""
     if device_mesh is None:
@@ -398,46 +429,3 @@ def _contiguous_strides(shape) -> tuple:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
-
-
-def input_shape_specs(cap: Captured, plan) -> list:
-    """Per user input: (name, captured whole shape as sympy, placements, allowed ranges), None for non-tensors."""
-    out = []
-    for name, placements in zip(cap.input_names, plan.input_placements):
-        meta = cap.info[name].meta
-        out.append(None if meta is None or isinstance(meta, list) else (name, meta.shape, placements,
-                                                                         plan.mesh.axis_sizes, cap.ranges))
-    return out
-
-
-def check_input_shapes(specs: list, local_inputs) -> None:
-    """Raise InputShapeError, naming the input and dim, for a shape the local graph cannot take.
-
-    The graph would fail deep in torch ("mat1 and mat2 shapes cannot be multiplied") or, worse,
-    compute on a shape it was not laid out for."""
-    seen = {}
-    for spec, t in zip(specs, local_inputs):
-        if spec is None or not isinstance(t, torch.Tensor):
-            continue
-        name, shape, placements, sizes, ranges = spec
-        if t.dim() != len(shape):
-            raise InputShapeError(f"input {name!r} has {t.dim()} dims; the module was made for {len(shape)} "
-                                  f"(shape {tuple(str(s) for s in shape)})")
-        for d, expr in enumerate(shape):
-            shards = dim_factor(placements, d, sizes)
-            given = t.shape[d] * shards   # the whole size, as the plan counts it
-            what = f"dim {d} of input {name!r}" + (f" (this rank's {t.shape[d]} x {shards} shards)" if shards > 1 else "")
-            if expr.is_Integer and given != int(expr):
-                raise InputShapeError(
-                    f"{what} is {given}, but the module was captured with {int(expr)} there and that dim is "
-                    f"static (the model's code fixes it, or dynamic_shapes= said so). Use inputs of that size, or "
-                    f"parallelize with dynamic_shapes={{{name!r}: {{{d}: torch.export.Dim('d{d}')}}}} if the "
-                    "model allows that dim to vary")
-            if expr.is_Symbol:
-                lo, hi = ranges.get(expr, (None, None))
-                if (lo is not None and given < lo) or (hi is not None and given > hi):
-                    raise InputShapeError(f"{what} is {given}; the model allows {expr} in [{lo}, {hi if hi is not None else 'inf'}]")
-                if seen.setdefault(expr, (given, name, d))[0] != given:
-                    first = seen[expr]
-                    raise InputShapeError(f"{what} is {given}, but dim {first[2]} of input {first[1]!r} is {first[0]} "
-                                          f"and the model needs them equal ({expr})")

@@ -162,3 +162,11 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state_dict) -> None:
         self.optimizer.load_state_dict(state_dict)
+
+    def reduce_gradients(self) -> None:
+        """Reduce level-1 ZeRO gradients into their slices now, as step() would (it then does not again):
+        for autopar.clip_grad_norm_, which needs every gradient reduced. Level 2 reduced them in backward."""
+        for z in self._zero:
+            if z.level == 1 and z.param.grad is not None:
+                self._reduce(z, "optimizer")
+                z.param.grad = None   # reduced: step() skips it, full_grads() reads the slice

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.export import PARAM, Captured
+from ..cost.buckets import deferred_axes
 from ..cost.checkpointing import checkpointable_stacks
 from ..cost.precision import precision_of
 from ..errors import PlanError
@@ -185,6 +186,7 @@ class _Rewriter:
         self._cache: dict = {}
         self._count = 0
         self.casts = weight_casts(cap, plan)
+        self.deferred = deferred_axes(cap, plan.node_strategies, grad_nodes)
 
     def emit(self, node: fx.Node) -> None:
         """Add the local counterpart of captured `node` (nothing for an op that is dropped)."""
@@ -209,7 +211,9 @@ class _Rewriter:
         # a ZeRO parameter's gradient stays unreduced on its axes: the optimizer reduce-scatters it
         zero = self.strategies.get(producer.name)
         keep = tuple(zero.zero_axes) if zero is not None and producer.name in self.grad_nodes else ()
-        if tuple(src) == tuple(dst) and not gp and not keep and producer.name not in self.casts:
+        # a weight's data-axis gradient all-reduce is left to the buckets (grad_buckets.py)
+        keep += self.deferred.get(producer.name, ())
+        if tuple(src) == tuple(dst) and set(gp) == set(keep) and producer.name not in self.casts:
             return self.env[producer.name]
         key = (producer.name, tuple(dst), gp)
         if key not in self._cache:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .._compat import unflatten_outputs
-from ..capture.export import INPUT, Captured
+from ..capture.export import INPUT, PARAM, Captured
 from ..errors import PlanError
 from ..search.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B
 
@@ -161,7 +161,8 @@ class StageModule(torch.nn.Module):
         pm = self._owner()
         table = pm._weight_table()
         inputs = [_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in inputs]
-        args = inputs + [table[w] for w in self._weights]
+        # a weight read through the gradient buckets (grad_buckets.py) when its data-axis reduction is theirs
+        args = inputs + [pm._grad_buckets.use(w[1], table[w]) if w[0] == PARAM else table[w] for w in self._weights]
         try:
             with torch.autograd.graph.saved_tensors_hooks(pm._gathered.pack, pm._gathered.unpack):
                 flat = self.graph_module(*args)

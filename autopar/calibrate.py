@@ -1,0 +1,267 @@
+"""autopar.calibrate: measure the user's own devices and mesh axes, so plans price them as they are.
+
+Run on every rank after init_device_mesh. Per named mesh axis it times all-reduce, all-gather,
+reduce-scatter and all-to-all over a few message sizes (every slice of the axis at once, as a
+training step runs them), takes each point's median over repeats after a warm-up and the
+maximum over ranks (one MAX all-reduce, so every rank returns the same figures), and fits one
+`Link(bandwidth, latency)` per axis by least squares to the cost model's own formula
+(cost_models.comm.collective_time: `latency * (n-1) + bytes_moved(kind, B, n) / bandwidth`), so the
+planner's predictions reproduce the measured times. It also times a square matmul (FLOP/s per
+dtype) and a large copy (memory bandwidth) on this rank's device. The result is a
+cost_models.Hardware plus the per-axis links; `path=` writes them as a JSON spec that
+`autopar.plan(..., hardware=path)` reads, applying each link to the mesh axis of the same name.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import cost_models as cm
+from cost_models.hardware import save_hardware
+
+from .errors import MeshError
+
+KINDS = (cm.ALL_REDUCE, cm.ALL_GATHER, cm.REDUCE_SCATTER, cm.ALL_TO_ALL)
+KiB, MiB = 2**10, 2**20
+# 4 KiB .. 16 MiB in powers of 4: from latency-bound to bandwidth-bound on every link we know
+# (a 16 MiB ring step takes ~1 ms even on NVLink, far above its ~3 us latency), in 7 points.
+DEFAULT_SIZES = tuple(4 * KiB * 4**k for k in range(7))
+QUICK_SIZES = (4 * KiB, 64 * KiB, 1 * MiB)
+# Ten repeats make the median robust to one or two hiccups (a page fault, a scheduler tick)
+# at a few seconds for the whole sweep on loopback gloo; quick mode keeps three.
+DEFAULT_REPEATS, QUICK_REPEATS = 10, 3
+# Two untimed calls before each point: the first collective of a shape sets up buffers. And
+# before an axis's first point, WARMUP_SECONDS of small all-reduces: a fresh group's first ones
+# run up to 10x slower (connections, lazy allocation, CPU clocks ramping up; seen on gloo).
+WARMUP, WARMUP_SECONDS = 2, 0.25
+# A fitted latency below 100 ns is noise (no network stack steps that fast; NVLink is ~3 us):
+# clamp there, since cost_models.Link needs a positive latency. Likewise bandwidth at 1 PB/s.
+MIN_LATENCY, MAX_BANDWIDTH = 1e-7, 1e15
+# (square matmul side, copy bytes) per device type. A side-n fp32 matmul does n/6 FLOP per byte:
+# at 1024 far past a CPU's ridge point (~10) and ~40 ms on one core; a GPU needs 8192 (~1 ms at
+# its peak) to hide launch overhead. The copy reads and writes 128 MiB, past any CPU's last-level
+# cache, or 1 GiB, long enough on HBM (~0.7 ms at 3 TB/s). Quick mode: seconds don't matter there.
+COMPUTE_SIZES = {"cpu": (1024, 128 * MiB), "quick": (256, 4 * MiB)}
+DEFAULT_COMPUTE_SIZES = (8192, 1024 * MiB)
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What calibrate measured: the Hardware, a fitted Link per mesh axis name, and the measured
+    points per axis and collective, ((whole-tensor bytes, seconds), ...), the fits came from."""
+    hardware: cm.Hardware
+    links: dict
+    axis_sizes: dict
+    times: dict
+
+    def relative_errors(self) -> dict:
+        """{axis: {kind: ((bytes, predicted / measured - 1), ...)}}: how well each fit reproduces its points."""
+        return {axis: {kind: tuple((b, float(cm.collective_time(kind, b, self.axis_sizes[axis], self.links[axis]))
+                                    / t - 1) for b, t in points) for kind, points in kinds.items()}
+                for axis, kinds in self.times.items()}
+
+    def save(self, path) -> None:
+        """Write the JSON spec (the measured points go along under "measured", which readers ignore)."""
+        measured = {a: {"size": self.axis_sizes[a], **{k: [list(p) for p in pts] for k, pts in kinds.items()}}
+                    for a, kinds in self.times.items()}
+        save_hardware(path, self.hardware, self.links, measured=measured)
+
+
+def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False) -> Calibration:
+    """Measure collectives per mesh axis and this device's compute; call on every rank of the job.
+
+    `sizes`: whole-tensor bytes per collective (DEFAULT_SIZES; QUICK_SIZES when `quick`);
+    `repeats`: timed calls per point (10; 3 when `quick`, which also shrinks the matmul and copy).
+    `path`: rank 0 writes the JSON spec there (every rank returns after it is written).
+    The Hardware is named "<device type>-calibrated-<backend>": the device type first, because the
+    planner picks CPU or CUDA kernels' saved tensors by a name starting with "cpu".
+    """
+    device_type, axes = _check(mesh)
+    sizes = tuple(sizes or (QUICK_SIZES if quick else DEFAULT_SIZES))
+    repeats = repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS)
+    points = [(name, group, n, kind, _whole_bytes(b, n)) for name, group, n in axes for kind in KINDS for b in sizes]
+    side, copy_bytes = COMPUTE_SIZES.get("quick" if quick else device_type, DEFAULT_COMPUTE_SIZES)
+    dtypes = ("float32", "bfloat16") if device_type == "cpu" else ("float32", "bfloat16", "float16")
+    for _, group, _ in axes:
+        _warm_up(group, device_type)
+    local = [_time_collective(kind, b, group, n, device_type, repeats) for _, group, n, kind, b in points]
+    local += [_matmul_time(getattr(torch, d), side, device_type, repeats) for d in dtypes]
+    local.append(_copy_time(copy_bytes, device_type, repeats))
+    worst = _world_max(local, device_type)
+    times, axis_sizes = {}, {name: n for name, _, n in axes}
+    for (name, _, _, kind, b), t in zip(points, worst):
+        times.setdefault(name, {}).setdefault(kind, []).append((b, t))
+    links = {a: fit_link([(k, b, t) for k, pts in kinds.items() for b, t in pts], axis_sizes[a])
+             for a, kinds in times.items()}
+    matmul, copy = worst[len(points):-1], worst[-1]
+    flops = {d: 2 * side**3 / t for d, t in zip(dtypes, matmul) if t < float("inf")}
+    memory_bytes, per_node = _memory_and_ranks_per_node(device_type)
+    intra, inter = _node_links(axes, links, per_node, device_type)
+    hw = cm.Hardware(name=f"{device_type}-calibrated-{_backend(device_type)}", peak_flops=flops,
+                     memory_bytes=memory_bytes, memory_bandwidth=2 * copy_bytes / copy,
+                     intra_node_link=intra, inter_node_link=inter, devices_per_node=per_node)
+    result = Calibration(hw, links, axis_sizes, times)
+    if path is not None and dist.get_rank() == 0:
+        result.save(path)
+    _world_max([0.0], device_type)   # a barrier: no rank returns before the file exists
+    return result
+
+
+def fit_link(points, n: int) -> cm.Link:
+    """The Link whose cost-model time best reproduces measured (kind, whole bytes, seconds) points on an
+    axis of n devices: least squares on relative errors (each row divided by its time), because the
+    times span three orders of magnitude and plain least squares would fit the largest messages only,
+    leaving the latency to chance. Latency is clamped to MIN_LATENCY (then bandwidth refit alone)."""
+    rows = [((n - 1) / t, float(cm.bytes_moved(kind, b, n)) / t) for kind, b, t in points]
+    saa, sab, sbb = (sum(a * a for a, _ in rows), sum(a * b for a, b in rows), sum(b * b for _, b in rows))
+    sa, sb = sum(a for a, _ in rows), sum(b for _, b in rows)
+    det = saa * sbb - sab * sab
+    alpha, beta = ((sa * sbb - sb * sab) / det, (sb * saa - sa * sab) / det) if det > 1e-12 * saa * sbb else (0, 0)
+    if alpha < MIN_LATENCY:
+        alpha = MIN_LATENCY
+        beta = sum(b * (1 - alpha * a) for a, b in rows) / sbb
+    if beta < 1 / MAX_BANDWIDTH:
+        beta = 1 / MAX_BANDWIDTH
+        alpha = max(MIN_LATENCY, sum(a * (1 - beta * b) for a, b in rows) / saa)
+    return cm.Link(bandwidth=1 / beta, latency=alpha)
+
+
+def _check(mesh):
+    """(device type, [(axis name, process group, size)] for axes of 2+ devices), or MeshError."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if not dist.is_available() or not dist.is_initialized():
+        raise MeshError("autopar.calibrate: torch.distributed is not initialized; run it on every rank under "
+                        "torchrun after dist.init_process_group and init_device_mesh")
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"autopar.calibrate needs a torch DeviceMesh, got {type(mesh).__name__}; build one with "
+                        "init_device_mesh('cpu', (2,), mesh_dim_names=('dp',)) (use 'cuda' on GPUs)")
+    names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
+    keys = mesh.mesh_dim_names or tuple(range(mesh.ndim))
+    axes = [(name, mesh.get_group(key), int(size)) for name, key, size in zip(names, keys, mesh.shape) if size > 1]
+    return mesh.device_type, axes
+
+
+def _whole_bytes(nbytes: int, n: int) -> int:
+    """nbytes rounded up to float32 elements that split into n x n equal blocks (all-to-all's)."""
+    block = 4 * n * n
+    return -(-int(nbytes) // block) * block
+
+
+def _time_collective(kind: str, whole_bytes: int, group, n: int, device_type: str, repeats: int) -> float:
+    """Median seconds of one collective on `whole_bytes` (cost_models' convention: the all-gather output,
+    the reduce-scatter input, the all-reduce tensor; for all-to-all, n times each rank's buffer)."""
+    whole = torch.ones(whole_bytes // 4, device=device_type)
+    piece = torch.ones(whole_bytes // 4 // n, device=device_type)
+    out = torch.empty_like(piece)
+    run = {cm.ALL_REDUCE: lambda: dist.all_reduce(whole, group=group),
+           cm.ALL_GATHER: lambda: _all_gather(whole, piece, group=group),
+           cm.REDUCE_SCATTER: lambda: _reduce_scatter(out, whole, group=group),
+           cm.ALL_TO_ALL: lambda: dist.all_to_all_single(out, piece, group=group)}[kind]
+    return _median_time(run, repeats, device_type)
+
+
+def _warm_up(group, device_type: str) -> None:
+    """Small all-reduces for WARMUP_SECONDS, rank 0's clock deciding when to stop (so all ranks stop together)."""
+    x, stop, t0 = torch.ones(1024, device=device_type), torch.zeros(1, device=device_type), time.perf_counter()
+    while not stop.item():
+        dist.all_reduce(x, group=group)
+        stop.fill_(float(time.perf_counter() - t0 > WARMUP_SECONDS and dist.get_rank(group) == 0))
+        dist.all_reduce(stop, group=group)
+
+
+def _median_time(fn, repeats: int, device_type: str) -> float:
+    """Median seconds of fn() after WARMUP untimed calls: the median, not the mean or the minimum, is
+    the typical call, unmoved by the odd scheduler hiccup and not the luckiest call either."""
+    for _ in range(WARMUP):
+        fn()
+    _sync(device_type)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device_type)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sync(device_type: str) -> None:
+    """Wait for the device's queued work (CUDA runs kernels and NCCL collectives asynchronously)."""
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _matmul_time(dtype, side: int, device_type: str, repeats: int) -> float:
+    """Median seconds of a side^3 matmul in `dtype`; inf if this device cannot run it (then dropped)."""
+    try:
+        a = torch.randn(side, side, device=device_type).to(dtype)
+        return _median_time(lambda: torch.mm(a, a), repeats, device_type)
+    except (RuntimeError, TypeError):
+        return float("inf")
+
+
+def _copy_time(nbytes: int, device_type: str, repeats: int) -> float:
+    """Median seconds to copy nbytes (it reads and writes them: 2 * nbytes through memory)."""
+    src = torch.ones(nbytes // 4, device=device_type)
+    dst = torch.empty_like(src)
+    return _median_time(lambda: dst.copy_(src), repeats, device_type)
+
+
+def _world_max(values: list, device_type: str) -> list:
+    """The maximum over all ranks of each value (times: the slowest rank is what a step waits for)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device_type)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _memory_and_ranks_per_node(device_type: str) -> tuple[int, int]:
+    """(bytes each rank may use, the most ranks on one host): a GPU's own memory, or a host's RAM
+    shared by the ranks on it; the smallest over ranks, so every rank agrees."""
+    if device_type == "cuda":
+        mine = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    else:
+        mine = _host_memory()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (socket.gethostname(), mine))
+    per_host = collections.Counter(host for host, _ in gathered)
+    memory = min(m if device_type == "cuda" else m // per_host[h] for h, m in gathered)
+    return int(memory), max(per_host.values())
+
+
+def _host_memory() -> int:
+    """Total RAM of this host (psutil may not be installed): /proc/meminfo, else sysconf."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _node_links(axes, links: dict, per_node: int, device_type: str):
+    """The Hardware's intra- and inter-node links, for mesh axes the spec does not name: the innermost
+    measured axis within a node (cost_models.axis_links' rule) and the outermost one beyond it; one
+    stands in for the other where only one kind was measured, and a preset's where none was."""
+    inside, beyond, span = [], [], 1
+    for name, _, n in reversed(axes):
+        span *= n
+        (inside if span <= per_node else beyond).append(links[name])
+    preset = cm.get_hardware(None, default="cpu" if device_type == "cpu" else "h100")
+    intra = inside[0] if inside else beyond[-1] if beyond else preset.intra_node_link
+    inter = beyond[-1] if beyond else inside[-1] if inside else preset.inter_node_link
+    return intra, inter
+
+
+def _backend(device_type: str) -> str:
+    """The backend, for the Hardware's name: "gloo", "nccl", "threaded" (of "cpu:gloo,cuda:nccl", this device's)."""
+    backend = str(dist.get_backend())
+    return dict(p.split(":") for p in backend.split(",") if ":" in p).get(device_type, backend)

@@ -1,0 +1,218 @@
+"""Gradient buckets: the data-parallel gradient reductions, launched while backward goes on.
+
+A weight replicated on a data axis gets, on each rank, the gradient of that
+rank's share of the batch: a partial sum over the axis. Reducing each one
+where autograd makes it would be one blocking all-reduce per weight. Instead
+the local graph leaves those gradients partial (cost/buckets.deferred_axes) and
+this module does what DDP's reducer does:
+
+    arrive   a weight's partial gradient reaches DeferredReduce.backward and is
+             copied into its bucket's flat buffer (in the reduce dtype)
+    launch   a bucket all of whose weights have arrived is all-reduced
+             asynchronously; buckets launch in index order on every rank, so
+             the ranks' collectives match
+    finish   when backward ends (an autograd-engine callback) every bucket is
+             waited on and each weight's .grad set from it (added to one there)
+
+Buckets hold weights of one (axes, dtypes) kind, in the reverse order of their
+first use in forward -- the order backward makes their gradients -- up to
+`bucket_bytes` each. Under `accumulating()` (no_sync, and a pipeline's
+microbatches) gradients are summed locally and reduced once by `flush()`.
+
+The weight's gradient never goes through autograd's own accumulation: .grad
+only ever holds reduced values, so accumulating over steps without no_sync
+stays right (a partial sum added to a reduced one could not be reduced again).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .._compat import at_backward_end
+from ..cost.buckets import assign_buckets
+from ..errors import PlanError
+from ..sharding.redistribute import ALL_REDUCE
+from .collectives import Comm
+
+@dataclass
+class _Slot:
+    name: str
+    param: torch.nn.Parameter
+    bucket: int
+    offset: int
+    outstanding: int = 0   # forward uses whose gradient has not arrived yet
+
+
+@dataclass
+class _Bucket:
+    axes: tuple                 # mesh axes the gradients are summed over
+    reduce_dtype: torch.dtype   # the dtype they travel in (a precision policy's reduce dtype)
+    slots: list = field(default_factory=list)
+    numel: int = 0
+    flat: torch.Tensor | None = None   # this backward's buffer, made at the first arrival
+    work: object = None                # the launched all-reduce on axes[0]
+
+
+class DeferredReduce(torch.autograd.Function):
+    """Identity forward on a weight; backward hands the weight's partial gradient to the buckets and gives
+    autograd nothing to accumulate (the buckets set .grad once it is reduced)."""
+    @staticmethod
+    def forward(ctx, param, buckets: "GradBuckets", slot: int):
+        ctx.buckets, ctx.slot = buckets, slot
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.buckets.arrive(ctx.slot, grad)
+        return None, None, None
+
+
+class GradBuckets:
+    """The bucketed reductions of one ParallelModule's weights whose gradients the graph leaves partial.
+
+    `entries`: (name, parameter, axes, reduce dtype) per weight, in the order backward makes their
+    gradients (reverse forward order)."""
+
+    def __init__(self, entries: list, comm: Comm, bucket_bytes: int):
+        self.comm = comm
+        self.slots: list[_Slot] = []
+        self.buckets: list[_Bucket] = []
+        self._slot_of: dict[str, int] = {}
+        params = {name: (p, reduce_dtype) for name, p, _, reduce_dtype in entries}
+        # the plan's buckets (cost/buckets.py), so the module launches the collectives the plan lists
+        sized = [(name, p.numel(), axes, dt.itemsize, dt.itemsize) for name, p, axes, dt in entries]
+        for axes, _, names in assign_buckets(sized, bucket_bytes):
+            dtypes = {params[n][1] for n in names}
+            if len(dtypes) > 1:
+                raise PlanError(f"weights {names[:3]} share a gradient bucket but reduce in {sorted(map(str, dtypes))}: "
+                                "give them one reduce dtype (precision=)")
+            bucket = _Bucket(axes, dtypes.pop())
+            for name in names:
+                self._slot_of[name] = len(self.slots)
+                bucket.slots.append(len(self.slots))
+                self.slots.append(_Slot(name, params[name][0], len(self.buckets), bucket.numel))
+                bucket.numel += params[name][0].numel()
+            self.buckets.append(bucket)
+        self._pending: dict[int, torch.Tensor] = {}   # slot -> local gradient summed under accumulating()
+        self._accumulating = False
+        self._next_launch = 0          # buckets launch in index order
+        self._callback_queued = False
+
+    def use(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The weight as forward reads it: routed through DeferredReduce when its gradient is bucketed."""
+        i = self._slot_of.get(name)
+        if i is None or not (torch.is_grad_enabled() and param.requires_grad):
+            return param
+        self.slots[i].outstanding += 1
+        return DeferredReduce.apply(param, self, i)
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Gradients computed inside are summed on this rank, not reduced: the next synced backward (or
+        flush()) reduces their sum once."""
+        was, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = was
+
+    def arrive(self, i: int, grad: torch.Tensor) -> None:
+        slot = self.slots[i]
+        slot.outstanding = max(slot.outstanding - 1, 0)
+        if not self._callback_queued:
+            self._callback_queued = True
+            at_backward_end(self._finish)
+        if self._accumulating:
+            self._pending[i] = grad if i not in self._pending else self._pending[i] + grad
+            return
+        self._copy_in(i, grad)
+        self._launch_ready()
+
+    def _copy_in(self, i: int, grad: torch.Tensor) -> None:
+        slot = self.slots[i]
+        b = self.buckets[slot.bucket]
+        if b.work is not None:
+            raise RuntimeError(f"autopar: the gradient of {slot.name!r} arrived after its bucket was reduced")
+        if b.flat is None:   # zeros: a weight whose gradient does not come adds nothing
+            b.flat = torch.zeros(b.numel, dtype=b.reduce_dtype, device=slot.param.device)
+        piece = b.flat[slot.offset: slot.offset + slot.param.numel()]
+        piece.add_(grad.reshape(-1))
+        pending = self._pending.pop(i, None)
+        if pending is not None:
+            piece.add_(pending.reshape(-1))
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets) and self._ready(self.buckets[self._next_launch]):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _ready(self, b: _Bucket) -> bool:
+        return b.flat is not None and all(self.slots[i].outstanding == 0 for i in b.slots)
+
+    def _launch(self, b: _Bucket) -> None:
+        if b.flat is None:   # nothing arrived, but the slots may hold gradients summed under accumulating()
+            self._take_pending(b)
+        if b.flat is None:
+            return
+        ax = self.comm.axes[b.axes[0]]
+        self._log(b.axes[0], b.flat)
+        b.work = dist.all_reduce(b.flat, group=ax.group, async_op=True)
+
+    def _take_pending(self, b: _Bucket) -> None:
+        for i in b.slots:
+            g = self._pending.pop(i, None)
+            if g is None:
+                continue
+            if b.flat is None:
+                b.flat = torch.zeros(b.numel, dtype=b.reduce_dtype, device=self.slots[i].param.device)
+            slot = self.slots[i]
+            b.flat[slot.offset: slot.offset + slot.param.numel()].add_(g.reshape(-1))
+
+    def _finish(self) -> None:
+        """End of backward: launch what has not launched, wait for all, set the gradients."""
+        self._callback_queued = False
+        if self._accumulating:
+            return
+        for b in self.buckets[self._next_launch:]:
+            self._take_pending(b)
+            self._launch(b)
+        self._next_launch = 0
+        for b in self.buckets:
+            self._complete(b)
+
+    def flush(self) -> None:
+        """Reduce every gradient summed under accumulating() now (a pipeline's step ends with this)."""
+        for b in self.buckets:
+            self._take_pending(b)
+            self._launch(b)
+        for b in self.buckets:
+            self._complete(b)
+
+    def _complete(self, b: _Bucket) -> None:
+        if b.work is None:
+            return
+        b.work.wait()
+        for a in b.axes[1:]:   # a weight partial over several axes: the others after the first, in turn
+            self._log(a, b.flat)
+            dist.all_reduce(b.flat, group=self.comm.axes[a].group)
+        for i in b.slots:
+            slot = self.slots[i]
+            p = slot.param
+            g = b.flat[slot.offset: slot.offset + p.numel()].view(p.shape).to(p.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        b.flat, b.work = None, None
+        for i in b.slots:
+            self.slots[i].outstanding = 0
+
+    def _log(self, axis: int, flat: torch.Tensor) -> None:
+        if self.comm.log is not None:
+            self.comm.log.add(ALL_REDUCE, axis, flat.numel() * flat.element_size(), "backward")
+
+    def num_buckets(self) -> int:
+        return len(self.buckets)

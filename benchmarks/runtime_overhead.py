@@ -1,0 +1,549 @@
+"""Step time of autopar's module against the same strategy written by hand with PyTorch's own tools.
+
+    python benchmarks/runtime_overhead.py                                  # all strategies; several minutes on 2 cores
+    python benchmarks/runtime_overhead.py --strategies ddp,tp --rounds 3
+    python benchmarks/runtime_overhead.py --layers 1 --hidden 64 --vocab 256 --seq 32 --steps 2 --rounds 2   # smoke, ~1 min
+    python benchmarks/runtime_overhead.py --hardware h100                  # price the plan for another device
+    python benchmarks/runtime_overhead.py --hardware my_host.json          # or a cost_models.Hardware as JSON (--help)
+
+For each strategy, `world` real processes (torch.multiprocessing, spawn) join a gloo process group,
+each with `--threads` intra-op threads (default 1: the ranks share the machine's cores). Every rank
+builds the same seeded GPT (autopar.testing.GPT) and the same global batch (idx and targets, int64
+[batch, seq]), and deep-copies the model twice:
+
+    autopar: pm = autopar.parallelize(model, mesh, (idx,), strategy=...); opt = autopar.ShardedOptimizer(pm, AdamW)
+             loss = gpt_loss(pm(*pm.plan.local_inputs(idx)), *pm.plan.local_targets(targets))
+    native:  ddp      DistributedDataParallel (default 25 MB buckets)
+             fsdp     FSDP2 fully_shard on each block of model.h, then on the root
+             tp       parallelize_module: Megatron TP (q/k/v/fc colwise, o/proj rowwise, one input-gradient
+                      all-reduce per attention); embeddings rowwise and lm_head colwise with its logits
+                      gathered, because autopar's tp splits every matrix too
+             tp+sp    torchtitan's plan: tp plus SequenceParallel layer norms, PrepareModuleInput,
+                      sequence-split embeddings and loss_parallel (logits stay split over the vocabulary,
+                      which autopar cannot do yet: its outputs are whole or batch-split)
+             fsdp+tp  tp on mesh["tp"], then fully_shard per block and on the root over mesh["dp"] (2 x 2)
+
+Two details of the native versions:
+the attention reads hs = C // n_head from its input's width, which TP leaves whole, so the native
+TP copies view q/k/v with a fixed head width and the local head count (_local_heads_forward); and
+DTensor leaves some gradients in another layout than their parameter (SequenceParallel norms:
+Partial, re-reduced by every AdamW op that reads them), so the native step redistributes them once
+after backward (grads_as_params).
+
+A step is zero_grad + forward + loss + backward + AdamW.step. Each side runs 3 warm-up steps (the
+first step's loss is checked against the other side's and a single-device forward: "loss match"
+warns past 1e-4 relative, which would mean a wrong native version), one step under the profiler
+(collectives per step), then `--rounds` rounds of `--steps` timed steps of each side, the side going
+first swapping every round, a barrier before each step. "ms" is the median over steps of the step's
+time on its slowest rank. Collectives are counted the same way on both sides: the gloo work items
+("gloo:*" profiler events) one step launches, by kind from the c10d op that launched each (gloo
+itself runs a reduce-scatter as an all-reduce of the whole buffer: twice a ring reduce-scatter's bytes).
+"predicted ms" is the plan's `predicted.step_time` on the hardware it was planned for (printed
+below the table; the planner's default for a CPU mesh is the "cpu" preset, rough figures for
+loopback gloo).
+"""
+import argparse
+import collections
+import contextlib
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import types
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn import functional as F
+
+import autopar
+import cost_models as cm
+from autopar.testing import GPT, GPTConfig, gpt_loss
+
+# strategy -> (mesh shape, axis names); ranks = product of the shape
+STRATEGIES = {
+    "ddp": ((2,), ("dp",)),
+    "fsdp": ((2,), ("dp",)),
+    "tp": ((2,), ("tp",)),
+    "tp+sp": ((2,), ("tp",)),
+    "fsdp+tp": ((2, 2), ("dp", "tp")),
+}
+WARMUP = 3
+LOSS_RTOL = 1e-4
+# c10d op names -> collective kind, matched on the name without underscores, first match wins
+KINDS = (("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"), ("allgather", "all_gather"),
+         ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("barrier", "barrier"),
+         ("send", "send"), ("recv", "recv"))
+
+
+def world_size(strategy: str) -> int:
+    n = 1
+    for size in STRATEGIES[strategy][0]:
+        n *= size
+    return n
+
+
+# ----------------------------------------------------------------------------- model and data
+
+def build_model(args) -> GPT:
+    """The same weights on every rank and for both sides (each side deep-copies it)."""
+    torch.manual_seed(args.seed)
+    return GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
+                         n_head=args.heads, n_embd=args.hidden, dropout=0.0))
+
+
+def make_batch(args):
+    g = torch.Generator().manual_seed(args.seed + 1)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    targets = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    return idx, targets
+
+
+def batch_shard(t: torch.Tensor, mesh, axis: str) -> torch.Tensor:
+    """This rank's rows of a global batch split over one mesh axis (what a data-parallel rank reads)."""
+    return t.chunk(mesh.size(mesh.mesh_dim_names.index(axis)))[mesh.get_local_rank(axis)].contiguous()
+
+
+def load_hardware(spec):
+    """None, a preset name, or a JSON file with cost_models.Hardware's fields (links as {bandwidth, latency})."""
+    if spec is None or not os.path.exists(spec):
+        return spec if spec is None else cm.get_hardware(spec)
+    with open(spec) as f:
+        d = json.load(f)
+    for link in ("intra_node_link", "inter_node_link"):
+        d[link] = cm.Link(**d[link])
+    return cm.Hardware(**d)
+
+
+# ----------------------------------------------------------------------------- the native versions
+
+def _local_heads_forward(self, x):
+    """CausalSelfAttention.forward for column-parallel q/k/v: the head width is fixed, the head count local.
+
+    The model computes hs = C // self.n_head from its input's width, which tensor parallelism leaves
+    whole, while q/k/v hold only this rank's heads: setting the local n_head alone (torchtitan's way)
+    would double hs. torchtitan's models view with a fixed head_dim for this reason; same math.
+    """
+    B, T, _ = x.shape
+    q = self.q(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)
+    k = self.k(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)
+    v = self.v(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y = y.transpose(1, 2).contiguous().view(B, T, -1)
+    return self.resid_dropout(self.o(y))
+
+
+def _use_local_heads(model, tp: int):
+    for block in model.h:
+        attn = block.attn
+        attn.head_size = model.config.n_embd // attn.n_head
+        attn.n_head //= tp
+        attn.forward = types.MethodType(_local_heads_forward, attn)
+
+
+def _tp_plan(model, sequence_parallel: bool) -> dict:
+    """parallelize_module's plan: Megatron TP, and with sequence_parallel torchtitan's Llama plan mapped onto GPT."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    if not sequence_parallel:
+        plan = {"wte": RowwiseParallel(input_layouts=Replicate()), "wpe": RowwiseParallel(input_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Replicate())}
+        for i in range(len(model.h)):
+            # a replicated DTensor input: q, k and v's input gradients add up as partial sums and are
+            # all-reduced once (Megatron's f), not once per projection as three local inputs would be
+            plan.update({f"h.{i}.attn": PrepareModuleInput(input_layouts=(Replicate(),),
+                                                           desired_input_layouts=(Replicate(),),
+                                                           use_local_output=False),
+                         f"h.{i}.attn.q": ColwiseParallel(), f"h.{i}.attn.k": ColwiseParallel(),
+                         f"h.{i}.attn.v": ColwiseParallel(), f"h.{i}.attn.o": RowwiseParallel(),
+                         f"h.{i}.fc": ColwiseParallel(), f"h.{i}.proj": RowwiseParallel()})
+        return plan
+    # The residual stream stays split along the sequence (dim 1; wpe's output (T, C) along dim 0):
+    # gathered before attention and fc, reduce-scattered after o and proj; logits split over the vocab.
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "ln_f": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.h)):
+        plan.update({f"h.{i}.ln_1": SequenceParallel(), f"h.{i}.ln_2": SequenceParallel(),
+                     # gathered, and kept a DTensor: one reduce-scatter of q, k and v's input gradients
+                     f"h.{i}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                       use_local_output=False),
+                     f"h.{i}.attn.q": ColwiseParallel(), f"h.{i}.attn.k": ColwiseParallel(),
+                     f"h.{i}.attn.v": ColwiseParallel(), f"h.{i}.attn.o": RowwiseParallel(output_layouts=Shard(1)),
+                     f"h.{i}.fc": ColwiseParallel(input_layouts=Shard(1)),
+                     f"h.{i}.proj": RowwiseParallel(output_layouts=Shard(1))})
+    return plan
+
+
+def grads_as_params(module):
+    """Give each DTensor gradient its parameter's placements, once, before the optimizer reads it.
+
+    DTensor leaves the gradients of SequenceParallel's replicated norm weights Partial, and each
+    AdamW op that reads one all-reduces it again (3 all-reduces per weight per step); a rowwise
+    embedding's gradient comes back Replicate (cut locally). One redistribute each is what a careful
+    hand-written version does.
+    """
+    for p in module.parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "placements") and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def native_module(strategy: str, model, mesh):
+    """(module, loss context, data axis or None): `strategy` applied by hand to `model` (changed in place)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    if strategy == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model), contextlib.nullcontext, "dp"
+    if strategy == "fsdp":
+        for block in model.h:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh), contextlib.nullcontext, "dp"
+    tp_mesh = mesh["tp"]
+    _use_local_heads(model, tp_mesh.size())
+    sp = strategy == "tp+sp"
+    parallelize_module(model, tp_mesh, _tp_plan(model, sequence_parallel=sp))
+    if strategy == "fsdp+tp":
+        for block in model.h:
+            fully_shard(block, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"]), contextlib.nullcontext, "dp"
+    # loss_parallel: cross-entropy on vocab-split logits; it must wrap backward too
+    return model, (loss_parallel if sp else contextlib.nullcontext), None
+
+
+# ----------------------------------------------------------------------------- one side's training step
+
+class Side:
+    """A module, its optimizer and this rank's inputs; step() is one training step."""
+
+    def __init__(self, module, opt, inputs, targets, loss_context=contextlib.nullcontext, after_backward=None):
+        self.module, self.opt, self.inputs, self.targets = module, opt, inputs, targets
+        self.loss_context, self.after_backward = loss_context, after_backward
+        self.times, self.losses = [], []
+
+    def step(self) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        with self.loss_context():
+            loss = gpt_loss(self.module(*self.inputs), self.targets)
+            loss.backward()
+        if self.after_backward is not None:
+            self.after_backward(self.module)
+        self.opt.step()
+        return loss.detach()
+
+    def timed_step(self):
+        dist.barrier()   # every rank starts the step together: the step's time is its slowest rank's
+        t0 = time.perf_counter()
+        loss = self.step()
+        self.times.append(time.perf_counter() - t0)
+        self.losses.append(loss)
+
+
+def loss_value(loss: torch.Tensor) -> float:
+    """This rank's loss as a float (loss_parallel gives a replicated DTensor)."""
+    return float(loss.to_local() if hasattr(loss, "to_local") else loss)
+
+
+def count_collectives(side: Side) -> dict:
+    """{kind: count} of the gloo collectives one step of `side` launches, and their total under "total"."""
+    from torch.profiler import ProfilerActivity, profile
+    dist.barrier()   # outside the profile: not part of the step
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        side.step()
+    counts, total = collections.Counter(), 0
+    for e in prof.events():
+        if e.name.startswith("gloo:"):        # the work gloo ran: one per collective
+            total += 1
+        elif e.name.startswith("c10d::"):     # the op that launched it (gloo's names merge reduce-scatter)
+            name = e.name.split("::", 1)[1].replace("_", "")
+            counts[next((k for key, k in KINDS if key in name), e.name)] += 1
+    return {**counts, "total": total}
+
+
+# ----------------------------------------------------------------------------- one rank
+
+def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
+    """(autopar Side or None, autopar info, native Side); autopar's exception goes into the info."""
+    info = {}
+    try:
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pm = autopar.parallelize(copy.deepcopy(model), mesh, (idx,), strategy=strategy, hardware=args.hardware)
+        info.update(build_s=time.perf_counter() - t0, predicted=pm.plan.predicted.step_time,
+                    hardware=pm.plan.hardware, warnings=sorted({str(w.message).split("\n")[0] for w in caught}),
+                    planned_collectives=len(pm.plan.collectives))
+        opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=args.lr)
+        ours = Side(pm, opt, pm.plan.local_inputs(idx), *pm.plan.local_targets(targets))
+    except Exception as e:   # every rank fails alike (rank 0 plans and broadcasts the plan or its error)
+        info["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ours = None
+    module, loss_context, data_axis = native_module(strategy, copy.deepcopy(model), mesh)
+    inputs, tgt = (idx, targets) if data_axis is None else (batch_shard(idx, mesh, data_axis),
+                                                            batch_shard(targets, mesh, data_axis))
+    native = Side(module, torch.optim.AdamW(module.parameters(), lr=args.lr), (inputs,), tgt, loss_context,
+                  after_backward=grads_as_params)
+    return ours, info, native
+
+
+def measure(rank: int, args, strategy: str) -> dict:
+    """Everything one rank measures for one strategy (see the module docstring for the protocol)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    shape, names = STRATEGIES[strategy]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model, (idx, targets) = build_model(args), make_batch(args)
+    reference = None
+    if rank == 0:   # the single-device loss the first step of both sides must reproduce
+        with torch.no_grad():
+            reference = float(gpt_loss(model(idx), targets))
+    ours, info, native = build_sides(args, strategy, mesh, model, idx, targets)
+    sides = {"autopar": ours, "native": native} if ours is not None else {"native": native}
+    for side in sides.values():
+        for _ in range(WARMUP):
+            side.timed_step()
+    first = {name: loss_value(s.losses[0]) for name, s in sides.items()}
+    collectives = {name: count_collectives(s) for name, s in sides.items()}
+    for side in sides.values():
+        side.times.clear()
+    for r in range(args.rounds):
+        order = list(sides.values()) if r % 2 == 0 else list(reversed(sides.values()))
+        for side in order:
+            for _ in range(args.steps):
+                side.timed_step()
+    return {"times": {n: s.times for n, s in sides.items()}, "first_loss": first,
+            "last_loss": {n: loss_value(s.losses[-1]) for n, s in sides.items()},
+            "collectives": collectives, "reference": reference, "autopar": info}
+
+
+def run_rank(rank: int, world: int, port: int, args, strategy: str, result_dir: str):
+    """One spawned rank: join gloo, measure, leave rank<r>.pt (or rank<r>.err with the traceback)."""
+    # kineto's "USDT ..." lines and torch's warnings go to a log file, not the table; a failure's
+    # traceback goes to rank<r>.err, whose last line the parent puts in the row
+    log = open(os.path.join(result_dir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 2)
+    torch.set_num_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        result = measure(rank, args, strategy)
+        dist.barrier()   # no rank tears gloo down while a peer still talks to it
+        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the parent
+
+def spawn(strategy: str, args) -> list:
+    """Run measure() on the strategy's ranks; their results in rank order, or RuntimeError naming a failure."""
+    from autopar.testing.harness import free_port
+    world = world_size(strategy)
+    with tempfile.TemporaryDirectory(prefix="runtime_overhead_") as result_dir:
+        # children read OMP_NUM_THREADS when they import torch, before run_rank runs
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        try:
+            ctx = mp.start_processes(run_rank, args=(world, free_port(), args, strategy, result_dir),
+                                     nprocs=world, join=False, start_method="spawn")
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        try:
+            deadline = time.monotonic() + args.timeout + 60
+            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"timed out after {args.timeout + 60} s")
+        except mp.ProcessRaisedException:
+            raise RuntimeError(_first_error(result_dir, world)) from None
+        except mp.ProcessExitedException as e:
+            raise RuntimeError(f"rank {e.error_index} exited: {e.msg}") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _first_error(result_dir: str, world: int) -> str:
+    """The last line of the first rank traceback found (peers of a failed rank fail too)."""
+    for r in range(world):
+        path = os.path.join(result_dir, f"rank{r}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                return f"rank {r}: " + f.read().strip().splitlines()[-1]
+    return "a rank failed without a traceback"
+
+
+def step_ms(results: list, side: str) -> tuple:
+    """(median, first quartile, third quartile) over steps of the step's time on its slowest rank, in ms."""
+    slowest = [1e3 * max(ts) for ts in zip(*(r["times"][side] for r in results))]
+    if len(slowest) < 2:
+        return slowest[0], slowest[0], slowest[0]
+    q1, _, q3 = statistics.quantiles(slowest, n=4)
+    return statistics.median(slowest), q1, q3
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def summarize(strategy: str, results: list) -> dict:
+    """One table row (and its details) from every rank's results."""
+    r0, world = results[0], len(results)
+    info = r0["autopar"]
+    # each rank's loss is the mean over its batch shard (or the whole batch), and every shard is held
+    # by the same number of ranks, so the mean over ranks is the global mean loss
+    first = {side: sum(r["first_loss"][side] for r in results) / world for side in r0["first_loss"]}
+    last = {side: sum(r["last_loss"][side] for r in results) / world for side in r0["last_loss"]}
+    native_ms, *native_iqr = step_ms(results, "native")
+    row = {"strategy": strategy, "ranks": world, "native_ms": native_ms, "native_iqr": native_iqr,
+           "native_coll": r0["collectives"]["native"], "info": info, "first": first, "last": last,
+           "reference": r0["reference"]}
+    diffs = [rel(first["native"], r0["reference"])]
+    if "autopar" in first:
+        autopar_ms, *autopar_iqr = step_ms(results, "autopar")
+        row.update(autopar_ms=autopar_ms, autopar_iqr=autopar_iqr, autopar_coll=r0["collectives"]["autopar"])
+        diffs += [rel(first["autopar"], first["native"]), rel(first["autopar"], r0["reference"])]
+    row["loss_diff"] = max(diffs)
+    return row
+
+
+def _coll(counts) -> str:
+    return "-" if counts is None else str(counts["total"])
+
+
+def _iqr(quartiles) -> str:
+    return f"{quartiles[0]:.1f}-{quartiles[1]:.1f}"
+
+
+def _kinds(counts) -> str:
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "total")
+    return kinds + ("" if sum(v for k, v in counts.items() if k != "total") == counts["total"]
+                    else f" (gloo ran {counts['total']})")
+
+
+def table_cells(row: dict) -> list:
+    """The cells of one table row; a failed side says so in its first cell."""
+    head = [row["strategy"], str(row["ranks"]), NATIVE_NAMES[row["strategy"]]]
+    if "failed" in row:   # the ranks died: neither side measured
+        return head + [f"failed: {row['failed']}"] + [""] * 6
+    info = row["info"]
+    match = ("ok" if row["loss_diff"] <= LOSS_RTOL else "WARN") + f" ({row['loss_diff']:.1e})"
+    if "autopar_ms" not in row:
+        return head + [f"{row['native_ms']:.1f}", f"failed: {info['error']}", "", _coll(row["native_coll"]),
+                       "", "", match]
+    return head + [f"{row['native_ms']:.1f}", f"{row['autopar_ms']:.1f}", f"{row['autopar_ms'] / row['native_ms']:.2f}",
+                   _coll(row["native_coll"]), _coll(row["autopar_coll"]), f"{info['predicted'] * 1e3:.2f}", match]
+
+
+def print_table(rows: list, args):
+    print("| strategy | ranks | native | native ms | autopar ms | ratio | native coll/step | autopar coll/step "
+          "| predicted ms | loss match |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(table_cells(row)) + " |")
+    print_details(rows, args)
+
+
+def print_details(rows: list, args):
+    print()
+    hardware = {row["info"]["hardware"] for row in rows if "hardware" in row.get("info", {})}
+    how = "given by --hardware" if args.hardware is not None else "the planner's default for a CPU mesh"
+    print(f"predicted ms: plan.predicted.step_time for hardware {', '.join(sorted(hardware)) or '-'} ({how})")
+    for row in rows:
+        if "failed" in row:
+            continue
+        print(f"{row['strategy']}: step ms, quartiles over steps: native {_iqr(row['native_iqr'])}"
+              + (f", autopar {_iqr(row['autopar_iqr'])}" if "autopar_iqr" in row else ""))
+        print(f"{row['strategy']}: native collectives {_kinds(row['native_coll'])}")
+        if "autopar_coll" not in row:
+            continue
+        info = row["info"]
+        print(f"{row['strategy']}: autopar collectives {_kinds(row['autopar_coll'])}; plan.collectives has "
+              f"{info['planned_collectives']} (gradient all-reduces run bucketed); built in {info['build_s']:.1f} s")
+        print(f"{row['strategy']}: loss step 1 autopar {row['first']['autopar']:.6f} native "
+              f"{row['first']['native']:.6f} one device {row['reference']:.6f}; after "
+              f"{WARMUP + 1 + args.rounds * args.steps} steps autopar {row['last']['autopar']:.6f} "
+              f"native {row['last']['native']:.6f} (rel diff {rel(row['last']['autopar'], row['last']['native']):.1e})")
+        for w in info["warnings"]:
+            print(f"{row['strategy']}: autopar warning: {w}")
+    print()
+    print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
+    print(f"threads: torch.set_num_threads({args.threads}) and OMP_NUM_THREADS={args.threads} in each rank "
+          f"({os.cpu_count()} cores here); ranks share the cores, so with more ranks than cores "
+          "the times include waiting for a core")
+
+
+NATIVE_NAMES = {"ddp": "DDP", "fsdp": "FSDP2 fully_shard", "tp": "DTensor TP", "tp+sp": "DTensor TP+SP, loss_parallel",
+                "fsdp+tp": "DTensor TP + FSDP2"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {','.join(STRATEGIES)}")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256, help="n_embd")
+    p.add_argument("--heads", type=int, default=4, help="n_head (the tp degree, 2, must divide it)")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=128, help="sequence length (also the model's block_size)")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--hardware", default=None,
+                   help="cost-model preset (cpu, h100, ...) or a JSON file of cost_models.Hardware fields: "
+                        '{"name": ..., "peak_flops": {"float32": ...}, "memory_bytes": ..., "memory_bandwidth": ..., '
+                        '"intra_node_link": {"bandwidth": ..., "latency": ...}, "inter_node_link": {...}, '
+                        '"devices_per_node": 8}; default: the planner\'s (cpu for a CPU mesh)')
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=int, default=600, help="seconds a strategy's ranks may take")
+    args = p.parse_args(argv)
+    unknown = [s for s in args.strategies.split(",") if s not in STRATEGIES]
+    if unknown:
+        p.error(f"unknown strategies {unknown}; choose from {','.join(STRATEGIES)}")
+    tp_degrees = [STRATEGIES[s][0][-1] for s in args.strategies.split(",") if "tp" in s]
+    if args.hidden % args.heads or any(args.heads % n for n in tp_degrees):
+        p.error(f"--heads {args.heads} must divide --hidden {args.hidden}, and the tp degree "
+                f"{max(tp_degrees, default=1)} must divide --heads (the native TP splits whole heads)")
+    try:
+        args.hardware = load_hardware(args.hardware)
+    except (OSError, TypeError, ValueError, cm.CostModelError) as e:
+        p.error(f"--hardware {args.hardware}: {e}")
+    return args
+
+
+def main():
+    args = parse_args()
+    rows = []
+    for strategy in args.strategies.split(","):
+        t0 = time.perf_counter()
+        print(f"{strategy}: running ...", file=sys.stderr, flush=True)
+        try:
+            rows.append(summarize(strategy, spawn(strategy, args)))
+        except RuntimeError as e:
+            rows.append({"strategy": strategy, "ranks": world_size(strategy), "failed": str(e)})
+        print(f"{strategy}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    print_table(rows, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""autopar.calibrate: the alpha-beta fit, the JSON spec the planner reads, and one real (threaded) run.
+
+The fit must invert the cost model's own collective formula (so a plan made with the fitted links
+predicts the measured times), a spec must survive a round trip and change what `autopar.plan`
+predicts exactly as `links=` would, a broken spec must say which file and field, and a run on two
+ranks must give every rank the same positive, finite figures.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+import autopar
+import cost_models as cm
+from autopar.calibrate import DEFAULT_SIZES, KINDS, MIN_LATENCY, Calibration, calibrate, fit_link
+from autopar.testing import MLP, run_threaded
+from cost_models.hardware import hardware_from_dict, hardware_to_dict, load_hardware, resolve_hardware, save_hardware
+
+LINK = cm.Link(bandwidth=3.7e9, latency=12e-6)
+SLOW = cm.Link(bandwidth=1e6, latency=1e-3)   # far from the cpu preset's 5 GB/s, 20 us
+
+
+def _synthetic(link, n, kinds=KINDS, sizes=DEFAULT_SIZES):
+    return [(k, b, float(cm.collective_time(k, b, n, link))) for k in kinds for b in sizes]
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_fit_recovers_the_link_that_made_the_times(n):
+    fitted = fit_link(_synthetic(LINK, n), n)
+    assert fitted.bandwidth == pytest.approx(LINK.bandwidth, rel=1e-9)
+    assert fitted.latency == pytest.approx(LINK.latency, rel=1e-9)
+
+
+def test_fit_recovers_the_link_from_one_collective_and_noisy_times():
+    points = [(k, b, t * (1.02 if i % 2 else 0.98)) for i, (k, b, t) in enumerate(_synthetic(LINK, 4, [cm.ALL_GATHER]))]
+    fitted = fit_link(points, 4)
+    assert fitted.bandwidth == pytest.approx(LINK.bandwidth, rel=0.05)
+    assert fitted.latency == pytest.approx(LINK.latency, rel=0.1)
+
+
+def test_fit_clamps_a_latency_the_times_do_not_show():
+    # pure bandwidth: a free fit would give latency ~0 (or below); the Link needs it positive.
+    # Messages of 1 MiB and up, so the clamped 100 ns per step hardly shows in the times.
+    points = [(k, b, float(cm.bytes_moved(k, b, 4)) / 2e9) for k in KINDS for b in DEFAULT_SIZES[-3:]]
+    fitted = fit_link(points, 4)
+    assert fitted.latency == MIN_LATENCY
+    assert fitted.bandwidth == pytest.approx(2e9, rel=0.01)
+
+
+def _hardware():
+    return cm.Hardware("cpu-calibrated-test", {"float32": 3e10, "bfloat16": 1e10}, 6 * 2**30, 8e9,
+                       cm.Link(4e9, 3e-5), cm.Link(1e9, 1e-4), devices_per_node=2)
+
+
+def test_spec_round_trip(tmp_path):
+    path = tmp_path / "spec.json"
+    save_hardware(path, _hardware(), {"dp": LINK, "tp": SLOW}, measured={"dp": {"size": 2}})
+    assert load_hardware(path) == (_hardware(), {"dp": LINK, "tp": SLOW})
+    assert resolve_hardware(str(path)) == resolve_hardware(json.loads(path.read_text())) == load_hardware(path)
+    assert resolve_hardware("cpu") == (cm.PRESETS["cpu"], {})
+
+
+def test_calibration_save_writes_what_the_planner_reads(tmp_path):
+    cal = Calibration(_hardware(), {"dp": LINK}, {"dp": 2}, {"dp": {cm.ALL_REDUCE: [(4096, 1e-4)]}})
+    cal.save(tmp_path / "cal.json")
+    assert load_hardware(tmp_path / "cal.json") == (_hardware(), {"dp": LINK})
+
+
+def _ddp_comm(hardware, links=None):
+    model, x = MLP([16, 32, 16]), torch.randn(8, 16)
+    return autopar.plan(model, (x,), {"dp": 2}, hardware=hardware, links=links, strategy="ddp").predicted
+
+
+def test_plan_uses_the_spec_links_by_axis_name(tmp_path):
+    path = tmp_path / "spec.json"
+    save_hardware(path, _hardware(), {"dp": SLOW, "elsewhere": LINK})   # an axis the mesh lacks is ignored
+    from_spec = _ddp_comm(str(path))
+    assert from_spec.comm_time["dp"] == pytest.approx(_ddp_comm(_hardware(), {"dp": SLOW}).comm_time["dp"])
+    assert from_spec.comm_time["dp"] > 100 * _ddp_comm("cpu").comm_time["dp"]
+    assert from_spec.compute_time == pytest.approx(_ddp_comm(_hardware()).compute_time)
+    # links= still wins on the axes it names; a dict works as well as a path
+    assert _ddp_comm(path, {"dp": LINK}).comm_time["dp"] == pytest.approx(
+        _ddp_comm(_hardware(), {"dp": LINK}).comm_time["dp"])
+    assert _ddp_comm(json.loads(path.read_text())).comm_time["dp"] == pytest.approx(from_spec.comm_time["dp"])
+
+
+def test_a_bad_spec_names_the_file_and_the_field(tmp_path):
+    path = tmp_path / "broken.json"
+    spec = hardware_to_dict(_hardware(), {"dp": LINK})
+    del spec["memory_bandwidth"]
+    path.write_text(json.dumps(spec))
+    with pytest.raises(cm.CostModelError, match=r"broken\.json.*missing field 'memory_bandwidth'"):
+        load_hardware(path)
+    with pytest.raises(autopar.AutoparError, match=r"broken\.json.*missing field 'memory_bandwidth'"):
+        _ddp_comm(str(path))
+    spec["memory_bandwidth"], spec["links"]["dp"] = 8e9, {"bandwidth": 1e9}
+    with pytest.raises(cm.CostModelError, match=r"missing field 'links\.dp\.latency'"):
+        hardware_from_dict(spec)
+    path.write_text("{not json")
+    with pytest.raises(cm.CostModelError, match=r"broken\.json.*not valid JSON"):
+        load_hardware(path)
+    with pytest.raises(autopar.AutoparError, match=r"missing\.json.*cannot read"):
+        _ddp_comm(str(tmp_path / "missing.json"))
+
+
+def test_calibrate_needs_a_device_mesh_and_a_process_group():
+    with pytest.raises(autopar.MeshError, match="not initialized"):
+        calibrate({"dp": 2})
+
+
+def _calibrate(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    with pytest.raises(autopar.MeshError, match="needs a torch DeviceMesh"):
+        calibrate({"dp": 2})
+    return calibrate(mesh, sizes=(1024, 4096), repeats=2, quick=True)
+
+
+def test_calibrate_on_two_threaded_ranks_agrees_and_is_positive():
+    first, second = run_threaded(2, _calibrate)
+    assert first == second
+    hw, link = first.hardware, first.links["dp"]
+    assert hw.name == "cpu-calibrated-threaded" and hw.devices_per_node == 2
+    assert set(first.times["dp"]) == set(KINDS)
+    numbers = [link.bandwidth, link.latency, hw.memory_bandwidth, hw.memory_bytes, *dict(hw.peak_flops).values(),
+               *(t for pts in first.times["dp"].values() for _, t in pts)]
+    assert all(0 < v < math.inf for v in numbers), numbers
+    assert "float32" in dict(hw.peak_flops)
+    assert hw.intra_node_link == link   # both ranks on one host: the axis is inside a node

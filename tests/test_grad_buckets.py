@@ -1,0 +1,122 @@
+"""Gradient buckets (runtime/grad_buckets.py): data-parallel gradients reduced in a few asynchronous
+all-reduces per step, and gradient accumulation (no_sync) that reduces once per optimizer step.
+
+Every check compares with one device under SGD, whose step shows a gradient of the wrong scale
+(Adam's would hide it), and counts the collectives the module logged.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autopar
+from autopar.testing import GPT, GPTConfig, gpt_loss, run_threaded
+
+# pipelined plans reduce their data axis once per step too: tests/test_pipeline.py counts it
+
+ATOL = 1e-5
+LR = 0.5
+
+
+def _gpt(batch=8):
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8)
+    x = torch.randint(0, cfg.vocab_size, (batch, 8))
+    return GPT(cfg), x, torch.randint(0, cfg.vocab_size, (batch, 8))
+
+
+def _reference(model, x, y, num_micro: int = 1):
+    """One SGD step on one device over the whole batch (the mean over it), and the step's gradients."""
+    m = copy.deepcopy(model)
+    gpt_loss(m(x), y).backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    with torch.no_grad():
+        for p in m.parameters():
+            p -= LR * p.grad
+    return grads, {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def _parallel(rank, model, x, y, mesh_shape, names, strategy, num_micro, bucket_bytes, use_no_sync):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x[: len(x) // num_micro],), strategy=strategy,
+                             record_comm=True, bucket_bytes=bucket_bytes)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    opt.zero_grad()
+    pm.comm.log.records.clear()
+    xs, ys = x.chunk(num_micro), y.chunk(num_micro)
+    for k in range(num_micro):
+        (xi,) = pm.plan.local_inputs(xs[k])
+        (yi,) = pm.plan.local_targets(ys[k])
+        last = k == num_micro - 1
+        with (pm.no_sync() if use_no_sync and not last else _nothing()):
+            (gpt_loss(pm(xi), yi) / num_micro).backward()
+    records = list(pm.comm.log.records)
+    grads = pm.full_grads()
+    opt.step()
+    return {"records": records, "grads": grads, "params": pm.state_dict(full=True),
+            "num_buckets": pm._grad_buckets.num_buckets()}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _check(res, grads, params):
+    for r in res:
+        for n, g in grads.items():
+            torch.testing.assert_close(r["grads"][n], g, atol=ATOL, rtol=0, msg=lambda m: f"grad {n}: {m}")
+        for n, p in params.items():
+            torch.testing.assert_close(r["params"][n], p, atol=ATOL, rtol=0, msg=lambda m: f"param {n}: {m}")
+
+
+@pytest.mark.parametrize("bucket_bytes", [25 * 2**20, 4096])
+def test_ddp_reduces_in_buckets(bucket_bytes):
+    """ddp on 2 ranks: one all-reduce per bucket (not per weight), each bucket's bytes at most
+    bucket_bytes unless one weight is bigger, and the gradients are those of one device."""
+    model, x, y = _gpt()
+    grads, params = _reference(model, x, y)
+    res = run_threaded(2, _parallel, model, x, y, (2,), ("dp",), "ddp", 1, bucket_bytes, False)
+    _check(res, grads, params)
+    biggest = max(p.numel() * 4 for p in model.parameters())
+    for r in res:
+        reduces = [rec for rec in r["records"] if rec[0] == "all_reduce"]
+        assert len(reduces) == len(r["records"])
+        # + 1: the position embedding's output is whole on dp and read by the batch-split add, so its
+        # gradient (not a weight's) is summed where backward meets it (the wpe weight then needs none)
+        assert len(reduces) == r["num_buckets"] + 1
+        assert all(rec[2] <= max(bucket_bytes, biggest) for rec in reduces)
+    if bucket_bytes == 4096:
+        assert res[0]["num_buckets"] > 1
+    else:
+        assert res[0]["num_buckets"] == 1
+
+
+@pytest.mark.parametrize("use_no_sync", [True, False])
+def test_accumulation_over_microbatches(use_no_sync):
+    """4 microbatches, each loss / 4, then one SGD step, equals one step on the whole batch. Under no_sync
+    the data axis is reduced once per bucket for the step; without it once per microbatch, and still right
+    (the gradient held between microbatches is reduced already, and only the new part is reduced)."""
+    model, x, y = _gpt(batch=16)
+    grads, params = _reference(model, x, y)
+    res = run_threaded(2, _parallel, model, x, y, (2,), ("dp",), "ddp", 4, 4096, use_no_sync)
+    _check(res, grads, params)
+    for r in res:
+        reduces = [rec for rec in r["records"] if rec[0] == "all_reduce"]
+        # + 4: the position embedding's output gradient, summed in each microbatch's backward (see above)
+        assert len(reduces) == r["num_buckets"] * (1 if use_no_sync else 4) + 4
+
+
+def test_hybrid_mesh_buckets_the_data_axis():
+    """fsdp+tp on 2 x 2: weights tp splits are replicated on no data axis...; those whole on tp (norms,
+    biases of row-parallel linears) get their tp-axis gradient sum from a bucket; gradients match."""
+    model, x, y = _gpt()
+    grads, params = _reference(model, x, y)
+    res = run_threaded(4, _parallel, model, x, y, (2, 2), ("dp", "tp"), "fsdp+tp", 1, 25 * 2**20, False)
+    _check(res, grads, params)
