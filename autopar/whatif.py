@@ -98,8 +98,9 @@ def min_compute_bound_batch(plan: Plan, *, symbol: str | None = None) -> int:
 
     At the returned batch B, and at every larger multiple of the batch shards,
     `plan.symbolic.compute_time >= plan.symbolic.comm_time[axis]` for every axis:
-    each axis's collectives could hide behind the step's compute (the cost model
-    itself does not overlap them: `step_time` is their sum). Axes with no
+    each axis's collectives could hide behind the step's compute (whether they
+    do is the plan's: `predicted.exposed_comm_time`, cost/overlap.py, says
+    which part the step waits for). Axes with no
     communication are covered at any batch. The times are linear in the batch
     (every term is a tensor size or a per-collective latency); when an axis's
     communication grows at least as fast as compute and is not covered already,

@@ -294,6 +294,9 @@ def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
     return ours, info, native
 
 
+PHASE = ["starting"]   # what this rank is doing, for the error report of a rank that fails or hangs
+
+
 def measure(rank: int, args, strategy: str) -> dict:
     """Everything one rank measures for one strategy (see the module docstring for the protocol)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -304,20 +307,26 @@ def measure(rank: int, args, strategy: str) -> dict:
     if rank == 0:   # the single-device loss the first step of both sides must reproduce
         with torch.no_grad():
             reference = float(gpt_loss(model(idx), targets))
+    PHASE[0] = "building both sides"
     ours, info, native = build_sides(args, strategy, mesh, model, idx, targets)
     sides = {"autopar": ours, "native": native} if ours is not None else {"native": native}
-    for side in sides.values():
+    for name, side in sides.items():
+        PHASE[0] = f"{name} warm-up"
         for _ in range(WARMUP):
             side.timed_step()
     first = {name: loss_value(s.losses[0]) for name, s in sides.items()}
-    collectives = {name: count_collectives(s) for name, s in sides.items()}
-    for side in sides.values():
+    collectives = {}
+    for name, side in sides.items():
+        PHASE[0] = f"{name} step under the profiler"
+        collectives[name] = count_collectives(side)
         side.times.clear()
     for r in range(args.rounds):
-        order = list(sides.values()) if r % 2 == 0 else list(reversed(sides.values()))
-        for side in order:
+        order = list(sides.items()) if r % 2 == 0 else list(reversed(sides.items()))
+        for name, side in order:
+            PHASE[0] = f"{name} round {r + 1}"
             for _ in range(args.steps):
                 side.timed_step()
+    PHASE[0] = "done"
     return {"times": {n: s.times for n, s in sides.items()}, "first_loss": first,
             "last_loss": {n: loss_value(s.losses[-1]) for n, s in sides.items()},
             "collectives": collectives, "reference": reference, "autopar": info}
@@ -339,8 +348,9 @@ def run_rank(rank: int, world: int, port: int, args, strategy: str, result_dir: 
         dist.barrier()   # no rank tears gloo down while a peer still talks to it
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
     except BaseException:
+        # the time first: a rank's failure makes its peers fail too, and the parent reports the first
         with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
+            f.write(f"{time.time()!r}\n{PHASE[0]}\n{traceback.format_exc()}")
         raise
     finally:
         dist.destroy_process_group()
@@ -382,13 +392,18 @@ def spawn(strategy: str, args) -> list:
 
 
 def _first_error(result_dir: str, world: int) -> str:
-    """The last line of the first rank traceback found (peers of a failed rank fail too)."""
+    """The rank that failed first (by its .err file's time), where it was, and its traceback's last line."""
+    failures = []
     for r in range(world):
         path = os.path.join(result_dir, f"rank{r}.err")
         if os.path.exists(path):
             with open(path) as f:
-                return f"rank {r}: " + f.read().strip().splitlines()[-1]
-    return "a rank failed without a traceback"
+                when, phase, tb = f.read().split("\n", 2)
+            failures.append((float(when), r, phase, tb.strip().splitlines()[-1]))
+    if not failures:
+        return "a rank failed without a traceback"
+    _, r, phase, last = min(failures)
+    return f"rank {r} in {phase}: {last}"
 
 
 def step_ms(results: list, side: str) -> tuple:
@@ -477,7 +492,7 @@ def print_details(rows: list, args):
             continue
         info = row["info"]
         print(f"{row['strategy']}: autopar collectives {_kinds(row['autopar_coll'])}; plan.collectives has "
-              f"{info['planned_collectives']} (gradient all-reduces run bucketed); built in {info['build_s']:.1f} s")
+              f"{info['planned_collectives']} (the runtime buckets gradient all-reduces); built in {info['build_s']:.1f} s")
         print(f"{row['strategy']}: loss step 1 autopar {row['first']['autopar']:.6f} native "
               f"{row['first']['native']:.6f} one device {row['reference']:.6f}; after "
               f"{WARMUP + 1 + args.rounds * args.steps} steps autopar {row['last']['autopar']:.6f} "
@@ -515,7 +530,8 @@ def parse_args(argv=None):
                         '"devices_per_node": 8}; default: the planner\'s (cpu for a CPU mesh)')
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=int, default=600, help="seconds a strategy's ranks may take")
+    p.add_argument("--timeout", type=int, default=300,
+                   help="seconds one collective may wait (gloo), and, plus a minute, a strategy's ranks may take")
     args = p.parse_args(argv)
     unknown = [s for s in args.strategies.split(",") if s not in STRATEGIES]
     if unknown:

@@ -162,9 +162,9 @@ def test_fsdp_tp_symbolic_memory_is_the_prediction_at_another_batch():
 #   total = 262144 + 256 B
 # Compute: layer 0 [B/4, 128] out, k = 64: 4096 B FLOPs; layer 1 [B/4, 64] out, k = 128:
 #   4096 B FLOPs; 3 * 8192 B / 1e12 = 2.4576e-8 B s (the same total as above).
-# Communication, dp: one all-reduce per gradient, B = 32768 bytes, n = 4:
-#   1e-5 * 3 + 2 * 3/4 * 32768 / 1e10 = 3e-5 + 4.9152e-6 s each -> 6.98304e-5 s
-# Compute covers dp when 2.4576e-8 B >= 6.98304e-5 <=> B >= 2841.4 -> multiple of 4: 2844.
+# Communication, dp: both gradients in one bucket (cost/buckets.py, 25 MiB), one all-reduce of
+#   B = 65536 bytes, n = 4: 1e-5 * 3 + 2 * 3/4 * 65536 / 1e10 = 3e-5 + 9.8304e-6 s = 3.98304e-5 s
+# Compute covers dp when 2.4576e-8 B >= 3.98304e-5 <=> B >= 1620.7 -> multiple of 4: 1624.
 # Largest batch within 300,000 bytes: 256 B <= 37856 <=> B <= 147.875 -> multiple of 4: 144
 #   (144: 262144 + 36864 = 299008 fits; 148: 262144 + 37888 = 300032 does not).
 
@@ -177,14 +177,14 @@ def test_ddp_terms_match_the_derivation(ddp):
     assert sympy.expand(m.transient - 64 * b) == 0
     assert sympy.expand(m.total - (262144 + 256 * b)) == 0
     assert float(_at(s.compute_time, 1)) == pytest.approx(2.4576e-8, rel=1e-12)
-    assert float(s.comm_time["dp"]) == pytest.approx(2 * (3e-5 + 1.5 * WEIGHT_BYTES / 1e10), rel=1e-12)
+    assert float(s.comm_time["dp"]) == pytest.approx(3e-5 + 1.5 * 2 * WEIGHT_BYTES / 1e10, rel=1e-12)
 
 
 def test_ddp_min_compute_bound_batch(ddp):
     s = ddp.symbolic
-    assert autopar.min_compute_bound_batch(ddp) == 2844
-    assert _at(s.compute_time, 2844) >= _at(s.comm_time["dp"], 2844)
-    assert _at(s.compute_time, 2840) < _at(s.comm_time["dp"], 2840)
+    assert autopar.min_compute_bound_batch(ddp) == 1624
+    assert _at(s.compute_time, 1624) >= _at(s.comm_time["dp"], 1624)
+    assert _at(s.compute_time, 1620) < _at(s.comm_time["dp"], 1620)
 
 
 def test_ddp_max_batch_is_a_multiple_of_the_batch_shards(ddp):
@@ -312,7 +312,7 @@ def test_axes_without_communication_are_covered_at_any_batch():
     # an axis of size 1 has no collectives: its comm_time is 0, which compute covers at any batch
     plan = _plan("ddp", {"dp": 4, "tp": 1})
     assert sympy.sympify(plan.symbolic.comm_time["tp"]).is_zero
-    assert autopar.min_compute_bound_batch(plan) == 2844  # as DDP on dp=4 alone
+    assert autopar.min_compute_bound_batch(plan) == 1624  # as DDP on dp=4 alone
 
 
 # ----------------------------------------------------------------------------- how many devices fit

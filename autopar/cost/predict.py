@@ -17,6 +17,7 @@ from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective
 from .buckets import assign_buckets, deferred_axes
 from .checkpointing import recomputed_ops
+from .overlap import exposed_comm_time
 from .problem import charge_key, checkpoint_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
                     gathered_weight_bytes, is_saved, node_compute_time, output_bytes, param_memory, reduce_itemsize,
@@ -86,6 +87,12 @@ class Predicted:
     compute_time: object
     step_time: object
     comm_bytes_by_kind: dict = field(default_factory=dict)  # collective kind -> bytes
+    # axis name -> seconds of comm_time the step waits for (overlap.py); the rest hides behind backward
+    exposed_comm_time: dict = field(default_factory=dict)
+
+    @property
+    def hidden_comm_time(self) -> dict:
+        return {a: t - self.exposed_comm_time.get(a, t) for a, t in self.comm_time.items()}
 
 
 def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Predicted, list[Collective]]:
@@ -96,16 +103,17 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
     saved = checkpoint_model(prob, tuple(checkpointed)) if stacks else prob.saved
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
     params, master, grads, opt, colls = _state_terms(prob, choice, symbolic)
-    acts, compute = _op_terms(prob, choice, symbolic, saved, rerun)
+    acts, compute, op_times = _op_terms(prob, choice, symbolic, saved, rerun)
     groups = group_redistributions(prob, choice)
     colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic))
     transient = _transient(prob, choice, groups, stacks, symbolic)
     comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
-    total_comm = sum(comm_time.values())
+    exposed = exposed_comm_time(prob, colls, op_times, symbolic)
     total_mem = params + master + grads + opt + acts + transient
     mem = Memory(num(params), num(grads), num(opt), num(acts), num(transient), num(total_mem), num(master))
     pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
-                     num(compute), num(compute + total_comm), {k: num(v) for k, v in by_kind.items()})
+                     num(compute), num(compute + sum(exposed.values())), {k: num(v) for k, v in by_kind.items()},
+                     {a: num(v) for a, v in exposed.items()})
     return pred, colls
 
 
@@ -149,9 +157,11 @@ def _state_terms(prob, choice, symbolic: bool):
 
 
 def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
-    """Activation bytes kept for backward and compute seconds of every op (recomputed ops twice forward)."""
+    """Activation bytes kept for backward and compute seconds of all ops (recomputed ops twice forward),
+    and the seconds of each op."""
     cap = prob.cap
     op_terms: dict = {}   # kind of op -> [activation bytes, compute time, how many]
+    times: dict = {}
     for name, ns in prob.strategies.items():
         if cap.info[name].kind not in (OP, INPUT):
             continue
@@ -165,9 +175,10 @@ def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
             # a recomputed op runs its forward (a third of forward + backward) once more
             op_terms[key] = [a, t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t, 0]
         op_terms[key][2] += 1
+        times[name] = op_terms[key][1]
     acts = 0 + sum(n * a for a, _, n in op_terms.values())
     compute = 0 + sum(n * t for _, t, n in op_terms.values())
-    return acts, compute
+    return acts, compute, times
 
 
 def _redistributions(prob, groups, stacks, rerun: set, symbolic: bool) -> list[Collective]:

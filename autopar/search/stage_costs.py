@@ -163,4 +163,5 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
     compute = m * sum(costs.parts[i][0] for i in idx)
     mem = Memory(params, grads, opt, acts, transient, total, master)
     return Predicted(mem, comm_bytes, comm_time, compute, pipe.step_time,
-                     {cm.SEND_RECV: m * (sum(sends) + sum(recvs))})
+                     {cm.SEND_RECV: m * (sum(sends) + sum(recvs))},
+                     dict(comm_time))   # the pipeline model prices every collective as waited for

@@ -1,0 +1,77 @@
+"""Overlap: how much of a step's communication the step waits for.
+
+Most collectives the module launches are waited on at once: a TP all-reduce
+feeds the next op, an FSDP all-gather the op that needs the weight, a
+reduce-scatter the autograd function that issued it. Those are exposed:
+the step takes compute + their time.
+
+The gradient buckets (buckets.py, runtime/grad_buckets.py) are not: a bucket
+goes out asynchronously as soon as backward has made its last gradient, and
+runs while backward goes on through the earlier layers. The model, as DDP's
+and the peers' (Megatron's overlap, AutoParallel's) simple ones:
+
+    backward runs the forward ops in reverse; op i's backward takes
+        (1 - 1/TRAIN_FLOPS_FACTOR) of its training time (2 of its 3 matmul passes)
+    bucket k is ready once backward has passed the first use of each of its weights
+    buckets go out one after another on their axis:
+        start_k = max(ready_k, end_{k-1}),  end_k = start_k + time_k
+    exposed = max(0, end_last - end of backward): the optimizer waits for the last bucket
+
+A bucket summed over several axes reduces the first asynchronously and the
+others when backward ends (runtime/grad_buckets.py), so only the first hides.
+The search itself prices communication as exposed (it cannot know the
+buckets before it has chosen the layouts); this model prices the chosen plan.
+"""
+from __future__ import annotations
+
+import sympy
+
+import cost_models as cm
+
+from ..capture.export import OP
+from ..sharding.op_spec import tensor_args
+from .terms import collectives_time
+
+BUCKET = "gradient bucket "   # the `where` of a bucket's all-reduce (predict.bucketed)
+
+
+def exposed_comm_time(prob, colls: list, op_times: dict, symbolic: bool) -> dict:
+    """Axis name -> seconds of its communication the step waits for; `op_times`: op -> training seconds."""
+    mesh = prob.mesh
+    exposed = {a: 0 for a in mesh.axis_names}
+    buckets: dict = {}   # axis index -> [(names, seconds)] of buckets that hide on it, in launch order
+    seen_bucket = set()
+    for c in colls:
+        t = collectives_time([c], mesh, prob.links)
+        is_first_axis = c.where.startswith(BUCKET) and c.where not in seen_bucket
+        if is_first_axis:
+            seen_bucket.add(c.where)
+            buckets.setdefault(c.axis, []).append((c.tensor.split(","), t))
+        else:
+            exposed[mesh.axis_names[c.axis]] += t
+    if buckets:
+        ready, backward = _ready_times(prob, op_times, {n for q in buckets.values() for names, _ in q for n in names})
+        big = sympy.Max if symbolic else max
+        for axis, queue in buckets.items():
+            end = 0
+            for names, t in queue:
+                end = big(end, *(ready[n] for n in names)) + t
+            exposed[mesh.axis_names[axis]] += big(0, end - backward)
+    return exposed
+
+
+def _ready_times(prob, op_times: dict, weights: set) -> tuple[dict, object]:
+    """Seconds into backward at which each weight's gradient is whole on this rank (backward has passed
+    its first use in forward), and backward's length."""
+    ops = [n for n in prob.cap.graph.nodes if n.name in prob.cap.info and prob.cap.info[n.name].kind == OP]
+    share = 1 - 1 / cm.TRAIN_FLOPS_FACTOR
+    first_use: dict = {}
+    for i, node in enumerate(ops):
+        for a in tensor_args(node):
+            if a.name in weights:
+                first_use.setdefault(a.name, i)
+    # after[i]: backward seconds of ops i.. (backward reaches op i once it has done every later one)
+    after = [0] * (len(ops) + 1)
+    for i in reversed(range(len(ops))):
+        after[i] = after[i + 1] + op_times.get(ops[i].name, 0) * share
+    return {w: after[first_use.get(w, 0)] for w in weights}, after[0]

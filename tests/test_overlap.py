@@ -1,0 +1,58 @@
+"""The overlap model (cost/overlap.py): gradient buckets hide behind the rest of backward, other collectives
+do not. Pure planning: no ranks."""
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+
+import autopar
+from autopar.testing import GPT, GPTConfig
+
+
+def _gpt_plan(bucket_bytes):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=64, vocab_size=512, block_size=32))
+    x = torch.randint(0, 512, (8, 32))
+    return autopar.plan(model, (x,), {"dp": 2}, strategy="ddp", hardware="cpu", bucket_bytes=bucket_bytes)
+
+
+def test_buckets_hide_behind_the_backward_still_to_run():
+    """Small buckets of a 4-layer GPT: the last layers' buckets go out while backward runs through the
+    first ones, so less is exposed than is sent, and the step is compute + the exposed part."""
+    p = _gpt_plan(2**14).predicted
+    assert p.exposed_comm_time["dp"] < 0.5 * p.comm_time["dp"]
+    assert p.hidden_comm_time["dp"] == pytest.approx(p.comm_time["dp"] - p.exposed_comm_time["dp"])
+    assert p.step_time == pytest.approx(p.compute_time + p.exposed_comm_time["dp"])
+
+
+def test_nothing_hides_without_backward_left_to_run():
+    """One linear layer: its gradients are made by the last op of backward, so its bucket waits for the end
+    of backward and the whole all-reduce is exposed. One bucket for a GPT: nearly the same (the embedding's
+    gradient is in it, made last but for the backward of the position ids' arange and the like)."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    p = autopar.plan(model, (torch.randn(64, 256),), {"dp": 2}, strategy="ddp", hardware="cpu").predicted
+    assert p.comm_time["dp"] > 0
+    assert p.exposed_comm_time["dp"] == pytest.approx(p.comm_time["dp"], rel=1e-9)
+    p = _gpt_plan(25 * 2**20).predicted
+    assert p.exposed_comm_time["dp"] == pytest.approx(p.comm_time["dp"], rel=1e-3)
+
+
+def test_blocking_collectives_stay_exposed():
+    """tp's all-reduces feed the next op: none of them hides."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, vocab_size=512, block_size=32))
+    x = torch.randint(0, 512, (8, 32))
+    p = autopar.plan(model, (x,), {"tp": 2}, strategy="tp", hardware="cpu").predicted
+    assert p.comm_time["tp"] > 0
+    assert p.exposed_comm_time["tp"] == pytest.approx(p.comm_time["tp"])
+
+
+def test_exposed_time_is_symbolic_and_survives_json():
+    plan = _gpt_plan(2**14)
+    sym = plan.symbolic.exposed_comm_time["dp"]
+    hints = {sympy.Symbol(k, integer=True, positive=True): v for k, v in plan.symbols.items()}
+    assert float(sympy.sympify(sym).subs(hints)) == pytest.approx(plan.predicted.exposed_comm_time["dp"], rel=1e-6)
+    back = autopar.Plan.from_json(plan.to_json())
+    assert back.predicted.exposed_comm_time == pytest.approx(plan.predicted.exposed_comm_time)
+    assert "hidden behind backward" in str(plan)
