@@ -294,6 +294,7 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
         if spec.num_axes > 1 else None
     t0 = time.perf_counter()
     prob, policy, opt, hw = _problem(cap, env, "none")
+    prob.pipelined = True   # the runtime groups no FSDP layers across stages (cost/layer_groups.py)
     if rest is None:
         candidates = [Roles((PIPE,), spec.axis_names, spec.axis_sizes)]
     else:

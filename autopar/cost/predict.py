@@ -14,9 +14,10 @@ import cost_models as cm
 
 from ..capture.export import BUFFER, INPUT, OP, PARAM
 from ..sharding.placement import local_shape, numel
-from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective
+from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective, plan_steps
 from .buckets import assign_buckets, deferred_axes
 from .checkpointing import recomputed_ops
+from .layer_groups import group_key, groupable, grouped
 from .overlap import exposed_comm_time
 from .problem import charge_key, checkpoint_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
@@ -106,6 +107,7 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
     acts, compute, op_times = _op_terms(prob, choice, symbolic, saved, rerun)
     groups = group_redistributions(prob, choice)
     colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic))
+    colls = grouped(colls, layer_members(prob, groups))
     transient = _transient(prob, choice, groups, stacks, symbolic)
     comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
     exposed = exposed_comm_time(prob, colls, op_times, symbolic)
@@ -115,6 +117,22 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
                      num(compute), num(compute + sum(exposed.values())), {k: num(v) for k, v in by_kind.items()},
                      {a: num(v) for a, v in exposed.items()})
     return pred, colls
+
+
+def layer_members(prob, groups: list) -> dict:
+    """Parameter node -> its FSDP layer group (layer_groups.py), for the weights the rewriter groups."""
+    if prob.pipelined:
+        return {}
+    members = {}
+    for r in groups:
+        info = prob.cap.info[r.producer]
+        if info.kind != PARAM:
+            continue
+        steps = plan_steps(r.src, r.dst, r.grad_partial if r.producer in prob.grad_nodes else (),
+                           keep_partial=r.keep_partial)
+        if groupable(steps):
+            members[r.producer] = group_key(info.target_name, steps, first_meta(info.meta).dtype)
+    return members
 
 
 def bucketed(prob, choice, colls: list) -> list:

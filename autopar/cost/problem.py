@@ -47,6 +47,7 @@ class Problem:
     checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
     node_cost_cache: dict = field(default_factory=dict, repr=False)    # see repeat_memory
     bucket_bytes: int = DEFAULT_BUCKET_BYTES          # gradient buckets' size (buckets.py)
+    pipelined: bool = False                          # stages hold their own weights: no FSDP layer groups
 
 
 def build_edges(cap: Captured, strategies: dict) -> list[Edge]:

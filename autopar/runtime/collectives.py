@@ -107,6 +107,48 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
     raise AssertionError(kind)
 
 
+def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, phase: str) -> list:
+    """Several tensors split on `axis` (along dims[i], whole length wholes[i]) gathered whole in one
+    all-gather: each rank's pieces padded to ceil(whole / n) and concatenated, as FSDP2 lays out a layer."""
+    ax = comm.axes[axis]
+    n = ax.size
+    moved = [_pad_to(x.movedim(d, 0), -(-w // n)).contiguous() for x, d, w in zip(xs, dims, wholes)]
+    send = torch.cat([t.reshape(-1) for t in moved])
+    out = send.new_empty(n * send.numel())
+    _log(comm, ALL_GATHER, axis, _bytes(out), phase)
+    _all_gather(out, send, group=ax.group)
+    per_rank = out.view(n, send.numel())
+    fulls, off = [], 0
+    for t, d, w in zip(moved, dims, wholes):
+        full = per_rank[:, off: off + t.numel()].reshape((n * t.shape[0],) + tuple(t.shape[1:]))[:w]
+        off += t.numel()
+        fulls.append(full if d == 0 else full.movedim(0, d).contiguous())
+    return fulls
+
+
+def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):
+    """Whole gradients summed over `axis` and split along dims[i], in one asynchronous reduce-scatter.
+    Returns (work, pieces): after work.wait(), pieces(coord) lists this rank's piece of each (torch.chunk's)."""
+    ax = comm.axes[axis]
+    n = ax.size
+    moved = [_pad_to(g.movedim(d, 0), n * -(-g.shape[d] // n)).contiguous() for g, d in zip(grads, dims)]
+    send = torch.cat([t.reshape(n, -1) for t in moved], dim=1).reshape(-1)   # rank r's pieces together
+    out = send.new_empty(send.numel() // n)
+    _log(comm, REDUCE_SCATTER, axis, _bytes(send), "backward")
+    work = _reduce_scatter(out, send, group=ax.group, async_op=True)
+
+    def pieces(coord: int) -> list:
+        res, off = [], 0
+        for t, d, g in zip(moved, dims, grads):
+            k = t.numel() // n
+            piece = out[off: off + k].view((t.shape[0] // n,) + tuple(t.shape[1:]))
+            piece = piece[: chunk_span(g.shape[d], n, coord)[1]]
+            off += k
+            res.append(piece if d == 0 else piece.movedim(0, d).contiguous())
+        return res
+    return work, pieces
+
+
 def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
     """`x` with zeros appended along dim 0 up to `length` rows (itself when it has them)."""
     if x.shape[0] == length:

@@ -106,6 +106,8 @@ class GradBuckets:
         i = self._slot_of.get(name)
         if i is None or not (torch.is_grad_enabled() and param.requires_grad):
             return param
+        # the parameter forward reads now: to_empty (a meta-built model) replaces the ones made at construction
+        self.slots[i].param = param
         self.slots[i].outstanding += 1
         return DeferredReduce.apply(param, self, i)
 

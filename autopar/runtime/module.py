@@ -109,6 +109,7 @@ class ParallelModule(torch.nn.Module):
                 self._placeholder_sources.append((INPUT, None))
         self._num_inputs = sum(1 for k, _ in self._placeholder_sources if k == INPUT)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
+        _serve_layer_groups(self, [gathered] + ([other_mode[1]] if isinstance(other_mode, tuple) else []))
         self._grad_buckets = self._gradient_reductions(cap, grad_nodes)
 
     def _gradient_reductions(self, cap: Captured, grad_nodes) -> GradBuckets:
@@ -357,6 +358,16 @@ class ParallelModule(torch.nn.Module):
                     value = value.full_tensor()
                 own[fqn].copy_(shard_full_tensor(value, placements, self._coords, self.plan.mesh.axis_sizes))
         return LoadResult(missing, unexpected)
+
+
+def _serve_layer_groups(pm: "ParallelModule", registries: list) -> None:
+    """Let the FSDP layer groups (layer_groups.py) read this module's shards by name (looked up at each
+    use: to_empty and load_state_dict may replace or refill them)."""
+    import weakref
+    ref = weakref.ref(pm)
+    for registry in registries:
+        for group in registry.groups:
+            group.params = lambda name: ref().store.get_parameter(name)
 
 
 def _grad_buckets(cap: Captured, plan, comm: Comm, grad_nodes, params: dict) -> GradBuckets:

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from ..capture.export import PARAM, Captured
 from ..cost.buckets import deferred_axes
+from ..cost.layer_groups import group_key, groupable
 from ..cost.checkpointing import checkpointable_stacks
 from ..cost.precision import precision_of
 from ..errors import PlanError
@@ -25,6 +26,7 @@ from ..sharding.op_spec import op_name, tensor_args
 from ..sharding.placement import R, chunk_index, dim_factor, gathered_size, is_shard
 from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
 from .collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
+from .layer_groups import GroupGather, LayerGroup
 from .recompute import outline
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
@@ -49,6 +51,7 @@ class GatheredParams:
 
     def __init__(self):
         self._entries = {}
+        self.groups: list = []   # the LayerGroups of this graph (layer_groups.py): they hold gathered weights too
 
     def register(self, full: torch.Tensor, local: torch.Tensor, module: "RedistributeModule"):
         full = _root(full)
@@ -56,11 +59,14 @@ class GatheredParams:
 
     def clear(self):
         self._entries.clear()
+        for g in self.groups:
+            g.forget()
 
     def pack(self, t: torch.Tensor):
         base = _root(t)
         entry = self._entries.get(id(base))
         if entry is not None and entry[0]() is base:
+            entry[2].saved()
             return ("regather", entry[1], entry[2], t.size(), t.stride(), t.storage_offset())
         return t
 
@@ -83,10 +89,16 @@ class RedistributeModule(torch.nn.Module):
         self.wholes = tuple(wholes or (None,) * len(steps))
         # (compute dtype, reduce dtype) for a weight stored in the master dtype (mixed precision), else None
         self.cast = cast
+        self.group, self.group_index = None, None   # the FSDP layer group it gathers with (layer_groups.py)
 
     def forward(self, x):
         local = x
-        if self.cast is not None:
+        if self.group is not None:
+            phase = self.comm.forward_phase
+            if phase != "recompute" and torch.is_grad_enabled() and x.requires_grad:
+                self.group.used(self.group_index)   # (a recompute's gradient never reaches the group)
+            x = GroupGather.apply(x, self.group, self.group_index, phase)
+        elif self.cast is not None:
             x = CastAndRedistribute.apply(x, self.steps, self.wholes, self.comm, *self.cast)
         else:
             for s, whole in zip(self.steps, self.wholes):
@@ -95,8 +107,15 @@ class RedistributeModule(torch.nn.Module):
             self.gathered.register(x, local.detach(), self)
         return x
 
+    def saved(self) -> None:
+        """Autograd saved this weight gathered (GatheredParams.pack): backward gathers it again once."""
+        if self.group is not None:
+            self.group.packed(self.group_index)
+
     @torch.no_grad()
     def gather_again(self, local):
+        if self.group is not None:
+            return self.group.unpacked(self.group_index)
         x = local if self.cast is None else local.to(self.cast[0])
         for s, whole in zip(self.steps, self.wholes):
             x = transform(x, s.src, s.dst, s.axis, self.comm, "backward", whole)
@@ -186,6 +205,8 @@ class _Rewriter:
         self._cache: dict = {}
         self._count = 0
         self.casts = weight_casts(cap, plan)
+        self.pipelined = plan.pipeline is not None
+        self.groups: dict = {}   # cost/layer_groups.group_key -> LayerGroup
         self.deferred = deferred_axes(cap, plan.node_strategies, grad_nodes)
 
     def emit(self, node: fx.Node) -> None:
@@ -235,9 +256,20 @@ class _Rewriter:
         self._count += 1
         mod_name = f"redist_{self._count}_{producer.name}"
         label = f"{producer.name}: {_describe(steps, self.names)}" + (f"; cast to {cast[0]}" if cast else "")
-        self.root.add_module(mod_name, RedistributeModule(steps, self.comm, label,
-                                                          self.gathered if regathered else None, wholes, cast))
+        module = RedistributeModule(steps, self.comm, label, self.gathered if regathered else None, wholes, cast)
+        if is_param and not self.pipelined and groupable(steps):   # a pipeline's stages hold only their own weights
+            self._join_group(module, producer.name, steps, cast)
+        self.root.add_module(mod_name, module)
         return self.g.call_module(mod_name, (self.env[producer.name],))
+
+    def _join_group(self, module: RedistributeModule, producer: str, steps: list, cast) -> None:
+        info = self.cap.info[producer]
+        key = group_key(info.target_name, steps, cast[0] if cast else info.meta.dtype)
+        if key not in self.groups:
+            self.groups[key] = LayerGroup(steps[0].axis, self.comm)
+            self.gathered.groups.append(self.groups[key])
+        module.group = self.groups[key]
+        module.group_index = module.group.add(module, info.target_name)
 
     def map_args(self, node: fx.Node, s):
         """`node`'s args and kwargs in the local graph, each tensor input in the layout strategy `s` wants."""

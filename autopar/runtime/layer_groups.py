@@ -1,0 +1,167 @@
+"""FSDP per layer: one flat all-gather and one reduce-scatter for all of a layer's weights.
+
+A weight stored split on a data axis (FSDP) and used whole is gathered where
+it is used. One blocking all-gather per weight pays the per-call latency a
+dozen times per layer (and as many reduce-scatters in backward). As FSDP2
+does, the weights of one layer (cost/layer_groups.layer_of) move together:
+
+    forward   the first weight of the layer an op needs gathers every weight of
+              the layer in one all-gather (each rank's pieces padded to equal
+              length and concatenated); the others are served from that
+    backward  a weight autograd saved is gathered again the same way, once per
+              layer; the layer's re-gathered weights are kept until each saved
+              use has read them
+    gradient  each weight's whole gradient goes into the layer's flat buffer;
+              once every weight has arrived the buffer is reduce-scattered
+              asynchronously, and when backward ends each weight's .grad is set
+              from this rank's piece (added to one already there)
+
+The cost model (cost/layer_groups.py) groups the same weights, so the plan's
+collectives are the module's.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._compat import at_backward_end
+from ..sharding.placement import shard_dim
+from .collectives import Comm, all_gather_flat, reduce_scatter_flat
+
+
+class _Member:
+    def __init__(self, module, param_name: str):
+        self.module = module          # the RedistributeModule of this weight
+        self.param_name = param_name
+        self.expected = 0             # forward uses whose gradient has not arrived
+        self.pending_unpacks = 0      # saved uses of the gathered weight backward has still to read
+
+
+class LayerGroup:
+    """The FSDP weights of one layer on one axis; `params()` maps a weight's name to its local shard."""
+
+    def __init__(self, axis: int, comm: Comm):
+        self.axis, self.comm = axis, comm
+        self.params = None          # name -> this rank's shard; set by the ParallelModule that holds them
+        self.members: list[_Member] = []
+        self._served: dict = {}     # member index -> gathered weight, handed out once
+        self._grads = None          # this backward's flat gradient buffer
+        self._arrived: set = set()
+        self._work = None           # the launched reduce-scatter: (work, output)
+        self._callback_queued = False
+
+    def add(self, module, param_name: str) -> int:
+        self.members.append(_Member(module, param_name))
+        return len(self.members) - 1
+
+    # ------------------------------------------------------------ gathers
+    def gathered(self, i: int, phase: str) -> torch.Tensor:
+        """Member i's whole weight: from the layer's last gather, or a new gather of the whole layer."""
+        if i in self._served:
+            return self._served.pop(i)
+        locals_ = [self._local(m) for m in self.members]
+        fulls = all_gather_flat(locals_, [self._dim(m) for m in self.members], [self._whole(m, x) for m, x in
+                                zip(self.members, locals_)], self.comm, self.axis, phase)
+        keep = range(len(self.members)) if phase != "backward" else \
+            [k for k, m in enumerate(self.members) if m.pending_unpacks > 0]
+        self._served = {k: fulls[k] for k in keep if k != i}
+        return fulls[i]
+
+    def packed(self, i: int) -> None:
+        """Autograd saved member i's gathered weight: backward will read it once."""
+        self.members[i].pending_unpacks += 1
+
+    def unpacked(self, i: int) -> torch.Tensor:
+        self.members[i].pending_unpacks = max(0, self.members[i].pending_unpacks - 1)
+        self._queue_end()
+        full = self.gathered(i, "backward")
+        if self.members[i].pending_unpacks > 0:   # another saved use reads it later
+            self._served[i] = full
+        return full
+
+    def forget(self) -> None:
+        """Drop gathered weights nothing will read (end of forward)."""
+        self._served.clear()
+
+    def _local(self, m: _Member) -> torch.Tensor:
+        x = self.params(m.param_name)
+        cast = m.module.cast
+        return x.detach() if cast is None else x.detach().to(cast[0])
+
+    def _dim(self, m: _Member) -> int:
+        return shard_dim(m.module.steps[0].src)
+
+    def _whole(self, m: _Member, local: torch.Tensor) -> int:
+        whole = m.module.wholes[0]
+        n = self.comm.axes[self.axis].size
+        return n * local.shape[self._dim(m)] if whole is None else whole
+
+    # ------------------------------------------------------------ gradients
+    def used(self, i: int) -> None:
+        self.members[i].expected += 1
+
+    def arrive(self, i: int, grad: torch.Tensor) -> None:
+        """Member i's whole gradient (of all its uses in this forward) reached backward."""
+        m = self.members[i]
+        m.expected = max(0, m.expected - 1)
+        self._queue_end()
+        if self._grads is None:
+            self._grads = [None] * len(self.members)
+        g = grad if m.module.cast is None else grad.to(m.module.cast[1])
+        self._grads[i] = g if self._grads[i] is None else self._grads[i] + g
+        if all(x.expected == 0 for x in self.members) and self._work is None:
+            self._launch()
+
+    def _launch(self) -> None:
+        grads = [g if g is not None else self._zeros(k) for k, g in enumerate(self._grads)]
+        self._work = reduce_scatter_flat(grads, [self._dim(m) for m in self.members], self.comm, self.axis)
+
+    def _zeros(self, k: int) -> torch.Tensor:
+        m = self.members[k]
+        local = self._local(m)
+        shape = list(local.shape)
+        shape[self._dim(m)] = self._whole(m, local)
+        dtype = local.dtype if m.module.cast is None else m.module.cast[1]
+        return torch.zeros(shape, dtype=dtype, device=local.device)
+
+    def _queue_end(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            at_backward_end(self._finish)
+
+    def _finish(self) -> None:
+        """End of backward: reduce what has not gone out, set the gradients, drop what was gathered."""
+        self._callback_queued = False
+        self._served.clear()
+        for m in self.members:
+            m.pending_unpacks = 0
+            m.expected = 0
+        if self._grads is None:
+            return
+        if self._work is None:
+            self._launch()
+        work, pieces = self._work
+        work.wait()
+        coord = self.comm.axes[self.axis].coord
+        for m, piece in zip(self.members, pieces(coord)):
+            p = self.params(m.param_name)
+            g = piece.to(p.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        self._grads, self._work = None, None
+
+
+
+class GroupGather(torch.autograd.Function):
+    """A grouped weight as its op reads it: gathered with its layer (forward); its whole gradient handed
+    to the layer's reduce-scatter, nothing to autograd (the group sets .grad when backward ends)."""
+    @staticmethod
+    def forward(ctx, local, group: LayerGroup, i: int, phase: str):
+        ctx.group, ctx.i = group, i
+        return group.gathered(i, phase)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.group.arrive(ctx.i, grad)
+        return None, None, None, None
