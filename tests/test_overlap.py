@@ -7,6 +7,7 @@ import sympy
 import torch
 
 import autopar
+import cost_models as cm
 from autopar.testing import GPT, GPTConfig
 
 
@@ -56,3 +57,18 @@ def test_exposed_time_is_symbolic_and_survives_json():
     back = autopar.Plan.from_json(plan.to_json())
     assert back.predicted.exposed_comm_time == pytest.approx(plan.predicted.exposed_comm_time)
     assert "hidden behind backward" in str(plan)
+
+
+def test_fsdp_layer_reduce_scatters_hide_but_gathers_do_not():
+    """FSDP on 4 layers: each layer's reduce-scatter goes out when backward has made its gradients and
+    hides behind the layers before it; the all-gathers (forward and backward's re-gathers) are waited on."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=64, vocab_size=512, block_size=32))
+    x = torch.randint(0, 512, (8, 32))
+    plan = autopar.plan(model, (x,), {"dp": 2}, strategy="fsdp", hardware="cpu")
+    p = plan.predicted
+    layer_scatters = [c for c in plan.collectives if c.kind == "reduce_scatter" and c.where.startswith("layer h.")]
+    assert len(layer_scatters) == 4   # one per block
+    gathers = sum(cm.collective_time(c.kind, c.bytes, 2, cm.get_hardware("cpu").intra_node_link)
+                  for c in plan.collectives if c.kind == "all_gather")
+    assert gathers <= p.exposed_comm_time["dp"] < p.comm_time["dp"]

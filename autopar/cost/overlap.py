@@ -5,15 +5,16 @@ feeds the next op, an FSDP all-gather the op that needs the weight, a
 reduce-scatter the autograd function that issued it. Those are exposed:
 the step takes compute + their time.
 
-The gradient buckets (buckets.py, runtime/grad_buckets.py) are not: a bucket
-goes out asynchronously as soon as backward has made its last gradient, and
-runs while backward goes on through the earlier layers. The model, as DDP's
+The gradient buckets (buckets.py, runtime/grad_buckets.py) and FSDP's
+per-layer reduce-scatters (layer_groups.py) are not: each goes out
+asynchronously as soon as backward has made its last gradient, and runs
+while backward goes on through the earlier layers. The model, as DDP's
 and the peers' (Megatron's overlap, AutoParallel's) simple ones:
 
     backward runs the forward ops in reverse; op i's backward takes
         (1 - 1/TRAIN_FLOPS_FACTOR) of its training time (2 of its 3 matmul passes)
     bucket k is ready once backward has passed the first use of each of its weights
-    buckets go out one after another on their axis:
+    they go out one after another on their axis, as they become ready:
         start_k = max(ready_k, end_{k-1}),  end_k = start_k + time_k
     exposed = max(0, end_last - end of backward): the optimizer waits for the last bucket
 
@@ -30,34 +31,45 @@ import cost_models as cm
 
 from ..capture.export import OP
 from ..sharding.op_spec import tensor_args
+from ..sharding.redistribute import REDUCE_SCATTER
 from .terms import collectives_time
 
 BUCKET = "gradient bucket "   # the `where` of a bucket's all-reduce (predict.bucketed)
+LAYER = "layer "              # the `where` of an FSDP layer's collectives (layer_groups.grouped)
 
 
 def exposed_comm_time(prob, colls: list, op_times: dict, symbolic: bool) -> dict:
     """Axis name -> seconds of its communication the step waits for; `op_times`: op -> training seconds."""
     mesh = prob.mesh
     exposed = {a: 0 for a in mesh.axis_names}
-    buckets: dict = {}   # axis index -> [(names, seconds)] of buckets that hide on it, in launch order
+    queues: dict = {}   # axis index -> [(weights, seconds)] of the collectives that hide on it
     seen_bucket = set()
     for c in colls:
         t = collectives_time([c], mesh, prob.links)
-        is_first_axis = c.where.startswith(BUCKET) and c.where not in seen_bucket
-        if is_first_axis:
-            seen_bucket.add(c.where)
-            buckets.setdefault(c.axis, []).append((c.tensor.split(","), t))
+        if _hides(c, seen_bucket):
+            queues.setdefault(c.axis, []).append((c.tensor.split(","), t))
         else:
             exposed[mesh.axis_names[c.axis]] += t
-    if buckets:
-        ready, backward = _ready_times(prob, op_times, {n for q in buckets.values() for names, _ in q for n in names})
+    if queues:
+        ready, backward = _ready_times(prob, op_times, {n for q in queues.values() for names, _ in q for n in names})
         big = sympy.Max if symbolic else max
-        for axis, queue in buckets.items():
+        for axis, queue in queues.items():
+            if not symbolic:   # they go out as they become ready (sympy cannot order expressions)
+                queue = sorted(queue, key=lambda item: max(float(ready[n]) for n in item[0]))
             end = 0
             for names, t in queue:
                 end = big(end, *(ready[n] for n in names)) + t
             exposed[mesh.axis_names[axis]] += big(0, end - backward)
     return exposed
+
+
+def _hides(c, seen_bucket: set) -> bool:
+    """Launched asynchronously in backward and waited for at its end: a bucket's all-reduce on its first
+    axis (the others follow when backward ends), an FSDP layer's reduce-scatter."""
+    if c.where.startswith(BUCKET) and c.where not in seen_bucket:
+        seen_bucket.add(c.where)
+        return True
+    return c.where.startswith(LAYER) and c.kind == REDUCE_SCATTER
 
 
 def _ready_times(prob, op_times: dict, weights: set) -> tuple[dict, object]:

@@ -24,7 +24,7 @@ from .collectives import Comm
 from .grad_buckets import GradBuckets
 from .initialization import init_shards
 from .input_shapes import check_input_shapes, input_shape_specs
-from .rewrite import GatheredParams
+from .regather import GatheredParams
 
 LoadResult = namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import operator
-import weakref
 
 import torch
 import torch.fx as fx
@@ -28,6 +27,7 @@ from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution, plan_
 from .collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
 from .layer_groups import GroupGather, LayerGroup
 from .recompute import outline
+from .regather import GatheredParams
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                  "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
@@ -35,47 +35,6 @@ SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view
 VIEW_OPS = {"aten.view.default", "aten._unsafe_view.default"}
 SQUEEZE_OPS = {"aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims"}
 DROPPED_OPS = {"aten._assert_tensor_metadata.default"}  # checks global metadata a local shard fails
-
-
-def _root(t: torch.Tensor) -> torch.Tensor:
-    return t._base if t._base is not None else t
-
-
-class GatheredParams:
-    """FSDP: weights gathered in forward are not kept for backward.
-
-    Autograd would save the gathered weight (e.g. for a linear's input
-    gradient) and keep it alive until backward. The pack hook instead saves
-    the local shard and the steps, and the unpack hook gathers again.
-    """
-
-    def __init__(self):
-        self._entries = {}
-        self.groups: list = []   # the LayerGroups of this graph (layer_groups.py): they hold gathered weights too
-
-    def register(self, full: torch.Tensor, local: torch.Tensor, module: "RedistributeModule"):
-        full = _root(full)
-        self._entries[id(full)] = (weakref.ref(full), local, module)
-
-    def clear(self):
-        self._entries.clear()
-        for g in self.groups:
-            g.forget()
-
-    def pack(self, t: torch.Tensor):
-        base = _root(t)
-        entry = self._entries.get(id(base))
-        if entry is not None and entry[0]() is base:
-            entry[2].saved()
-            return ("regather", entry[1], entry[2], t.size(), t.stride(), t.storage_offset())
-        return t
-
-    def unpack(self, packed):
-        if isinstance(packed, tuple) and packed and packed[0] == "regather":
-            _, local, module, size, stride, offset = packed
-            full = module.gather_again(local)
-            return full.as_strided(size, stride, offset)
-        return packed
 
 
 class RedistributeModule(torch.nn.Module):
