@@ -3,18 +3,18 @@ eager module launches.
 
 For ddp, fsdp and tp on 2 ranks (threads of this process, run_threaded), `torch.compile(pm)` trains a small
 GPT 3 SGD steps; its losses and final parameters equal single-device eager training (atol 1e-5), and the
-collectives it logs each step (record_comm=True) equal those of the same module run eagerly.
+collectives it logs each step (record_comm=True) are those the same module logs run eagerly -- as a
+multiset: the compiler may reorder them (inductor moves fsdp's first all-gathers), that is what it is for.
 
 The compiler must see the collectives: dynamo breaks the graph once per compile, where the module gathers
 its inputs and weights eagerly (ParallelModule._graph_inputs: the gradient buckets' DeferredReduce must run
-as Python), and nowhere else -- not at every redistribution, which would leave every collective outside
-the compiled graph.
+as Python), and nowhere else -- not at a redistribution or a layer group's gather, which would leave those
+collectives outside the compiled graph.
 
-Backends: inductor (its C++ compile is the slow part) for ddp only; aot_eager for fsdp and tp, which
-traces the same dynamo graph and forward/backward split, keeps the file near 30 s on 2 cores. fsdp runs
-under aot_eager for a second reason: it keeps aten's layer_norm backward, which takes the bias as eager
-autograd does, so the weights gathered again for backward are exactly eager's; inductor's decomposition
-needs no layer-norm bias in backward and gathers 5 fewer (equal losses and parameters, fewer collectives).
+Backends: inductor for ddp, on a one-layer GPT (inductor's C++ compile is most of this file's time:
+about 25 s cold on 2 cores, 10 s with its cache warm); aot_eager for fsdp and tp on two layers. aot_eager
+traces the same dynamo graph and forward/backward split, functional collectives included, without
+code generation; the whole file takes under 50 s.
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ LR = 0.5
 STEPS = 3
 
 
-def _gpt():
+def _gpt(n_layer: int):
     torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8)
+    cfg = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=32, block_size=8)
     x = torch.randint(0, cfg.vocab_size, (8, 8))
     y = torch.randint(0, cfg.vocab_size, (8, 8))
     return GPT(cfg), x, y
@@ -69,27 +69,30 @@ def _train(pm, run, x, y) -> dict:
 
 
 def _rank(rank, model, x, y, strategy, backend):
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp" if strategy == "tp" else "dp",))
     eager = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy, record_comm=True)
     pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), plan=eager.plan, record_comm=True)
+    dist.barrier()   # no rank traces (export) while another runs: torch's tracing state is process-wide
     return {"eager": _train(eager, eager, x, y), "compiled": _train(pm, torch.compile(pm, backend=backend), x, y),
             "batch_axes": eager.plan.batch_axes}
 
 
-@pytest.mark.parametrize("strategy, backend", [("ddp", "inductor"), ("fsdp", "aot_eager"), ("tp", "aot_eager")])
-def test_compiled_module_trains_as_one_device(strategy, backend):
+@pytest.mark.parametrize("strategy, backend, n_layer", [("ddp", "inductor", 1), ("fsdp", "aot_eager", 2),
+                                                        ("tp", "aot_eager", 2)])
+def test_compiled_module_trains_as_one_device(strategy, backend, n_layer):
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    model, x, y = _gpt()
+    model, x, y = _gpt(n_layer)
     ref_losses, ref_params = _one_device(model, x, y)
     res = run_threaded(2, _rank, model, x, y, strategy, backend, timeout=300)
     breaks = dict(counters["graph_break"])
     for r in res:
         c, e = r["compiled"], r["eager"]
-        for step, (got, want) in enumerate(zip(c["comm"], e["comm"])):
-            assert got == want, f"step {step}: the compiled module launched {got}, eager {want}"
+        for step, (got, want) in enumerate(zip(c["comm"], e["comm"])):   # the compiler may reorder them
+            assert sorted(got) == sorted(want), f"step {step}: the compiled module launched {got}, eager {want}"
         for n, p in ref_params.items():
             torch.testing.assert_close(c["params"][n], p, atol=ATOL, rtol=0, msg=lambda m: f"param {n}: {m}")
         assert all(abs(a - b) <= ATOL for a, b in zip(c["losses"], e["losses"])), (c["losses"], e["losses"])
@@ -98,5 +101,5 @@ def test_compiled_module_trains_as_one_device(strategy, backend):
                      if res[0]["batch_axes"] else res[0]["compiled"]["losses"])
     assert all(abs(a - b) <= ATOL for a, b in zip(global_losses, ref_losses)), (global_losses, ref_losses)
     # one graph break per rank's compile, where the module gathers its inputs eagerly; none at a collective
-    assert breaks and all("_graph_inputs" in reason for reason in breaks), list(breaks)
+    assert breaks and all("_graph_inputs" in reason for reason in breaks), [r.splitlines()[0] for r in breaks]
     assert sum(breaks.values()) == 2, breaks

@@ -107,23 +107,30 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
     raise AssertionError(kind)
 
 
-def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, phase: str) -> list:
+def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, phase: str,
+                    async_op: bool = False):
     """Several tensors split on `axis` (along dims[i], whole length wholes[i]) gathered whole in one
-    all-gather: each rank's pieces padded to ceil(whole / n) and concatenated, as FSDP2 lays out a layer."""
+    all-gather: each rank's pieces padded to ceil(whole / n) and concatenated, as FSDP2 lays out a layer.
+    Returns the whole tensors, or with async_op (work, finish): finish() waits and returns them."""
     ax = comm.axes[axis]
     n = ax.size
     moved = [_pad_to(x.movedim(d, 0), -(-w // n)).contiguous() for x, d, w in zip(xs, dims, wholes)]
     send = torch.cat([t.reshape(-1) for t in moved])
     out = send.new_empty(n * send.numel())
     _log(comm, ALL_GATHER, axis, _bytes(out), phase)
-    _all_gather(out, send, group=ax.group)
-    per_rank = out.view(n, send.numel())
-    fulls, off = [], 0
-    for t, d, w in zip(moved, dims, wholes):
-        full = per_rank[:, off: off + t.numel()].reshape((n * t.shape[0],) + tuple(t.shape[1:]))[:w]
-        off += t.numel()
-        fulls.append(full if d == 0 else full.movedim(0, d).contiguous())
-    return fulls
+    work = _all_gather(out, send, group=ax.group, async_op=async_op)
+
+    def finish() -> list:
+        if work is not None:
+            work.wait()
+        per_rank = out.view(n, send.numel())
+        fulls, off = [], 0
+        for t, d, w in zip(moved, dims, wholes):
+            full = per_rank[:, off: off + t.numel()].reshape((n * t.shape[0],) + tuple(t.shape[1:]))[:w]
+            off += t.numel()
+            fulls.append(full if d == 0 else full.movedim(0, d).contiguous())
+        return fulls
+    return (work, finish) if async_op else finish()
 
 
 def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):

@@ -42,6 +42,8 @@ class LayerGroup:
     def __init__(self, axis: int, comm: Comm):
         self.axis, self.comm = axis, comm
         self.params = None          # name -> this rank's shard; set by the ParallelModule that holds them
+        self.next = self.prev = None   # the groups forward gathers after and before this one
+        self._prefetched = None     # finish() of this group's gather launched ahead of its first use
         self.members: list[_Member] = []
         self._served: dict = {}     # member index -> gathered weight, handed out once
         self._grads = None          # this backward's flat gradient buffer
@@ -55,16 +57,29 @@ class LayerGroup:
 
     # ------------------------------------------------------------ gathers
     def gathered(self, i: int, phase: str) -> torch.Tensor:
-        """Member i's whole weight: from the layer's last gather, or a new gather of the whole layer."""
+        """Member i's whole weight: from the layer's last gather (or the one launched ahead of it), or a
+        new gather of the whole layer; a new gather launches the next layer's (in backward: the previous
+        one's) ahead of its use, as FSDP2 prefetches."""
         if i in self._served:
             return self._served.pop(i)
-        locals_ = [self._local(m) for m in self.members]
-        fulls = all_gather_flat(locals_, [self._dim(m) for m in self.members], [self._whole(m, x) for m, x in
-                                zip(self.members, locals_)], self.comm, self.axis, phase)
+        if self._prefetched is not None:
+            fulls, self._prefetched = self._prefetched(), None
+        else:
+            fulls = self._gather(phase)[1]()
         keep = range(len(self.members)) if phase != "backward" else \
             [k for k, m in enumerate(self.members) if m.pending_unpacks > 0]
         self._served = {k: fulls[k] for k in keep if k != i}
+        ahead = self.next if phase == "forward" else self.prev if phase == "backward" else None
+        if ahead is not None and ahead._prefetched is None and not ahead._served and \
+                (phase == "forward" or any(m.pending_unpacks for m in ahead.members)):
+            ahead._prefetched = ahead._gather(phase)[1]
         return fulls[i]
+
+    def _gather(self, phase: str):
+        locals_ = [self._local(m) for m in self.members]
+        return all_gather_flat(locals_, [self._dim(m) for m in self.members],
+                               [self._whole(m, x) for m, x in zip(self.members, locals_)], self.comm, self.axis,
+                               phase, async_op=True)
 
     def packed(self, i: int) -> None:
         """Autograd saved member i's gathered weight: backward will read it once."""
@@ -81,6 +96,9 @@ class LayerGroup:
     def forget(self) -> None:
         """Drop gathered weights nothing will read (end of forward)."""
         self._served.clear()
+        if self._prefetched is not None:   # a gather launched ahead for a layer this forward did not use
+            self._prefetched()
+            self._prefetched = None
 
     def _local(self, m: _Member) -> torch.Tensor:
         x = self.params(m.param_name)
@@ -131,7 +149,7 @@ class LayerGroup:
     def _finish(self) -> None:
         """End of backward: reduce what has not gone out, set the gradients, drop what was gathered."""
         self._callback_queued = False
-        self._served.clear()
+        self.forget()
         for m in self.members:
             m.pending_unpacks = 0
             m.expected = 0

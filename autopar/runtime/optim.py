@@ -45,8 +45,9 @@ class ShardedOptimizer:
     handed to the wrapped optimizer as they are. An LR scheduler takes the
     wrapped optimizer: `torch.optim.lr_scheduler.StepLR(opt.optimizer, ...)`.
     Gradients of ZeRO parameters are not whole on any rank (`param.grad` is
-    this rank's unreduced contribution at level 1, None at level 2), so clip
-    gradients before wrapping or not at all.
+    this rank's unreduced contribution at level 1, None at level 2): clip with
+    `autopar.clip_grad_norm_(module, max_norm, optimizer=this)`, which reduces
+    them into the slices first.
     """
 
     def __init__(self, module, optimizer_class, **kwargs):

@@ -225,8 +225,10 @@ class _Rewriter:
         info = self.cap.info[producer]
         key = group_key(info.target_name, steps, cast[0] if cast else info.meta.dtype)
         if key not in self.groups:
-            self.groups[key] = LayerGroup(steps[0].axis, self.comm)
-            self.gathered.groups.append(self.groups[key])
+            group = self.groups[key] = LayerGroup(steps[0].axis, self.comm)
+            if self.gathered.groups:   # forward gathers the groups in the order it first needs them
+                group.prev, self.gathered.groups[-1].next = self.gathered.groups[-1], group
+            self.gathered.groups.append(group)
         module.group = self.groups[key]
         module.group_index = module.group.add(module, info.target_name)
 
