@@ -39,7 +39,8 @@ class CollectiveRecord:
     bytes: float      # bytes of the whole tensor along the axis
     where: str        # node it feeds
     module_path: str  # module of that node
-    tensor: str = ""  # node whose output it moves (p_* placeholders are parameters)
+    tensor: str = ""  # node(s) whose output it moves (p_* placeholders are parameters); a gradient bucket's
+                      # or an FSDP layer's names every weight it carries, comma-separated
 
 
 @dataclass(frozen=True)
