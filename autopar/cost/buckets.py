@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..capture.export import PARAM, Captured
 from ..sharding.op_spec import tensor_args
-from ..sharding.placement import R
+from ..sharding.placement import R, is_shard
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20   # DDP's default: big enough that per-call latency is small next to the bytes
 
@@ -21,7 +21,8 @@ def deferred_axes(cap: Captured, strategies: dict, grad_nodes: set) -> dict:
 
     An axis qualifies when every use of the weight reads it whole there and gets back a partial sum (a
     data axis: the batch is split): only then is the reduction there one all-reduce of the summed uses,
-    which nothing in backward waits for. ZeRO weights are left to their optimizer wrapper.
+    which nothing in backward waits for. ZeRO weights are left to their optimizer wrapper, and weights a
+    use gathers (FSDP) to the reduction of that gather.
     """
     params = {n for n, info in cap.info.items() if info.kind == PARAM and n in grad_nodes
               and strategies.get(n) is not None and not strategies[n].zero_axes}
@@ -36,7 +37,10 @@ def deferred_axes(cap: Captured, strategies: dict, grad_nodes: set) -> dict:
             ok = set()
             if s is not None and node.op == "call_function":
                 src, dst = strategies[a.name].output, s.inputs[i]
-                ok = {x for x in s.grad_partial(i) if src[x] == R and dst[x] == R}
+                # a weight gathered for its use (FSDP storage) reduce-scatters its gradient in the graph or
+                # with its layer (layer_groups.py), which then owns the gradient: its other axes stay there too
+                if not any(is_shard(p) and q == R for p, q in zip(src, dst)):
+                    ok = {x for x in s.grad_partial(i) if src[x] == R and dst[x] == R}
             found[a.name] = found[a.name] & ok if a.name in found else ok
     return {n: tuple(sorted(axes)) for n, axes in found.items() if axes}
 

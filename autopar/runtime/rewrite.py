@@ -223,6 +223,9 @@ class _Rewriter:
 
     def _join_group(self, module: RedistributeModule, producer: str, steps: list, cast) -> None:
         info = self.cap.info[producer]
+        if producer in self.deferred:   # the group would own a gradient the buckets must also see: one is lost
+            raise PlanError(f"{info.target_name!r} is both gathered with its layer and bucketed on mesh axes "
+                            f"{self.deferred[producer]}; report this (cost/buckets.deferred_axes excludes it)")
         key = group_key(info.target_name, steps, cast[0] if cast else info.meta.dtype)
         if key not in self.groups:
             group = self.groups[key] = LayerGroup(steps[0].axis, self.comm)
