@@ -25,8 +25,6 @@ buckets before it has chosen the layouts); this model prices the chosen plan.
 """
 from __future__ import annotations
 
-import sympy
-
 import cost_models as cm
 
 from ..capture.export import OP
@@ -38,29 +36,27 @@ BUCKET = "gradient bucket "   # the `where` of a bucket's all-reduce (predict.bu
 LAYER = "layer "              # the `where` of an FSDP layer's collectives (layer_groups.grouped)
 
 
-def exposed_comm_time(prob, colls: list, op_times: dict, symbolic: bool) -> dict:
-    """Axis name -> seconds of its communication the step waits for; `op_times`: op -> training seconds."""
+def hidden_comm_time(prob, colls: list, op_times: dict) -> dict:
+    """Axis name -> seconds of its communication that hide behind backward; `op_times`: op -> training
+    seconds at the example's sizes. The collectives that can hide move weights' gradients, whose sizes
+    do not depend on the shapes, so this is a number; the symbolic prediction takes it as it is (exposed
+    = comm - hidden), which is exact at the example's sizes and keeps sympy out of the ordering."""
     mesh = prob.mesh
-    exposed = {a: 0 for a in mesh.axis_names}
     queues: dict = {}   # axis index -> [(weights, seconds)] of the collectives that hide on it
     seen_bucket = set()
     for c in colls:
-        t = collectives_time([c], mesh, prob.links)
         if _hides(c, seen_bucket):
-            queues.setdefault(c.axis, []).append((c.tensor.split(","), t))
-        else:
-            exposed[mesh.axis_names[c.axis]] += t
-    if queues:
-        ready, backward = _ready_times(prob, op_times, {n for q in queues.values() for names, _ in q for n in names})
-        big = sympy.Max if symbolic else max
-        for axis, queue in queues.items():
-            if not symbolic:   # they go out as they become ready (sympy cannot order expressions)
-                queue = sorted(queue, key=lambda item: max(float(ready[n]) for n in item[0]))
-            end = 0
-            for names, t in queue:
-                end = big(end, *(ready[n] for n in names)) + t
-            exposed[mesh.axis_names[axis]] += big(0, end - backward)
-    return exposed
+            queues.setdefault(c.axis, []).append((c.tensor.split(","), float(collectives_time([c], mesh, prob.links))))
+    hidden = {a: 0.0 for a in mesh.axis_names}
+    if not queues:
+        return hidden
+    ready, backward = _ready_times(prob, op_times, {n for q in queues.values() for names, _ in q for n in names})
+    for axis, queue in queues.items():
+        end = 0.0   # they go out one after another, as they become ready
+        for names, t in sorted(queue, key=lambda item: max(ready[n] for n in item[0])):
+            end = max(end, *(ready[n] for n in names)) + t
+        hidden[mesh.axis_names[axis]] = sum(t for _, t in queue) - max(0.0, end - backward)
+    return hidden
 
 
 def _hides(c, seen_bucket: set) -> bool:
@@ -86,4 +82,4 @@ def _ready_times(prob, op_times: dict, weights: set) -> tuple[dict, object]:
     after = [0] * (len(ops) + 1)
     for i in reversed(range(len(ops))):
         after[i] = after[i + 1] + op_times.get(ops[i].name, 0) * share
-    return {w: after[first_use.get(w, 0)] for w in weights}, after[0]
+    return {w: float(after[first_use.get(w, 0)]) for w in weights}, float(after[0])

@@ -18,7 +18,7 @@ from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective, plan_ste
 from .buckets import assign_buckets, deferred_axes
 from .checkpointing import recomputed_ops
 from .layer_groups import group_key, groupable, grouped
-from .overlap import exposed_comm_time
+from .overlap import hidden_comm_time
 from .problem import charge_key, checkpoint_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
                     gathered_weight_bytes, is_saved, node_compute_time, output_bytes, param_memory, reduce_itemsize,
@@ -110,7 +110,8 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
     colls = grouped(colls, layer_members(prob, groups))
     transient = _transient(prob, choice, groups, stacks, symbolic)
     comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
-    exposed = exposed_comm_time(prob, colls, op_times, symbolic)
+    hidden = hidden_comm_time(prob, colls, op_times)
+    exposed = {a: comm_time[a] - hidden[a] for a in comm_time}
     total_mem = params + master + grads + opt + acts + transient
     mem = Memory(num(params), num(grads), num(opt), num(acts), num(transient), num(total_mem), num(master))
     pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
@@ -176,9 +177,9 @@ def _state_terms(prob, choice, symbolic: bool):
 
 def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
     """Activation bytes kept for backward and compute seconds of all ops (recomputed ops twice forward),
-    and the seconds of each op."""
+    and each op's seconds at the example's sizes (a number: the overlap model orders by it)."""
     cap = prob.cap
-    op_terms: dict = {}   # kind of op -> [activation bytes, compute time, how many]
+    op_terms: dict = {}   # kind of op -> [activation bytes, compute time, how many, seconds at the example's sizes]
     times: dict = {}
     for name, ns in prob.strategies.items():
         if cap.info[name].kind not in (OP, INPUT):
@@ -191,11 +192,15 @@ def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
             a = activation_bytes(name, cap, s.output, prob.mesh, saved, symbolic)
             t = node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, symbolic)
             # a recomputed op runs its forward (a third of forward + backward) once more
-            op_terms[key] = [a, t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t, 0]
+            t = t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t
+            # the overlap model orders by time at the example's sizes (overlap.py): a number either way
+            t_num = float(node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, False)) \
+                if symbolic else t
+            op_terms[key] = [a, t, 0, t_num + t_num / cm.TRAIN_FLOPS_FACTOR if symbolic and name in rerun else t_num]
         op_terms[key][2] += 1
-        times[name] = op_terms[key][1]
-    acts = 0 + sum(n * a for a, _, n in op_terms.values())
-    compute = 0 + sum(n * t for _, t, n in op_terms.values())
+        times[name] = op_terms[key][3]
+    acts = 0 + sum(n * a for a, _, n, _ in op_terms.values())
+    compute = 0 + sum(n * t for _, t, n, _ in op_terms.values())
     return acts, compute, times
 
 
