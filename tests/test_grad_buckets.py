@@ -52,7 +52,8 @@ def _parallel(rank, model, x, y, mesh_shape, names, strategy, num_micro, bucket_
         (yi,) = pm.plan.local_targets(ys[k])
         last = k == num_micro - 1
         with (pm.no_sync() if use_no_sync and not last else _nothing()):
-            (gpt_loss(pm(xi), yi) / num_micro).backward()
+            loss = gpt_loss(pm(xi), yi) / num_micro
+        loss.backward()   # outside: as with DDP, the forward decides (it ran inside no_sync or not)
     records = list(pm.comm.log.records)
     grads = pm.full_grads()
     opt.step()

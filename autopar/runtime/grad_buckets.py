@@ -37,6 +37,7 @@ from ..errors import PlanError
 from ..sharding.redistribute import ALL_REDUCE
 from .collectives import Comm
 
+
 @dataclass
 class _Slot:
     name: str
@@ -61,12 +62,14 @@ class DeferredReduce(torch.autograd.Function):
     autograd nothing to accumulate (the buckets set .grad once it is reduced)."""
     @staticmethod
     def forward(ctx, param, buckets: "GradBuckets", slot: int):
-        ctx.buckets, ctx.slot = buckets, slot
+        # whether to reduce is decided in forward, as DDP's no_sync does: a forward run inside no_sync()
+        # accumulates even when its backward runs outside
+        ctx.buckets, ctx.slot, ctx.accumulate = buckets, slot, buckets._accumulating
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.buckets.arrive(ctx.slot, grad)
+        ctx.buckets.arrive(ctx.slot, grad, ctx.accumulate)
         return None, None, None
 
 
@@ -100,6 +103,7 @@ class GradBuckets:
         self._accumulating = False
         self._next_launch = 0          # buckets launch in index order
         self._callback_queued = False
+        self._reducing = False
 
     def use(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The weight as forward reads it: routed through DeferredReduce when its gradient is bucketed."""
@@ -121,15 +125,16 @@ class GradBuckets:
         finally:
             self._accumulating = was
 
-    def arrive(self, i: int, grad: torch.Tensor) -> None:
+    def arrive(self, i: int, grad: torch.Tensor, accumulate: bool = False) -> None:
         slot = self.slots[i]
         slot.outstanding = max(slot.outstanding - 1, 0)
         if not self._callback_queued:
             self._callback_queued = True
             at_backward_end(self._finish)
-        if self._accumulating:
+        if accumulate or self._accumulating:
             self._pending[i] = grad if i not in self._pending else self._pending[i] + grad
             return
+        self._reducing = True   # this backward reduces: _finish completes it
         self._copy_in(i, grad)
         self._launch_ready()
 
@@ -137,7 +142,8 @@ class GradBuckets:
         slot = self.slots[i]
         b = self.buckets[slot.bucket]
         if b.work is not None:
-            raise RuntimeError(f"autopar: the gradient of {slot.name!r} arrived after its bucket was reduced")
+            raise PlanError(f"the gradient of {slot.name!r} arrived after its bucket was all-reduced in this backward "
+                            "(a use forward did not count); report this with the model")
         if b.flat is None:   # zeros: a weight whose gradient does not come adds nothing
             b.flat = torch.zeros(b.numel, dtype=b.reduce_dtype, device=slot.param.device)
         piece = b.flat[slot.offset: slot.offset + slot.param.numel()]
@@ -176,8 +182,9 @@ class GradBuckets:
     def _finish(self) -> None:
         """End of backward: launch what has not launched, wait for all, set the gradients."""
         self._callback_queued = False
-        if self._accumulating:
+        if not self._reducing:   # every gradient of this backward was only summed (no_sync)
             return
+        self._reducing = False
         for b in self.buckets[self._next_launch:]:
             self._take_pending(b)
             self._launch(b)

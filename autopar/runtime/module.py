@@ -121,9 +121,9 @@ class ParallelModule(torch.nn.Module):
         return _grad_buckets(cap, self.plan, self.comm, grad_nodes, params)
 
     def no_sync(self):
-        """A context in which backward sums this rank's gradients without reducing them over the data axes:
-        the first backward after it reduces the sum once (gradient accumulation over microbatches, as
-        DDP's no_sync). Gradients of weights split over a data axis (FSDP, ZeRO) are still reduced each
+        """A context whose forwards' gradients are summed on this rank, not reduced over the data axes (their
+        backward may run inside or after it, as with DDP's no_sync): the first reducing backward after it
+        reduces the sum once (gradient accumulation over microbatches). Gradients of weights split over a data axis (FSDP, ZeRO) are still reduced each
         backward: their reduction is what splits them."""
         return self._grad_buckets.accumulating()
 
