@@ -103,10 +103,12 @@ def test_bad_precision_and_optimizer_are_named():
 
 
 def _parallelize_with(rank, model, x, precision):
+    import copy
+
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    try:
-        autopar.parallelize(model, mesh, (x,), strategy="ddp", precision=precision)
+    try:   # a copy per rank: the capture swaps the weights for compute-dtype stand-ins while it traces
+        autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="ddp", precision=precision)
     except autopar.PlanError as e:
         return str(e)
     return None

@@ -26,6 +26,8 @@ import dataclasses
 
 import torch
 
+from .._compat import trace_lock
+
 
 @contextlib.contextmanager
 def traced_in(model: torch.nn.Module, dtype: torch.dtype | None):
@@ -73,7 +75,8 @@ def at_compute_dtype(capture_fn, model: torch.nn.Module, dtype: torch.dtype | No
         return capture_fn
 
     def traced(model, example_inputs, dynamic_shapes):
-        with traced_in(model, dtype):
+        # the lock around the swap too: a thread tracing the same model must not see it half restored
+        with trace_lock, traced_in(model, dtype):
             cap = capture_fn(model, cast_inputs(example_inputs, dtype), dynamic_shapes)
         return dataclasses.replace(cap, compute_dtype=dtype, param_dtypes=own)
     return traced
