@@ -86,7 +86,9 @@ def test_vocab_split_lookup_keeps_every_argument(case):
 def _local_lookup_args(rank, model, idx, plan):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    pm = autopar.parallelize(model, mesh, (idx,), plan=plan)
+    # a copy per rank thread, as every threaded test makes: two threads capturing one module share its
+    # tensors, and torch's fake-tensor state with them (it failed once: fake_mode.in_kernel_invocation)
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (idx,), plan=plan)
     return [n.args[2:] for n in pm.graph_module.graph.nodes if n.target is vocab_parallel_embedding]
 
 
