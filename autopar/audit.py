@@ -10,12 +10,22 @@ Measured, on this rank:
   re-gathered weights are not activations,
 - parameter, gradient and optimizer-state bytes actually allocated (gradients
   as backward leaves them, before the optimizer step; with an
-  autopar.ShardedOptimizer, its ZeRO-2 gradient slices too).
+  autopar.ShardedOptimizer, its ZeRO-2 gradient slices too),
+- with `timed_steps`, the step's time (the median over that many more steps) and, per
+  mesh axis, the time this rank spent blocked in collectives (calls and waits,
+  runtime/collectives.Comm.clock): the exposed communication the plan predicts
+  (`predicted.exposed_comm_time`; the rest should hide behind backward). On CPU
+  (gloo) that is the time the step waited; on CUDA a collective's call returns
+  once queued on its stream, so the figure is the host's waits only. The measured
+  step includes the optimizer step, which the prediction does not price.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import statistics
+import time
 
 import torch
 
@@ -31,6 +41,7 @@ class AuditRow:
     quantity: str
     predicted: float
     measured: float
+    unit: str = "bytes"   # or "seconds"
 
     @property
     def ratio(self) -> float:
@@ -47,8 +58,8 @@ class AuditReport:
     def __str__(self) -> str:
         lines = [f"{'quantity':<34} {'predicted':>14} {'measured':>14} {'measured/pred':>14}"]
         for r in self.rows:
-            lines.append(f"{r.quantity:<34} {cm.format_bytes(r.predicted):>14} {cm.format_bytes(r.measured):>14} "
-                         f"{r.ratio:>14.3f}")
+            show = cm.format_bytes if r.unit == "bytes" else (lambda s: f"{s * 1e3:.2f} ms")
+            lines.append(f"{r.quantity:<34} {show(r.predicted):>14} {show(r.measured):>14} {r.ratio:>14.3f}")
         return "\n".join(lines)
 
 
@@ -56,18 +67,51 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None) -> AuditReport:
+def audit(module: ParallelModule, *local_inputs, loss_fn=None, optimizer=None, timed_steps: int = 0) -> AuditReport:
     """One forward + backward (+ optimizer step, if given) on this rank's inputs, measured.
 
     `loss_fn(output) -> scalar` defaults to the mean of the (first) output. With
     an optimizer, its state is measured after one step (AdamW allocates its
-    moments lazily); gradients are zeroed first.
+    moments lazily); gradients are zeroed first. `timed_steps` more steps are
+    timed after that one (the first step allocates and warms up, so it is not
+    timed); 0, the default, keeps audit to one step and leaves the time rows out.
+    Call it on every rank: the steps run collectives.
     """
     with _measuring(module, local_inputs) as (saved, log):
         grad_bytes = _train_step(module, local_inputs, loss_fn, optimizer)
         records = list(log.records)
-    return AuditReport(tuple(_rows(module, optimizer, _comm_bytes(module.plan, records), grad_bytes,
-                                   saved.total())))
+    rows = _rows(module, optimizer, _comm_bytes(module.plan, records), grad_bytes, saved.total())
+    if timed_steps > 0:
+        rows += _time_rows(module, _timed(module, local_inputs, loss_fn, optimizer, timed_steps))
+    return AuditReport(tuple(rows))
+
+
+def _timed(module: ParallelModule, local_inputs: tuple, loss_fn, optimizer, steps: int) -> tuple:
+    """(step seconds, {axis: seconds blocked in collectives}), each the median over `steps` steps: the
+    typical step, not one a hiccup of the machine slowed."""
+    times, blocked = [], []
+    try:
+        for _ in range(steps):
+            module.comm.clock = {}
+            t0 = time.perf_counter()
+            _train_step(module, local_inputs, loss_fn, optimizer)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            blocked.append(module.comm.clock)
+    finally:
+        module.comm.clock = None
+    axes = {a for b in blocked for a in b}
+    return statistics.median(times), {a: statistics.median(b.get(a, 0.0) for b in blocked) for a in axes}
+
+
+def _time_rows(module: ParallelModule, timed: tuple) -> list:
+    step, blocked = timed
+    pred, names = module.plan.predicted, module.plan.mesh.axis_names
+    rows = [AuditRow("step time", pred.step_time, step, "seconds")]
+    rows += [AuditRow(f"exposed comm time on {a}", pred.exposed_comm_time.get(a, pred.comm_time[a]),
+                      blocked.get(i, 0.0), "seconds") for i, a in enumerate(names)]
+    return rows
 
 
 class _SavedActivations:

@@ -4,9 +4,9 @@ Run on every rank after init_device_mesh. Per named mesh axis it times all-reduc
 reduce-scatter and all-to-all over a few message sizes (every slice of the axis at once, as a
 training step runs them), takes each point's median over repeats after a warm-up and the
 maximum over ranks (one MAX all-reduce, so every rank returns the same figures), and fits one
-`Link(bandwidth, latency)` per axis by least squares to the cost model's own formula
-(cost_models.comm.collective_time: `latency * (n-1) + bytes_moved(kind, B, n) / bandwidth`), so the
-planner's predictions reproduce the measured times. It also times a square matmul (FLOP/s per
+`Link(bandwidth, latency)` per axis and collective kind by least squares to the cost model's own
+formula (cost_models.comm.collective_time: `latency * (n-1) + bytes_moved(kind, B, n) / bandwidth`),
+so the planner's predictions reproduce the measured times. It also times a square matmul (FLOP/s per
 dtype) and a large copy (memory bandwidth) on this rank's device. The result is a
 cost_models.Hardware plus the per-axis links; `path=` writes them as a JSON spec that
 `autopar.plan(..., hardware=path)` reads, applying each link to the mesh axis of the same name.
@@ -18,13 +18,12 @@ import os
 import socket
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import cost_models as cm
-from cost_models.hardware import save_hardware
+from cost_models.hardware import Calibration
 
 from .errors import MeshError
 
@@ -56,28 +55,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """What calibrate measured: the Hardware, a fitted Link per mesh axis name, and the measured
-    points per axis and collective, ((whole-tensor bytes, seconds), ...), the fits came from."""
-    hardware: cm.Hardware
-    links: dict
-    axis_sizes: dict
-    times: dict
-
-    def relative_errors(self) -> dict:
-        """{axis: {kind: ((bytes, predicted / measured - 1), ...)}}: how well each fit reproduces its points."""
-        return {axis: {kind: tuple((b, float(cm.collective_time(kind, b, self.axis_sizes[axis], self.links[axis]))
-                                    / t - 1) for b, t in points) for kind, points in kinds.items()}
-                for axis, kinds in self.times.items()}
-
-    def save(self, path) -> None:
-        """Write the JSON spec (the measured points go along under "measured", which readers ignore)."""
-        measured = {a: {"size": self.axis_sizes[a], **{k: [list(p) for p in pts] for k, pts in kinds.items()}}
-                    for a, kinds in self.times.items()}
-        save_hardware(path, self.hardware, self.links, measured=measured)
-
-
 def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False) -> Calibration:
     """Measure collectives per mesh axis and this device's compute; call on every rank of the job.
 
@@ -102,8 +79,7 @@ def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False)
     times, axis_sizes = {}, {name: n for name, _, n in axes}
     for (name, _, _, kind, b), t in zip(points, worst):
         times.setdefault(name, {}).setdefault(kind, []).append((b, t))
-    links = {a: fit_link([(k, b, t) for k, pts in kinds.items() for b, t in pts], axis_sizes[a])
-             for a, kinds in times.items()}
+    links = {a: axis_link(kinds, axis_sizes[a]) for a, kinds in times.items()}
     matmul, copy = worst[len(points):-1], worst[-1]
     flops = {d: 2 * side**3 / t for d, t in zip(dtypes, matmul) if t < float("inf")}
     memory_bytes, per_node = _memory_and_ranks_per_node(device_type)
@@ -116,6 +92,15 @@ def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False)
         result.save(path)
     _world_max([0.0], device_type)   # a barrier: no rank returns before the file exists
     return result
+
+
+def axis_link(times: dict, n: int) -> cm.Link:
+    """One axis's Link: fitted to all its points, with each collective kind's own fit under `kinds`
+    (a backend may run one kind ~3x slower per byte than another: gloo's reduce-scatter); the shared
+    figures price the kinds calibration did not time (send/recv)."""
+    own = {kind: fit_link([(kind, b, t) for b, t in pts], n) for kind, pts in times.items() if len(pts) >= 2}
+    shared = fit_link([(k, b, t) for k, pts in times.items() for b, t in pts], n)
+    return cm.Link(shared.bandwidth, shared.latency, own)
 
 
 def fit_link(points, n: int) -> cm.Link:

@@ -43,7 +43,8 @@ from .sharding.strategies import all_strategies
 
 def _hardware(hardware, mesh):
     """(Hardware, per-axis links) from `hardware=`: a preset name, a cost_models.Hardware, or a spec (a dict or
-    the path of a JSON file, as autopar.calibrate writes), which may carry measured links per mesh axis name."""
+    the path of a JSON file, as autopar.calibrate writes) or a Calibration, which carry measured links per mesh
+    axis name."""
     default = "h100"
     if hasattr(mesh, "device_type") and mesh.device_type == "cpu":
         default = "cpu"

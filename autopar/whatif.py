@@ -48,16 +48,11 @@ def max_batch(plan: Plan, memory_limit, *, symbol: str | None = None) -> int:
     limit, one more sample per shard is over it. `symbol` names the batch dim
     when the plan has several dynamic dims.
 
-    The expression's transient term is the working set of the forward op that
-    peaks at the example sizes (see `predict.peak_working_set`), so the answer
-    is the cost model's own wherever that op still peaks. It does at every
-    batch when each working set is proportional to the batch (no weight
-    gathered in forward, as under DDP, TP or ZeRO-1/2, and no tensor without
-    the batch dim alive outside what autograd keeps): then no op overtakes
-    another. Under FSDP a gathered weight adds a constant to its op's working
-    set, so another op may peak at other batches; there the expression is
-    below the cost model's prediction and the answer can be too large (a plan
-    made at that batch, `plan.predicted.memory.total`, tells).
+    The expression's transient term is the largest forward working set at
+    every batch (a Max of the ops' working sets that can peak; see
+    `predict.upper_envelope`): under FSDP a gathered weight adds a constant to
+    its op's working set, so one op may peak at small batches and another at
+    large ones. The answer is the cost model's own at every batch.
     """
     batch = _batch_symbol(plan, symbol, "max_batch")
     shards = _batch_shards(plan)

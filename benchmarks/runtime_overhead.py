@@ -4,7 +4,8 @@
     python benchmarks/runtime_overhead.py --strategies ddp,tp --rounds 3
     python benchmarks/runtime_overhead.py --layers 1 --hidden 64 --vocab 256 --seq 32 --steps 2 --rounds 2   # smoke, ~1 min
     python benchmarks/runtime_overhead.py --hardware h100                  # price the plan for another device
-    python benchmarks/runtime_overhead.py --hardware my_host.json          # or a cost_models.Hardware as JSON (--help)
+    python benchmarks/runtime_overhead.py --hardware my_host.json          # a JSON spec (autopar.calibrate writes one)
+    python benchmarks/runtime_overhead.py --calibrate                      # calibrate on the ranks, then plan
 
 For each strategy, `world` real processes (torch.multiprocessing, spawn) join a gloo process group,
 each with `--threads` intra-op threads (default 1: the ranks share the machine's cores). Every rank
@@ -41,14 +42,14 @@ machine moved it. Collectives are counted the same way on both sides: the gloo w
 itself runs a reduce-scatter as an all-reduce of the whole buffer: twice a ring reduce-scatter's bytes).
 "predicted ms" is the plan's `predicted.step_time` on the hardware it was planned for (printed
 below the table; the planner's default for a CPU mesh is the "cpu" preset, rough figures for
-loopback gloo).
+loopback gloo; `--calibrate` measures the ranks first with autopar.calibrate and plans with that),
+"prediction error" that against autopar's measured step.
 """
 import argparse
 import collections
 import contextlib
 import copy
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -65,6 +66,7 @@ from torch.nn import functional as F
 
 import autopar
 import cost_models as cm
+from cost_models.hardware import resolve_hardware
 from autopar.testing import GPT, GPTConfig, gpt_loss
 
 # strategy -> (mesh shape, axis names); ranks = product of the shape
@@ -112,17 +114,6 @@ def make_batch(args):
 def batch_shard(t: torch.Tensor, mesh, axis: str) -> torch.Tensor:
     """This rank's rows of a global batch split over one mesh axis (what a data-parallel rank reads)."""
     return t.chunk(mesh.size(mesh.mesh_dim_names.index(axis)))[mesh.get_local_rank(axis)].contiguous()
-
-
-def load_hardware(spec):
-    """None, a preset name, or a JSON file with cost_models.Hardware's fields (links as {bandwidth, latency})."""
-    if spec is None or not os.path.exists(spec):
-        return spec if spec is None else cm.get_hardware(spec)
-    with open(spec) as f:
-        d = json.load(f)
-    for link in ("intra_node_link", "inter_node_link"):
-        d[link] = cm.Link(**d[link])
-    return cm.Hardware(**d)
 
 
 # ----------------------------------------------------------------------------- the native versions
@@ -277,12 +268,18 @@ def count_collectives(side: Side) -> dict:
 def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
     """(autopar Side or None, autopar info, native Side); autopar's exception goes into the info."""
     info = {}
+    hardware = args.hardware
+    if args.calibrate:   # on these ranks, with their threads, before either side runs
+        PHASE[0] = "calibrating"
+        hardware = autopar.calibrate(mesh)
     try:
         t0 = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pm = autopar.parallelize(copy.deepcopy(model), mesh, (idx,), strategy=strategy, hardware=args.hardware)
+            pm = autopar.parallelize(copy.deepcopy(model), mesh, (idx,), strategy=strategy, hardware=hardware)
+        exposed = pm.plan.predicted.exposed_comm_time
         info.update(build_s=time.perf_counter() - t0, predicted=pm.plan.predicted.step_time,
+                    predicted_compute=pm.plan.predicted.compute_time, predicted_exposed=sum(exposed.values()),
                     hardware=pm.plan.hardware, warnings=sorted({str(w.message).split("\n")[0] for w in caught}),
                     planned_collectives=len(pm.plan.collectives))
         opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=args.lr)
@@ -462,20 +459,21 @@ def table_cells(row: dict) -> list:
     """The cells of one table row; a failed side says so in its first cell."""
     head = [row["strategy"], str(row["ranks"]), NATIVE_NAMES[row["strategy"]]]
     if "failed" in row:   # the ranks died: neither side measured
-        return head + [f"failed: {row['failed']}"] + [""] * 6
+        return head + [f"failed: {row['failed']}"] + [""] * 7
     info = row["info"]
     match = ("ok" if row["loss_diff"] <= LOSS_RTOL else "WARN") + f" ({row['loss_diff']:.1e})"
     if "autopar_ms" not in row:
         return head + [f"{row['native_ms']:.1f}", f"failed: {info['error']}", "", _coll(row["native_coll"]),
-                       "", "", match]
+                       "", "", "", match]
     return head + [f"{row['native_ms']:.1f}", f"{row['autopar_ms']:.1f}", f"{row['autopar_ms'] / row['native_ms']:.2f}",
-                   _coll(row["native_coll"]), _coll(row["autopar_coll"]), f"{info['predicted'] * 1e3:.2f}", match]
+                   _coll(row["native_coll"]), _coll(row["autopar_coll"]), f"{info['predicted'] * 1e3:.1f}",
+                   f"{info['predicted'] * 1e3 / row['autopar_ms'] - 1:+.0%}", match]
 
 
 def print_table(rows: list, args):
     print("| strategy | ranks | native | native ms | autopar ms | ratio | native coll/step | autopar coll/step "
-          "| predicted ms | loss match |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| predicted ms | prediction error | loss match |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(table_cells(row)) + " |")
     print_details(rows, args)
@@ -484,8 +482,10 @@ def print_table(rows: list, args):
 def print_details(rows: list, args):
     print()
     hardware = {row["info"]["hardware"] for row in rows if "hardware" in row.get("info", {})}
-    how = "given by --hardware" if args.hardware is not None else "the planner's default for a CPU mesh"
-    print(f"predicted ms: plan.predicted.step_time for hardware {', '.join(sorted(hardware)) or '-'} ({how})")
+    how = ("autopar.calibrate(mesh) on the same ranks before the sides ran (--calibrate)" if args.calibrate else
+           "given by --hardware" if args.hardware is not None else "the planner's default for a CPU mesh")
+    print(f"predicted ms: plan.predicted.step_time for hardware {', '.join(sorted(hardware)) or '-'} ({how}); "
+          "prediction error: predicted / autopar ms - 1")
     for row in rows:
         if "failed" in row:
             continue
@@ -497,6 +497,8 @@ def print_details(rows: list, args):
         info = row["info"]
         print(f"{row['strategy']}: autopar collectives {_kinds(row['autopar_coll'])}; plan.collectives has "
               f"{info['planned_collectives']}; built in {info['build_s']:.1f} s")
+        print(f"{row['strategy']}: predicted ms = compute {info['predicted_compute'] * 1e3:.1f} + exposed "
+              f"communication {info['predicted_exposed'] * 1e3:.1f}")
         print(f"{row['strategy']}: loss step 1 autopar {row['first']['autopar']:.6f} native "
               f"{row['first']['native']:.6f} one device {row['reference']:.6f}; after "
               f"{WARMUP + 1 + args.rounds * args.steps} steps autopar {row['last']['autopar']:.6f} "
@@ -524,10 +526,11 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--hardware", default=None,
-                   help="cost-model preset (cpu, h100, ...) or a JSON file of cost_models.Hardware fields: "
-                        '{"name": ..., "peak_flops": {"float32": ...}, "memory_bytes": ..., "memory_bandwidth": ..., '
-                        '"intra_node_link": {"bandwidth": ..., "latency": ...}, "inter_node_link": {...}, '
-                        '"devices_per_node": 8}; default: the planner\'s (cpu for a CPU mesh)')
+                   help=f"cost-model preset ({', '.join(sorted(cm.PRESETS))}) or a JSON hardware spec, as "
+                        "autopar.calibrate(mesh, path) writes; default: the planner's (cpu for a CPU mesh)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="plan with autopar.calibrate(mesh), run on each strategy's ranks before they are timed "
+                        "(adds ~10 s per mesh axis)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=300,
@@ -540,10 +543,13 @@ def parse_args(argv=None):
     if args.hidden % args.heads or any(args.heads % n for n in tp_degrees):
         p.error(f"--heads {args.heads} must divide --hidden {args.hidden}, and the tp degree "
                 f"{max(tp_degrees, default=1)} must divide --heads (the native TP splits whole heads)")
-    try:
-        args.hardware = load_hardware(args.hardware)
-    except (OSError, TypeError, ValueError, cm.CostModelError) as e:
-        p.error(f"--hardware {args.hardware}: {e}")
+    if args.calibrate and args.hardware is not None:
+        p.error("--calibrate measures the hardware; give it or --hardware, not both")
+    if args.hardware is not None:
+        try:
+            resolve_hardware(args.hardware)
+        except cm.CostModelError as e:
+            p.error(f"--hardware: {e}")
     return args
 
 

@@ -46,6 +46,7 @@ def collective_time(kind, full_bytes, n, link):
     _check(kind)
     if n == 1:
         return 0
+    link = link.for_kind(kind)
     if kind == SEND_RECV:
         return link.latency + full_bytes / link.bandwidth
     # One alpha per ring step. (A ring all-reduce really takes 2(n-1) steps; we keep

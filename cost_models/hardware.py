@@ -10,19 +10,37 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from .comm import KINDS, collective_time
 from .errors import CostModelError
 
 
 @dataclass(frozen=True)
 class Link:
-    """One link class, alpha-beta model: time = latency + bytes / bandwidth."""
+    """One link class, alpha-beta model: time = latency + bytes / bandwidth.
+
+    `kinds` optionally gives some collective kinds ("reduce_scatter", ...) their own Link: what
+    autopar.calibrate measures, because a backend may run one kind much slower per byte than
+    another on the same wires (gloo's reduce-scatter is an all-reduce of the whole buffer, ~3x an
+    ideal ring's time). Kinds not named use this Link's own figures. Stored as a sorted tuple of
+    (kind, Link) pairs so Link stays frozen and hashable.
+    """
     bandwidth: float  # bytes/s, one direction, per device
     latency: float    # seconds per hop / ring step (alpha)
+    kinds: Mapping[str, "Link"] = ()
 
     def __post_init__(self):
         if not self.bandwidth > 0 or not self.latency > 0:
             raise CostModelError(f"Link needs positive bandwidth and latency, got "
                                  f"bandwidth={self.bandwidth!r}, latency={self.latency!r}")
+        pairs = tuple(sorted(dict(self.kinds).items()))
+        for kind, link in pairs:
+            if not isinstance(link, Link) or link.kinds:
+                raise CostModelError(f"Link.kinds[{kind!r}] must be a plain Link (no kinds of its own), got {link!r}")
+        object.__setattr__(self, "kinds", pairs)
+
+    def for_kind(self, kind: str) -> "Link":
+        """The Link a collective of `kind` runs at: its own where calibrated, else this one."""
+        return dict(self.kinds).get(kind, self)
 
 
 @dataclass(frozen=True)
@@ -179,7 +197,10 @@ _OPTIONAL = ("devices_per_node", "links", "measured")
 
 
 def _link_dict(link: Link) -> dict:
-    return {"bandwidth": link.bandwidth, "latency": link.latency}
+    d = {"bandwidth": link.bandwidth, "latency": link.latency}
+    if link.kinds:
+        d["kinds"] = {kind: _link_dict(k) for kind, k in link.kinds}
+    return d
 
 
 def hardware_to_dict(hardware: Hardware, links: "Mapping[str, Link] | None" = None, measured=None) -> dict:
@@ -208,8 +229,21 @@ def _link(value, field: str, source: str) -> Link:
             raise CostModelError(f"{source}: missing field '{field}.{key}'")
     bandwidth = _number(value["bandwidth"], f"{field}.bandwidth", source)
     latency = _number(value["latency"], f"{field}.latency", source)
+    unknown = sorted(set(value) - {"bandwidth", "latency", "kinds"})
+    if unknown:
+        raise CostModelError(f"{source}: unknown field(s) {unknown} in {field!r}; a link has bandwidth, latency "
+                             f"and optionally kinds")
+    kinds = value.get("kinds") or {}
+    if not isinstance(kinds, Mapping):
+        raise CostModelError(f"{source}: field '{field}.kinds' must map collective kinds to links, got {kinds!r}")
+    if ".kinds." in field and kinds:
+        raise CostModelError(f"{source}: {field} is a collective's own link; it cannot have kinds of its own")
+    bad = sorted(set(kinds) - set(KINDS))
+    if bad:
+        raise CostModelError(f"{source}: unknown collective kind(s) {bad} in '{field}.kinds'; known: {', '.join(KINDS)}")
+    own = {kind: _link(v, f"{field}.kinds.{kind}", source) for kind, v in kinds.items()}
     try:
-        return Link(bandwidth, latency)
+        return Link(bandwidth, latency, own)
     except CostModelError as e:
         raise CostModelError(f"{source}: {field}: {e}") from None
 
@@ -265,10 +299,35 @@ def load_hardware(path) -> "tuple[Hardware, dict[str, Link]]":
     return hardware_from_dict(d, source)
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What autopar.calibrate measured: the Hardware, a fitted Link per mesh axis name, and the measured
+    points per axis and collective, ((whole-tensor bytes, seconds), ...), the fits came from. Here, with
+    the specs, so the planner takes one as `hardware=` (resolve_hardware) without reaching up to autopar."""
+    hardware: Hardware
+    links: dict
+    axis_sizes: dict
+    times: dict
+
+    def relative_errors(self) -> dict:
+        """{axis: {kind: ((bytes, predicted / measured - 1), ...)}}: how well each fit reproduces its points."""
+        return {axis: {kind: tuple((b, float(collective_time(kind, b, self.axis_sizes[axis], self.links[axis]))
+                                    / t - 1) for b, t in points) for kind, points in kinds.items()}
+                for axis, kinds in self.times.items()}
+
+    def save(self, path) -> None:
+        """Write the JSON spec (the measured points go along under "measured", which readers ignore)."""
+        measured = {a: {"size": self.axis_sizes[a], **{k: [list(p) for p in pts] for k, pts in kinds.items()}}
+                    for a, kinds in self.times.items()}
+        save_hardware(path, self.hardware, self.links, measured=measured)
+
+
 def resolve_hardware(spec, default: str = "h100") -> "tuple[Hardware, dict[str, Link]]":
     """(Hardware, per-axis links) from what a user passes as `hardware=`: a preset name, a Hardware,
-    a spec dict, or a path to a JSON spec (a name that is no preset and ends in .json or names a file).
-    Only a spec brings per-axis links; the others bring none."""
+    a Calibration, a spec dict, or a path to a JSON spec (a name that is no preset and ends in .json or
+    names a file). Only a Calibration or a spec brings per-axis links; the others bring none."""
+    if isinstance(spec, Calibration):
+        return spec.hardware, dict(spec.links)
     if isinstance(spec, Mapping):
         return hardware_from_dict(spec)
     is_preset = isinstance(spec, str) and spec.strip().lower() in PRESETS
@@ -278,5 +337,5 @@ def resolve_hardware(spec, default: str = "h100") -> "tuple[Hardware, dict[str, 
     if spec is None or isinstance(spec, Hardware) or is_preset:
         return get_hardware(spec, default), {}
     raise CostModelError(f"unknown hardware {spec!r}; give a preset name ({', '.join(sorted(PRESETS))}), a "
-                         f"cost_models.Hardware, a spec dict, or the path of a JSON spec (autopar.calibrate "
+                         f"cost_models.Hardware, an autopar.Calibration, a spec dict, or the path of a JSON spec (autopar.calibrate "
                          f"writes one)")

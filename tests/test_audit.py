@@ -35,3 +35,35 @@ def test_audit_comm_and_parameter_memory_equal_prediction(strategy, mesh_shape):
                 assert row.measured == row.predicted, (quantity, row)
             assert report.row("activations saved for backward").measured > 0
             assert "measured/pred" in text
+
+
+def _timed_audit(rank, model, x, strategy, delay):
+    import time
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+
+    def loss_fn(out):   # rank 0 comes late to every step's gradient reduction
+        if rank == 0:
+            time.sleep(delay)
+        return out.float().mean()
+    return autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt, loss_fn=loss_fn, timed_steps=3)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_audit_times_the_step_and_the_waits_for_collectives(strategy):
+    # the clock counts the time a rank is blocked in collectives: rank 1 waits for rank 0, which sleeps
+    # `delay` before each backward, at the gradient reduction; rank 0 finds rank 1 there and hardly waits
+    torch.manual_seed(0)
+    delay = 0.2
+    model, x = MLP([16, 32, 16]), torch.randn(8, 16)
+    late, waiting = run_threaded(2, _timed_audit, model, x, strategy, delay)
+    for report in (late, waiting):
+        step, exposed = report.row("step time"), report.row("exposed comm time on dp")
+        assert step.unit == exposed.unit == "seconds" and " ms" in str(report)
+        assert step.predicted > 0 and step.measured >= delay   # every step waits for the late rank
+        assert 0 <= exposed.measured <= step.measured
+        assert 0 < exposed.predicted <= step.predicted
+    assert waiting.row("exposed comm time on dp").measured >= 0.75 * delay
+    assert late.row("exposed comm time on dp").measured < 0.5 * delay

@@ -13,7 +13,7 @@ import torch
 
 import autopar
 import cost_models as cm
-from autopar.calibrate import DEFAULT_SIZES, KINDS, MIN_LATENCY, Calibration, calibrate, fit_link
+from autopar.calibrate import DEFAULT_SIZES, KINDS, MIN_LATENCY, Calibration, axis_link, calibrate, fit_link
 from autopar.testing import MLP, run_threaded
 from cost_models.hardware import hardware_from_dict, hardware_to_dict, load_hardware, resolve_hardware, save_hardware
 
@@ -46,6 +46,35 @@ def test_fit_clamps_a_latency_the_times_do_not_show():
     fitted = fit_link(points, 4)
     assert fitted.latency == MIN_LATENCY
     assert fitted.bandwidth == pytest.approx(2e9, rel=0.01)
+
+
+def test_each_collective_kind_gets_its_own_fitted_link():
+    # gloo runs a reduce-scatter as an all-reduce of the whole buffer: 3x slower per byte than its
+    # all-reduce on a ring of 2. One shared link would miss both; a link per kind prices each as measured.
+    slow_rs = cm.Link(LINK.bandwidth / 3, LINK.latency)
+    times = {k: [(b, float(cm.collective_time(k, b, 2, slow_rs if k == cm.REDUCE_SCATTER else LINK)))
+                 for b in DEFAULT_SIZES] for k in KINDS}
+    link = axis_link(times, 2)
+    assert link.for_kind(cm.REDUCE_SCATTER).bandwidth == pytest.approx(slow_rs.bandwidth, rel=1e-9)
+    assert link.for_kind(cm.ALL_REDUCE).bandwidth == pytest.approx(LINK.bandwidth, rel=1e-9)
+    assert slow_rs.bandwidth < link.bandwidth < LINK.bandwidth   # the shared fit, for kinds not timed
+    for k, pts in times.items():
+        for b, t in pts:
+            assert float(cm.collective_time(k, b, 2, link)) == pytest.approx(t, rel=1e-9)
+    assert float(cm.collective_time(cm.SEND_RECV, 1e6, 2, link)) == pytest.approx(link.latency + 1e6 / link.bandwidth)
+
+
+def test_a_spec_link_with_kinds_round_trips_and_rejects_unknown_kinds(tmp_path):
+    link = cm.Link(2e9, 1e-5, {cm.REDUCE_SCATTER: cm.Link(7e8, 2e-5)})
+    path = tmp_path / "kinds.json"
+    save_hardware(path, _hardware(), {"dp": link})
+    assert load_hardware(path)[1] == {"dp": link}
+    d = hardware_to_dict(_hardware(), {"dp": link})
+    d["links"]["dp"]["kinds"]["all_scatter"] = {"bandwidth": 1e9, "latency": 1e-5}
+    with pytest.raises(cm.CostModelError, match=r"unknown collective kind\(s\) \['all_scatter'\] in 'links.dp.kinds'"):
+        hardware_from_dict(d)
+    with pytest.raises(cm.CostModelError, match="must be a plain Link"):
+        cm.Link(1e9, 1e-5, {cm.ALL_REDUCE: link})
 
 
 def _hardware():
@@ -83,6 +112,9 @@ def test_plan_uses_the_spec_links_by_axis_name(tmp_path):
     assert _ddp_comm(path, {"dp": LINK}).comm_time["dp"] == pytest.approx(
         _ddp_comm(_hardware(), {"dp": LINK}).comm_time["dp"])
     assert _ddp_comm(json.loads(path.read_text())).comm_time["dp"] == pytest.approx(from_spec.comm_time["dp"])
+    # and so does the Calibration itself, as autopar.calibrate returns it
+    calibration = Calibration(_hardware(), {"dp": SLOW}, {"dp": 2}, {})
+    assert _ddp_comm(calibration) == from_spec
 
 
 def test_a_bad_spec_names_the_file_and_the_field(tmp_path):

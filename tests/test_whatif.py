@@ -77,16 +77,19 @@ def ddp():
 #   (x's input gradient is never needed: x does not require grad)
 #   activations                                         = 256 B
 # Transient, the largest forward working set (liveness.py): what is alive at an op and not
-# kept by autograd, plus the weights gathered whole over dp for that op.
-#   at linear:   h is being made but is kept (counted above); W0 gathered over dp, still
-#                split over tp: [128/2, 64] fp32 = 16384                 -> 16384
+# kept by autograd, plus the weights gathered whole over dp around it. Each weight is an FSDP
+# layer of its own ("0", "1": items of the Sequential, cost/layer_groups.py); a layer is
+# gathered at its first use, which also launches the next layer's gather (the prefetch), and
+# lives to its last use. A weight gathered over dp, still split over tp, is
+# [128/2, 64] = [64, 128/2] fp32 = 16384 bytes.
+#   at linear:   h is being made but is kept (counted above); W0 gathered, W1 prefetched
+#                                                                        -> 32768
 #   at linear_1: h kept; y (lives to the end: the loss reads it), partial sums [B/2, 64]
-#                fp32 = 128 B; W1 gathered over dp, split over tp: [64, 128/2] fp32 = 16384
-#                                                                        -> 16384 + 128 B
-#   linear_1's set holds linear's plus y, so it peaks at every B: transient = 16384 + 128 B
-#   (the symbolic form is the op that peaks at the example batch, B = 8; here it peaks at
-#   every batch, so the expression, and max_batch, are exact for the cost model)
-#   total = 16384 + 16384 + 32768 + 256 B + 16384 + 128 B = 81920 + 384 B
+#                fp32 = 128 B; W1 (W0's last use has passed)              -> 16384 + 128 B
+#   transient = Max(32768, 16384 + 128 B): linear peaks below B = 128, linear_1 above (the
+#   symbolic form keeps both, so max_batch is the cost model's own at every batch)
+#   total = 16384 + 16384 + 32768 + 256 B + transient = 65536 + 256 B + Max(32768, 16384 + 128 B)
+#         = 98304 + 256 B up to B = 128, 81920 + 384 B from there
 # Compute (3 x forward FLOPs at 1e12):
 #   layer 0: local [B/2, 64] out, k = 64:  2 * (B/2 * 64) * 64 = 4096 B FLOPs
 #   layer 1: local [B/2, 64] out, k = 128/2: 4096 B FLOPs
@@ -102,8 +105,8 @@ def ddp():
 #   dp when 2.4576e-8 B >= 5.4096e-5        <=> B >= 2201.17
 #   tp when 2.4576e-8 B >= 1e-5 + 1.28e-8 B <=> B >= 1e-5 / 1.1776e-8 = 849.18
 #   -> the smallest even B from which both hold: 2202
-# Largest batch within 100,000 bytes: 384 B <= 18080 <=> B <= 47.08 -> even: 46
-#   (46: 81920 + 17664 = 99584 fits; 48: 81920 + 18432 = 100352 does not).
+# Largest batch within 100,000 bytes: 98304 + 256 B <= 100000 <=> B <= 6.6 -> even: 6
+#   (6: 98304 + 1536 = 99840 fits; 8: 98304 + 2048 = 100352 does not).
 # Within 1 MiB: 384 B <= 1048576 - 81920 = 966656 <=> B <= 2517.3 -> even: 2516.
 # Within 1040 KiB = 1064960: 384 B <= 983040 <=> B <= 2560, exactly at the limit.
 
@@ -115,9 +118,9 @@ def test_fsdp_tp_layout_and_terms_match_the_derivation(fsdp_tp):
     m = s.memory
     assert (m.params, m.grads, m.optimizer) == (16384, 16384, 32768)
     assert sympy.expand(m.activations - 256 * b) == 0
-    assert sympy.expand(m.transient - (16384 + 128 * b)) == 0
-    assert sympy.expand(m.total - (81920 + 384 * b)) == 0
-    assert plan.predicted.memory.total == 81920 + 384 * 8  # the example batch
+    assert m.transient == sympy.Max(32768, 16384 + 128 * b)
+    assert sympy.expand(m.total - (65536 + 256 * b + sympy.Max(32768, 16384 + 128 * b))) == 0
+    assert plan.predicted.memory.total == 98304 + 256 * 8  # the example batch: linear peaks
     assert float(_at(s.compute_time, 1)) == pytest.approx(2.4576e-8, rel=1e-12)
     assert sympy.sympify(s.comm_time["dp"]).free_symbols == set()
     assert float(s.comm_time["dp"]) == pytest.approx(5 * (1e-5 + 8192 / 1e10), rel=1e-12)
@@ -134,7 +137,7 @@ def test_fsdp_tp_min_compute_bound_batch(fsdp_tp):
     assert _at(s.compute_time, 2200) < _at(s.comm_time["dp"], 2200)
 
 
-@pytest.mark.parametrize("limit,expected", [(100_000, 46), ("1MiB", 2516), ("1040KiB", 2560)])
+@pytest.mark.parametrize("limit,expected", [(100_000, 6), ("1MiB", 2516), ("1040KiB", 2560)])
 def test_fsdp_tp_max_batch(fsdp_tp, limit, expected):
     assert autopar.max_batch(fsdp_tp, limit) == expected
     total = fsdp_tp.symbolic.memory.total
@@ -142,8 +145,8 @@ def test_fsdp_tp_max_batch(fsdp_tp, limit, expected):
 
 
 def test_fsdp_tp_symbolic_memory_is_the_prediction_at_another_batch():
-    # the peak op (linear_1) is the same at every batch, so the expression made at B = 8 is
-    # what the cost model predicts for a plan made at B = 2560: 81920 + 384 * 2560 = 1064960
+    # the expression made at B = 8 keeps both candidate peaks, so it is what the cost model predicts
+    # for a plan made at B = 2560, where linear_1 peaks: 81920 + 384 * 2560 = 1064960
     plan = _plan("fsdp+tp", {"dp": 2, "tp": 2}, dynamic=False, shape=(2560, 64))
     assert plan.param_placements == {"0.weight": ("S(1)", "S(0)"), "1.weight": ("S(0)", "S(1)")}
     assert plan.predicted.memory.transient == 16384 + 128 * 2560
@@ -212,37 +215,34 @@ def test_other_dynamic_dims_stay_at_their_example_size():
 # --- where the peak op moves with the batch: FSDP on dp=2, 64 -> 1024 -> 8 --------------
 #
 # W0 [1024, 64] = 262144 bytes, W1 [8, 1024] = 32768 bytes, both split over dp and gathered
-# whole for use; the batch split over dp.
+# whole for use, each an FSDP layer of its own (W1 prefetched while linear runs); the batch
+# split over dp.
 #   params + grads + optimizer = (262144 + 32768) / 2 * (1 + 1 + 2) = 589824
 #   activations: linear keeps x [B/2, 64] = 128 B, linear_1 keeps h [B/2, 1024] = 2048 B
-#   working sets: at linear W0 = 262144 (h is kept); at linear_1 W1 + y [B/2, 8] = 32768 + 16 B
-#   -> linear peaks below B = (262144 - 32768) / 16 = 14336, linear_1 above it.
-# Made at B = 8, the symbolic transient is linear's 262144, so
-#   memory.total = 589824 + 2176 B + 262144 = 851968 + 2176 B,
-# exact up to B = 14336 and too low above it, where the cost model predicts
-#   589824 + 2176 B + 32768 + 16 B = 622592 + 2192 B.
-# With the limit 851968 + 2176 * 16384 = 36503552, max_batch answers 16384, yet a plan made
-# at 16384 predicts 622592 + 2192 * 16384 = 36536320 (32768 over); the largest batch within
-# the limit by that prediction is 2192 B <= 35880960 <=> B <= 16369.05 -> even: 16368.
-# (If the symbolic transient becomes the Max over ops, max_batch answers 16368 here.)
+#   working sets: at linear W0 + W1 = 294912 (h is kept); at linear_1 W1 + y [B/2, 8] = 32768 + 16 B
+#   -> linear peaks below B = (294912 - 32768) / 16 = 16384, linear_1 above it.
+# Made at B = 8, the symbolic transient keeps both: Max(294912, 32768 + 16 B), so
+#   memory.total = 589824 + 2176 B + Max(294912, 32768 + 16 B)
+# is what a plan made at any batch predicts: 884736 + 2176 B up to 16384, 622592 + 2192 B above.
+# Within 36503552 bytes: 884736 + 2176 B <= 36503552 <=> B <= 16369.4 -> even: 16368 (the other
+# branch, 2192 B <= 35880960 <=> B <= 16369.05, lies below 16384 and does not apply).
 
 def _wide_then_narrow():
     with torch.device("meta"):
         return nn.Sequential(nn.Linear(64, 1024, bias=False), nn.Linear(1024, 8, bias=False))
 
 
-def test_max_batch_follows_the_example_batchs_peak_op():
+def test_max_batch_follows_the_peak_op_across_batches():
     plan = _plan("fsdp", {"dp": 2}, model=_wide_then_narrow())
     m = plan.symbolic.memory
     assert (m.params + m.grads + m.optimizer) == 589824
     assert sympy.expand(m.activations - 2176 * b) == 0
-    assert m.transient == 262144
-    assert autopar.max_batch(plan, 36503552) == 16384
-    at_small = _plan("fsdp", {"dp": 2}, dynamic=False, shape=(14336, 64), model=_wide_then_narrow())
-    assert at_small.predicted.memory.total == int(_at(m.total, 14336)) == 851968 + 2176 * 14336
-    at_large = _plan("fsdp", {"dp": 2}, dynamic=False, shape=(16384, 64), model=_wide_then_narrow())
-    assert at_large.predicted.memory.transient == 32768 + 16 * 16384
-    assert at_large.predicted.memory.total == 36536320 > 36503552
+    assert m.transient == sympy.Max(294912, 32768 + 16 * b)
+    assert autopar.max_batch(plan, 36503552) == 16368
+    for batch, transient in ((14336, 294912), (20000, 32768 + 16 * 20000)):
+        made_there = _plan("fsdp", {"dp": 2}, dynamic=False, shape=(batch, 64), model=_wide_then_narrow())
+        assert made_there.predicted.memory.transient == transient
+        assert made_there.predicted.memory.total == int(_at(m.total, batch))
 
 
 # --- the symbolic predictions these queries read ------------------------------------
@@ -255,7 +255,7 @@ def test_comm_time_is_per_axis_expressions_in_batch_that_survive_json(fsdp_tp):
     back = autopar.Plan.from_json(fsdp_tp.to_json())
     assert back.symbolic == fsdp_tp.symbolic  # exactly: the floats keep all their bits
     assert autopar.min_compute_bound_batch(back) == 2202
-    assert autopar.max_batch(back, 100_000) == 46
+    assert autopar.max_batch(back, 100_000) == 6
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -268,8 +268,8 @@ def test_plan_without_dynamic_batch_is_refused():
 
 
 def test_smallest_batch_over_the_limit(fsdp_tp):
-    # at B = 2 (one sample per dp shard): 81920 + 384 * 2 = 82688 bytes = 80.75 KiB > 64 KiB
-    with pytest.raises(autopar.AutoparError, match=r"smallest batch this plan takes, 2 .*80.75 KiB.*64.00 KiB"):
+    # at B = 2 (one sample per dp shard): 98304 + 256 * 2 = 98816 bytes = 96.50 KiB > 64 KiB
+    with pytest.raises(autopar.AutoparError, match=r"smallest batch this plan takes, 2 .*96.50 KiB.*64.00 KiB"):
         autopar.max_batch(fsdp_tp, "64KiB")
 
 

@@ -222,6 +222,33 @@ def _redistributions(prob, groups, stacks, rerun: set, symbolic: bool) -> list[C
     return colls
 
 
+def _gathered_layers(prob, groups, members: dict) -> list:
+    """Per forward op (prob.live's order): bytes of the FSDP layer groups gathered whole while it runs.
+
+    As the module runs them (runtime/layer_groups.py): a layer's weights arrive in one flat gather at the
+    first use of any of them, which also launches the next layer's gather (the prefetch), and stay until
+    the last of them has been used. So layer k is alive from the first use of layer k-1 (its own first use,
+    for the first layer) to its own last use; the root group (embeddings, head) spans the whole forward.
+    A weight's size does not depend on the batch, so these are numbers, symbolic prediction or not."""
+    position = {point: i for i, (point, _) in enumerate(prob.live)}
+    size, span = {}, {}
+    for r in groups:
+        key = members.get(r.producer)
+        uses = [position[c] for c, _ in r.consumers if c in position]
+        if key is None or not uses:
+            continue
+        size[key] = size.get(key, 0) + int(gathered_weight_bytes(prob.cap, r.producer, r.src, r.dst, prob.mesh))
+        first, last = span.get(key, (min(uses), max(uses)))
+        span[key] = (min(first, *uses), max(last, *uses))
+    at = [0] * len(prob.live)
+    order = sorted(span, key=lambda k: span[k][0])
+    for k, key in enumerate(order):
+        start = span[order[k - 1]][0] if k else span[key][0]
+        for i in range(start, span[key][1] + 1):
+            at[i] += size[key]
+    return at
+
+
 def _transient(prob, choice, groups, stacks, symbolic: bool):
     """The largest working set of any op; backward holds one recomputed block's activations at a time."""
     transient = peak_working_set(prob, choice, groups, symbolic)
@@ -245,30 +272,36 @@ def _comm_terms(colls, mesh, links):
 
 
 def peak_working_set(prob, choice, groups, symbolic: bool):
-    """The most bytes alive at one forward op beyond saved activations (see search._transient_rows).
+    """The most bytes alive at one forward op beyond saved activations (see search._transient_rows):
+    its outputs and inputs not kept for backward, the weights gathered whole for it, and the FSDP layers
+    gathered (and prefetched) around it (_gathered_layers).
 
     The symbolic answer is the expression of the op that peaks at the example
     sizes: a Max over every op would be exact for all sizes but unreadable.
     """
     cap, mesh = prob.cap, prob.mesh
+    members = layer_members(prob, groups)
+    layers = _gathered_layers(prob, groups, members)
     gathered: dict = {}   # op -> (numeric, symbolic) bytes of weights gathered whole for it
     for r in groups:
         n = gathered_weight_bytes(cap, r.producer, r.src, r.dst, mesh)
-        if not n:
+        if not n or r.producer in members:
             continue
         e = gathered_weight_bytes(cap, r.producer, r.src, r.dst, mesh, symbolic=True) if symbolic else 0
         for consumer, _ in r.consumers:
             n0, e0 = gathered.get(consumer, (0, 0))
             gathered[consumer] = (n0 + n, e0 + e)
-    best, best_expr = 0, 0
+    best, peak, exprs = 0, 0, []
     canon = prob.canonical
     seen = set()
-    for point, alive in prob.live:
-        key = (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)))
+    for i, (point, alive) in enumerate(prob.live):
+        layer_bytes = layers[i]
+        key = (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)), layer_bytes)
         if key in seen:   # a repeated block's rows repeat its first copy's (same layouts, same bytes)
             continue
         seen.add(key)
         value, expr = gathered.get(point, (0, 0))
+        value, expr = value + layer_bytes, expr + layer_bytes
         for u in alive:
             if u not in prob.strategies or is_saved(prob, u):
                 continue
@@ -277,5 +310,40 @@ def peak_working_set(prob, choice, groups, symbolic: bool):
             if symbolic:
                 expr = expr + output_bytes(u, cap, layout, mesh, symbolic=True)
         if value > best:
-            best, best_expr = value, expr
-    return best_expr if symbolic else best
+            best, peak = value, len(exprs)
+        exprs.append(expr)
+    return upper_envelope(exprs, peak) if symbolic else best
+
+
+def upper_envelope(exprs: list, best: int = 0):
+    """The largest of `exprs` at every size: a Max of those no other one is at least as large as everywhere.
+
+    Working sets are polynomials in the dynamic sizes (batch, seq) with positive coefficients, so one is
+    at least another everywhere when none of its coefficients is smaller; usually one or two remain (under
+    FSDP a gathered weight is a constant that peaks at small batches, an activation a slope that peaks at
+    large ones), which keeps the expression readable and exact at every batch (whatif.max_batch). An
+    expression that is no polynomial (a ceiling of an uneven split) leaves `exprs[best]`, the one that
+    peaks at the example sizes."""
+    exprs = [sympy.expand(sympy.sympify(e)) for e in exprs]
+    try:
+        coeffs = [_coefficients(e) for e in exprs]
+    except sympy.PolynomialError:
+        return exprs[best] if exprs else 0
+
+    def covers(a: dict, b: dict) -> bool:
+        return all(a.get(m, 0) >= c for m, c in b.items())
+
+    keep = []
+    for i, c in enumerate(coeffs):   # of equal ones, the first stays
+        if not any(covers(d, c) and (not covers(c, d) or j < i) for j, d in enumerate(coeffs) if j != i):
+            keep.append(exprs[i])
+    return 0 if not keep else keep[0] if len(keep) == 1 else sympy.Max(*keep)
+
+
+def _coefficients(e) -> dict:
+    """{monomial: coefficient} of a polynomial in its symbols; a monomial is ((symbol name, power), ...)."""
+    symbols = sorted(e.free_symbols, key=str)
+    if not symbols:
+        return {(): e}
+    return {tuple((str(x), k) for x, k in zip(symbols, m) if k): c
+            for m, c in sympy.Poly(e, *symbols).as_dict().items()}

@@ -9,6 +9,7 @@ all-to-all <-> all-to-all.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,17 @@ class Comm:
     log: CommLog | None = None
     # what forward collectives are logged as: "recompute" while backward reruns a checkpointed block
     forward_phase: str = "forward"
+    # axis -> seconds this rank spent blocked in collectives (calls and waits); None: not timed.
+    # autopar.audit sets it to measure the exposed communication the plan predicts.
+    clock: dict | None = None
+
+    def start(self):
+        """A blocking call or wait begins: its start time when the clock runs, else None."""
+        return time.perf_counter() if self.clock is not None else None
+
+    def stop(self, axis: int, started) -> None:
+        if started is not None:
+            self.clock[axis] = self.clock.get(axis, 0.0) + time.perf_counter() - started
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the old names
@@ -75,7 +87,9 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
     if kind == ALL_REDUCE:
         y = x.contiguous().clone()
         _log(comm, ALL_REDUCE, axis, _bytes(y), phase)
+        t0 = comm.start()
         dist.all_reduce(y, group=g)
+        comm.stop(axis, t0)
         return y
     if kind == ALL_GATHER:
         d = shard_dim(src)
@@ -84,7 +98,9 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         xs = _pad_to(x.movedim(d, 0), piece).contiguous()
         out = xs.new_empty((n * piece,) + tuple(xs.shape[1:]))
         _log(comm, ALL_GATHER, axis, _bytes(out), phase)
+        t0 = comm.start()
         _all_gather(out, xs, group=g)
+        comm.stop(axis, t0)
         out = out[:size]   # the padding off (a prefix: still contiguous)
         return out if d == 0 else out.movedim(0, d).contiguous()
     if kind == REDUCE_SCATTER:
@@ -94,7 +110,9 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         xs = _pad_to(x.movedim(d, 0), n * piece).contiguous()
         out = xs.new_empty((piece,) + tuple(xs.shape[1:]))
         _log(comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
+        t0 = comm.start()
         _reduce_scatter(out, xs, group=g)
+        comm.stop(axis, t0)
         out = out[:chunk_span(size, n, ax.coord)[1]]
         return out if d == 0 else out.movedim(0, d).contiguous()
     if kind == ALL_TO_ALL:
@@ -102,7 +120,9 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         send = torch.stack(x.chunk(n, dim=d_out)).contiguous()   # piece j goes to rank j
         recv = torch.empty_like(send)
         _log(comm, ALL_TO_ALL, axis, _bytes(send) * n, phase)
+        t0 = comm.start()
         dist.all_to_all_single(recv, send, group=g)
+        comm.stop(axis, t0)
         return torch.cat(recv.unbind(0), dim=d_in).contiguous()  # pieces from ranks 0..n-1 along d_in
     raise AssertionError(kind)
 
@@ -118,11 +138,15 @@ def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, p
     send = torch.cat([t.reshape(-1) for t in moved])
     out = send.new_empty(n * send.numel())
     _log(comm, ALL_GATHER, axis, _bytes(out), phase)
+    t0 = comm.start()   # a launch counts too: some backends (the threaded one) block in it
     work = _all_gather(out, send, group=ax.group, async_op=async_op)
+    comm.stop(axis, t0)
 
     def finish() -> list:
         if work is not None:
+            t1 = comm.start()
             work.wait()
+            comm.stop(axis, t1)
         per_rank = out.view(n, send.numel())
         fulls, off = [], 0
         for t, d, w in zip(moved, dims, wholes):
@@ -142,7 +166,9 @@ def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):
     send = torch.cat([t.reshape(n, -1) for t in moved], dim=1).reshape(-1)   # rank r's pieces together
     out = send.new_empty(send.numel() // n)
     _log(comm, REDUCE_SCATTER, axis, _bytes(send), "backward")
+    t0 = comm.start()
     work = _reduce_scatter(out, send, group=ax.group, async_op=True)
+    comm.stop(axis, t0)
 
     def pieces(coord: int) -> list:
         res, off = [], 0

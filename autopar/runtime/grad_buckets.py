@@ -167,7 +167,9 @@ class GradBuckets:
             return
         ax = self.comm.axes[b.axes[0]]
         self._log(b.axes[0], b.flat)
+        t0 = self.comm.start()   # a launch counts too: some backends (the threaded one) block in it
         b.work = dist.all_reduce(b.flat, group=ax.group, async_op=True)
+        self.comm.stop(b.axes[0], t0)
 
     def _take_pending(self, b: _Bucket) -> None:
         for i in b.slots:
@@ -203,10 +205,14 @@ class GradBuckets:
     def _complete(self, b: _Bucket) -> None:
         if b.work is None:
             return
+        t0 = self.comm.start()
         b.work.wait()
+        self.comm.stop(b.axes[0], t0)
         for a in b.axes[1:]:   # a weight partial over several axes: the others after the first, in turn
             self._log(a, b.flat)
+            t0 = self.comm.start()
             dist.all_reduce(b.flat, group=self.comm.axes[a].group)
+            self.comm.stop(a, t0)
         for i in b.slots:
             slot = self.slots[i]
             p = slot.param

@@ -158,7 +158,9 @@ class LayerGroup:
         if self._work is None:
             self._launch()
         work, pieces = self._work
+        t0 = self.comm.start()
         work.wait()
+        self.comm.stop(self.axis, t0)
         coord = self.comm.axes[self.axis].coord
         for m, piece in zip(self.members, pieces(coord)):
             p = self.params(m.param_name)
