@@ -49,6 +49,9 @@ MIN_LATENCY, MAX_BANDWIDTH = 1e-7, 1e15
 # cache, or 1 GiB, long enough on HBM (~0.7 ms at 3 TB/s). Quick mode: seconds don't matter there.
 COMPUTE_SIZES = {"cpu": (1024, 128 * MiB), "quick": (256, 4 * MiB)}
 DEFAULT_COMPUTE_SIZES = (8192, 1024 * MiB)
+# The compute before each timed collective (_compute_burst): 4 square matmuls, ~1.3 ms on one CPU
+# core at side 256, ~1 ms on an H100 at 4096.
+BURST_MATMULS, BURST_SIDE, DEFAULT_BURST_SIDE = 4, {"cpu": 256}, 4096
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -153,7 +156,7 @@ def _time_collective(kind: str, whole_bytes: int, group, n: int, device_type: st
            cm.ALL_GATHER: lambda: _all_gather(whole, piece, group=group),
            cm.REDUCE_SCATTER: lambda: _reduce_scatter(out, whole, group=group),
            cm.ALL_TO_ALL: lambda: dist.all_to_all_single(out, piece, group=group)}[kind]
-    return _median_time(run, repeats, device_type)
+    return _median_time(run, repeats, device_type, before=_compute_burst(device_type))
 
 
 def _warm_up(group, device_type: str) -> None:
@@ -165,14 +168,31 @@ def _warm_up(group, device_type: str) -> None:
         dist.all_reduce(stop, group=group)
 
 
-def _median_time(fn, repeats: int, device_type: str) -> float:
-    """Median seconds of fn() after WARMUP untimed calls: the median, not the mean or the minimum, is
-    the typical call, unmoved by the odd scheduler hiccup and not the luckiest call either."""
+def _compute_burst(device_type: str):
+    """A few milliseconds of matmuls, run untimed before each timed collective.
+
+    A step issues each collective after compute, not back to back, and that is slower: on 2 gloo
+    processes on 2 cores a 1 MiB all-reduce took 0.7 ms back to back and 4.8 ms after a 1.3 ms
+    matmul (caches and the backend's threads gone cold, the ranks no longer in step), which is
+    what a tensor-parallel step measured per call. Timed back to back, the fitted link predicted
+    a third of that step's communication."""
+    side = BURST_SIDE.get(device_type, DEFAULT_BURST_SIDE)
+    a = torch.randn(side, side, device=device_type)
+    return lambda: [torch.mm(a, a) for _ in range(BURST_MATMULS)]
+
+
+def _median_time(fn, repeats: int, device_type: str, before=None) -> float:
+    """Median seconds of fn() after WARMUP untimed calls (each after `before()`, untimed, if given): the
+    median, not the mean or the minimum, is the typical call, unmoved by the odd scheduler hiccup and
+    not the luckiest call either."""
     for _ in range(WARMUP):
         fn()
     _sync(device_type)
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
+            _sync(device_type)
         t0 = time.perf_counter()
         fn()
         _sync(device_type)

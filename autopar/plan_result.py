@@ -166,8 +166,8 @@ class Plan:
         lines.append("communication per step: " + ", ".join(
             f"{a} {format_bytes(p.comm_bytes[a])} ({p.comm_time[a] * 1e3:.3f} ms, "
             f"{p.hidden_comm_time[a] * 1e3:.3f} ms of it hidden behind backward)" for a in names))
-        lines.append(f"compute {p.compute_time * 1e3:.3f} ms, step {p.step_time * 1e3:.3f} ms "
-                     "(compute + the communication not hidden)")
+        lines.append(f"compute {p.compute_time * 1e3:.3f} ms, optimizer step {p.optimizer_time * 1e3:.3f} ms, "
+                     f"step {p.step_time * 1e3:.3f} ms (compute + optimizer + the communication not hidden)")
         if "status" in self.stats:
             lines.append(search_line(self.stats))
         return "\n".join(lines)
@@ -181,7 +181,8 @@ class Plan:
                     "comm_time": {k: f(v) for k, v in p.comm_time.items()},
                     "compute_time": f(p.compute_time), "step_time": f(p.step_time),
                     "comm_bytes_by_kind": {k: f(v) for k, v in p.comm_bytes_by_kind.items()},
-                    "exposed_comm_time": {k: f(v) for k, v in p.exposed_comm_time.items()}}
+                    "exposed_comm_time": {k: f(v) for k, v in p.exposed_comm_time.items()},
+                    "optimizer_time": f(p.optimizer_time)}
         d = {
             "format_version": FORMAT_VERSION,
             "mesh": {"axis_names": list(self.mesh.axis_names), "axis_sizes": list(self.mesh.axis_sizes)},
@@ -217,7 +218,8 @@ class Plan:
                              {k: f(v) for k, v in p["comm_time"].items()},
                              f(p["compute_time"]), f(p["step_time"]),
                              {k: f(v) for k, v in p["comm_bytes_by_kind"].items()},
-                             {k: f(v) for k, v in p.get("exposed_comm_time", p["comm_time"]).items()})
+                             {k: f(v) for k, v in p.get("exposed_comm_time", p["comm_time"]).items()},
+                             f(p.get("optimizer_time", 0)))
         return Plan(
             mesh=MeshSpec(tuple(d["mesh"]["axis_names"]), tuple(d["mesh"]["axis_sizes"])),
             strategy=d["strategy"], hardware=d["hardware"], batch_axes=tuple(d["batch_axes"]),

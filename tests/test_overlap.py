@@ -8,7 +8,7 @@ import torch
 
 import autopar
 import cost_models as cm
-from autopar.testing import GPT, GPTConfig
+from autopar.testing import GPT, MLP, GPTConfig
 
 
 def _gpt_plan(bucket_bytes):
@@ -24,7 +24,7 @@ def test_buckets_hide_behind_the_backward_still_to_run():
     p = _gpt_plan(2**14).predicted
     assert p.exposed_comm_time["dp"] < 0.5 * p.comm_time["dp"]
     assert p.hidden_comm_time["dp"] == pytest.approx(p.comm_time["dp"] - p.exposed_comm_time["dp"])
-    assert p.step_time == pytest.approx(p.compute_time + p.exposed_comm_time["dp"])
+    assert p.step_time == pytest.approx(p.compute_time + p.optimizer_time + p.exposed_comm_time["dp"])
 
 
 def test_nothing_hides_without_backward_left_to_run():
@@ -72,3 +72,18 @@ def test_fsdp_layer_reduce_scatters_hide_but_gathers_do_not():
     gathers = sum(cm.collective_time(c.kind, c.bytes, 2, cm.get_hardware("cpu").intra_node_link)
                   for c in plan.collectives if c.kind == "all_gather")
     assert gathers <= p.exposed_comm_time["dp"] < p.comm_time["dp"]
+
+
+@pytest.mark.parametrize("optimizer, passes", [("adamw", 21), ("sgd", 3), ("sgd-momentum", 8)])
+def test_the_optimizer_step_is_priced_by_the_bytes_it_moves(optimizer, passes):
+    """The step adds the optimizer's update: `passes` parameter-sized reads and writes (torch's foreach
+    kernels) of the elements this rank updates, at the memory bandwidth: all of them under ddp, half
+    under fsdp on 2 ranks."""
+    torch.manual_seed(0)
+    model, x = MLP([16, 32, 16]), torch.randn(8, 16)
+    numel = sum(p.numel() for p in model.parameters())
+    bandwidth = cm.get_hardware("cpu").memory_bandwidth
+    for strategy, share in (("ddp", 1), ("fsdp", 2)):
+        p = autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", strategy=strategy, optimizer=optimizer).predicted
+        assert p.optimizer_time == pytest.approx(numel / share * passes * 4 / bandwidth, rel=1e-12)
+        assert p.step_time == pytest.approx(p.compute_time + p.optimizer_time + sum(p.exposed_comm_time.values()))

@@ -281,9 +281,10 @@ def test_plan_text_and_json_show_the_stages():
     for s in plan.pipeline.stages:
         assert s.modules in text
     assert plan.pipeline.bubble == pytest.approx(1 / 4)
-    # the step: (m + p - 1) slots of the slowest stage
+    # the step: (m + p - 1) slots of the slowest stage, then the optimizer step of the busiest device
     slowest = max(s.time for s in plan.pipeline.stages)
-    assert plan.predicted.step_time == pytest.approx((4 + 1) * slowest)
+    assert 0 < plan.predicted.optimizer_time < 0.5 * slowest
+    assert plan.predicted.step_time == pytest.approx((4 + 1) * slowest + plan.predicted.optimizer_time)
     assert Plan.from_json(plan.to_json()).pipeline == plan.pipeline
     # 1F1B: stage s keeps at most p - s microbatches in flight; GPipe keeps all
     assert [s.in_flight for s in plan.pipeline.stages] == [2, 1]

@@ -87,13 +87,24 @@ def precision_of(value) -> Precision:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """What the planner needs to know of an optimizer: how many state tensors it keeps per parameter."""
+    """What the planner needs to know of an optimizer: how many state tensors it keeps per parameter,
+    and how many parameter-sized tensors its step reads or writes (its time: memory-bound elementwise
+    kernels). The default, 4 per state plus 3, is the count for the known ones' shape of update."""
     name: str
     states_per_param: int
+    update_passes: int = -1
+
+    def __post_init__(self):
+        if self.update_passes < 0:
+            object.__setattr__(self, "update_passes", _PASSES.get(self.name, 4 * self.states_per_param + 3))
 
 
 # state tensors the size of the parameter (scalar "step" counters are not counted)
 _KNOWN = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+# Parameter-sized reads + writes of torch.optim's foreach step (_multi_tensor_*), per element. AdamW:
+# lerp_ m (3), mul_ v (2), addcmul_ v (4), decay mul_ p (2), sqrt (2), div_ (2), add_ eps (2),
+# addcdiv_ p (4) = 21; Adam (no decay) 19; SGD add_ (3); momentum mul_ + add_ buf (5) + add_ p (3).
+_PASSES = {"adamw": 21, "adam": 19, "sgd": 3, "sgd-momentum": 8}
 
 
 def optimizer_spec(value="adamw") -> OptimizerSpec:
@@ -128,6 +139,7 @@ class ParamBytes:
     reduce: int        # per element crossing the network in a gradient reduction
     optimizer: int     # all state tensors together
     cast: bool = False  # stored in the master dtype and cast to a narrower compute dtype at each use
+    update: int = 0    # bytes the optimizer step moves through memory per element it updates
 
     @property
     def total(self) -> int:
@@ -143,4 +155,5 @@ def param_bytes(precision: Precision, optimizer: OptimizerSpec, param_dtype: tor
     if not trainable:
         return ParamBytes(p.master.itemsize, 0, 0, 0, 0, cast)
     return ParamBytes(p.master.itemsize, 0, p.grad_accum.itemsize, p.reduce.itemsize,
-                      optimizer.states_per_param * p.optimizer_state.itemsize, cast)
+                      optimizer.states_per_param * p.optimizer_state.itemsize, cast,
+                      optimizer.update_passes * p.master.itemsize)

@@ -90,6 +90,9 @@ class Predicted:
     comm_bytes_by_kind: dict = field(default_factory=dict)  # collective kind -> bytes
     # axis name -> seconds of comm_time the step waits for (overlap.py); the rest hides behind backward
     exposed_comm_time: dict = field(default_factory=dict)
+    # the optimizer step: the bytes its elementwise kernels move (precision.OptimizerSpec) over memory
+    # bandwidth; step_time = compute_time + optimizer_time + the exposed communication
+    optimizer_time: object = 0
 
     @property
     def hidden_comm_time(self) -> dict:
@@ -103,7 +106,8 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
     stacks = [st for st in prob.stacks if st.path in checkpointed]
     saved = checkpoint_model(prob, tuple(checkpointed)) if stacks else prob.saved
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
-    params, master, grads, opt, colls = _state_terms(prob, choice, symbolic)
+    params, master, grads, opt, update, colls = _state_terms(prob, choice, symbolic)
+    optimizer_time = cm.memory_time(update, prob.hardware)
     acts, compute, op_times = _op_terms(prob, choice, symbolic, saved, rerun)
     groups = group_redistributions(prob, choice)
     colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic))
@@ -115,8 +119,9 @@ def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Pre
     total_mem = params + master + grads + opt + acts + transient
     mem = Memory(num(params), num(grads), num(opt), num(acts), num(transient), num(total_mem), num(master))
     pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
-                     num(compute), num(compute + sum(exposed.values())), {k: num(v) for k, v in by_kind.items()},
-                     {a: num(v) for a, v in exposed.items()})
+                     num(compute), num(compute + optimizer_time + sum(exposed.values())),
+                     {k: num(v) for k, v in by_kind.items()}, {a: num(v) for a, v in exposed.items()},
+                     num(optimizer_time))
     return pred, colls
 
 
@@ -159,7 +164,7 @@ def bucketed(prob, choice, colls: list) -> list:
 def _state_terms(prob, choice, symbolic: bool):
     """Bytes of weights (and buffers), master copies, gradients and optimizer state, and ZeRO's
     collectives of the weights."""
-    params = master = grads = opt = 0
+    params = master = grads = opt = update = 0
     colls = []
     for name, ns in prob.strategies.items():
         s, info = ns.strategies[choice[name]], prob.cap.info[name]
@@ -167,12 +172,13 @@ def _state_terms(prob, choice, symbolic: bool):
             meta = first_meta(info.meta)
             m = param_memory(meta, s, prob.mesh, prob.param_bytes[name], symbolic=symbolic)
             params, master, grads, opt = params + m.params, master + m.master, grads + m.grads, opt + m.optimizer
+            update = update + m.update
             if name in prob.grad_nodes:
                 colls += zero_collectives(name, meta, s, prob.mesh, prob.param_bytes[name], symbolic)
         elif info.kind == BUFFER and info.meta is not None:
             meta = first_meta(info.meta)
             params = params + numel(meta.shape if symbolic else meta.hint) * meta.itemsize
-    return params, master, grads, opt, colls
+    return params, master, grads, opt, update, colls
 
 
 def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):

@@ -132,6 +132,7 @@ class ParamMemory:
     master: object      # the optimizer's higher-precision copy (mixed precision)
     grads: object
     optimizer: object
+    update: object = 0  # bytes the optimizer step moves for it
 
 
 def param_memory(meta: TensorMeta, strategy, mesh: MeshSpec, pb: ParamBytes, symbolic=False) -> ParamMemory:
@@ -147,7 +148,7 @@ def param_memory(meta: TensorMeta, strategy, mesh: MeshSpec, pb: ParamBytes, sym
     sliced = ceil_div(n, split)   # the largest slice, padded where split does not divide (placement.py)
     state = sliced if strategy.zero else n
     grads = sliced if strategy.zero >= 2 else n
-    return ParamMemory(n * pb.weight, state * pb.master, grads * pb.grad, state * pb.optimizer)
+    return ParamMemory(n * pb.weight, state * pb.master, grads * pb.grad, state * pb.optimizer, state * pb.update)
 
 
 def local_numel(meta: TensorMeta, placements: Placements, mesh: MeshSpec, symbolic=False):

@@ -31,7 +31,8 @@ class OpCosts:
     users: dict               # param/buffer -> sorted positions of the ops that read it
     crossing: list            # per cut position k (before op k): bytes crossing, inf where no cut may fall
     parts: list               # per op: (compute s, {axis: comm bytes}, {axis: comm s})
-    state_parts: dict         # param/buffer -> bytes of (weight, master copy, gradient, optimizer state)
+    state_parts: dict         # param/buffer -> bytes of (weight, master copy, gradient, optimizer state,
+                              # what the optimizer step moves)
 
 
 def op_costs(prob, choice) -> OpCosts:
@@ -58,12 +59,13 @@ def op_costs(prob, choice) -> OpCosts:
         info, s = cap.info[name], strategy[name]
         if info.kind == PARAM:
             m = param_memory(first_meta(info.meta), s, mesh, prob.param_bytes[name])
-            state_parts[name] = (float(m.params), float(m.master), float(m.grads), float(m.optimizer))
+            state_parts[name] = (float(m.params), float(m.master), float(m.grads), float(m.optimizer),
+                                 float(m.update))
             if name in prob.grad_nodes and users.get(name):
                 charge(users[name][0], zero_collectives(name, first_meta(info.meta), s, mesh, prob.param_bytes[name]))
         elif info.kind == BUFFER and info.meta is not None:
             meta = first_meta(info.meta)
-            state_parts[name] = (float(numel(meta.hint) * meta.itemsize), 0.0, 0.0, 0.0)
+            state_parts[name] = (float(numel(meta.hint) * meta.itemsize), 0.0, 0.0, 0.0, 0.0)
         elif info.kind == OP and name in pos:
             i = pos[name]
             acts[i] = float(activation_bytes(name, cap, s.output, mesh, prob.saved))
@@ -148,12 +150,13 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
     for coord in range(p):
         idx = [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
         read = {name for name, rs in costs.users.items() if any(r in set(idx) for r in rs)}
-        parts = [sum(costs.state_parts[x][k] for x in read if x in costs.state_parts) for k in range(4)]
+        parts = [sum(costs.state_parts[x][k] for x in read if x in costs.state_parts) for k in range(5)]
         acts = sum(pipe.stages[s].activations * pipe.stages[s].in_flight for s in pipe.stages_on(coord))
-        total = sum(parts) + acts + transient
+        total = sum(parts[:4]) + acts + transient
         if best is None or total > best[0]:
             best = (total, coord, idx, parts, acts)
-    total, coord, idx, (params, master, grads, opt), acts = best
+    total, coord, idx, (params, master, grads, opt, update), acts = best
+    optimizer_time = float(cm.memory_time(update, prob.hardware))   # after the schedule, on the busiest device
     comm_bytes = {a: m * sum(costs.parts[i][1][a] for i in idx) for a in mesh.axis_names}
     comm_time = {a: m * sum(costs.parts[i][2][a] for i in idx) for a in mesh.axis_names}
     sends = [pipe.stages[s].send_bytes for s in pipe.stages_on(coord)]
@@ -162,6 +165,6 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
     comm_time[pipe.axis] += m * sum(float(cm.collective_time(cm.SEND_RECV, b, 2, link)) for b in sends + recvs)
     compute = m * sum(costs.parts[i][0] for i in idx)
     mem = Memory(params, grads, opt, acts, transient, total, master)
-    return Predicted(mem, comm_bytes, comm_time, compute, pipe.step_time,
+    return Predicted(mem, comm_bytes, comm_time, compute, pipe.step_time + optimizer_time,
                      {cm.SEND_RECV: m * (sum(sends) + sum(recvs))},
-                     dict(comm_time))   # the pipeline model prices every collective as waited for
+                     dict(comm_time), optimizer_time)   # the pipeline model prices every collective as waited for
