@@ -7,13 +7,17 @@ all-gather with those of the other weights of its layer -- the item of a
 numbered module list it sits in (`h.3` for `h.3.attn.q.weight`), the root
 otherwise, as FSDP2 is applied to each block and then to the root -- when
 the gather is the weight's only layout change (one all-gather forward,
-one reduce-scatter backward). The runtime (runtime/layer_groups.py) and the
-prediction (`grouped`) call the same functions, so the plan lists the
-collectives the module launches.
+one reduce-scatter backward) apart from gradient sums on other axes (a
+norm weight whose input is split along the sequence over tp gets partial
+gradients there): the group all-reduces its reduce-scattered shard over
+those axes, one collective per layer instead of one per weight, on 1/n of
+the bytes. The runtime (runtime/layer_groups.py) and the prediction
+(`grouped`) call the same functions, so the plan lists the collectives the
+module launches.
 """
 from __future__ import annotations
 
-from ..sharding.redistribute import ALL_GATHER, REDUCE_SCATTER, Collective
+from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, NONE, REDUCE_SCATTER, Collective
 
 ROOT = ""
 
@@ -28,31 +32,40 @@ def layer_of(fqn: str) -> str:
 
 
 def groupable(steps: list) -> bool:
-    """A weight's redistribution that joins its layer's group: one step, all-gather forward and
-    reduce-scatter backward (FSDP storage used whole on that axis, its gradient partial there)."""
-    return len(steps) == 1 and steps[0].forward_kind == ALL_GATHER and steps[0].backward_kind == REDUCE_SCATTER
+    """A weight's redistribution that joins its layer's group: first a step that all-gathers forward and
+    reduce-scatters backward (FSDP storage used whole on that axis, its gradient partial there), then
+    only steps that sum the gradient on other axes (nothing forward, an all-reduce backward)."""
+    return (bool(steps) and steps[0].forward_kind == ALL_GATHER and steps[0].backward_kind == REDUCE_SCATTER
+            and all(s.forward_kind == NONE and s.backward_kind == ALL_REDUCE for s in steps[1:]))
 
 
 def group_key(fqn: str, steps: list, dtype) -> tuple:
-    """What must match to share one flat collective: layer, axis, the dtype it moves in."""
-    return (layer_of(fqn), steps[0].axis, dtype)
+    """What must match to share one flat collective: layer, gather axis, the dtype it moves in, and the
+    axes its reduce-scattered gradient is summed over afterwards."""
+    return (layer_of(fqn), steps[0].axis, dtype, tuple(sorted(s.axis for s in steps[1:])))
 
 
-def grouped(colls: list, members: dict) -> list:
+def grouped(colls: list, members: dict, axis_sizes) -> list:
     """`colls` with the per-weight collectives of grouped weights (members: parameter node -> group key)
     replaced by one per group and phase, each moving every member of the group: the forward all-gather,
     the recompute's, backward's re-gather (one per group when any member is gathered again: the module
-    keeps a layer's re-gathered weights until each saved use has read them) and the reduce-scatter."""
+    keeps a layer's re-gathered weights until each saved use has read them), the reduce-scatter, and
+    after it an all-reduce of its output (1/n of its input) on each axis the gradient is summed over."""
     out, phases, size = [], {}, {}
     for c in colls:
         key = members.get(c.tensor)
-        if key is None or c.kind not in (ALL_GATHER, REDUCE_SCATTER):
+        if key is None or not (c.kind in (ALL_GATHER, REDUCE_SCATTER) or
+                               (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in key[3])):
             out.append(c)
             continue
-        phases.setdefault((key, c.kind, c.phase), None)
-        size[(c.kind, c.tensor)] = c.full_bytes   # gathers move the compute dtype, reductions the reduce dtype
+        if c.kind != ALL_REDUCE:   # the group's sums follow its reduce-scatter: priced below
+            phases.setdefault((key, c.kind, c.phase), None)
+            size[(c.kind, c.tensor)] = c.full_bytes   # gathers move the compute dtype, reductions the reduce dtype
     for key, kind, phase in phases:
         names = [n for n, k in members.items() if k == key and (kind, n) in size]
-        out.append(Collective(kind, key[1], sum(size[(kind, n)] for n in names), phase,
-                              f"layer {key[0] or 'root'}", ",".join(names)))
+        where, total = f"layer {key[0] or 'root'}", sum(size[(kind, n)] for n in names)
+        out.append(Collective(kind, key[1], total, phase, where, ",".join(names)))
+        if kind == REDUCE_SCATTER:
+            out += [Collective(ALL_REDUCE, a, total // axis_sizes[key[1]], phase, where, ",".join(names))
+                    for a in key[3]]
     return out

@@ -159,7 +159,8 @@ def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, p
 
 def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):
     """Whole gradients summed over `axis` and split along dims[i], in one asynchronous reduce-scatter.
-    Returns (work, pieces): after work.wait(), pieces(coord) lists this rank's piece of each (torch.chunk's)."""
+    Returns (work, out, pieces): after work.wait(), `out` holds this rank's flat result (padded pieces)
+    and pieces(coord) lists this rank's piece of each (torch.chunk's), read from `out`."""
     ax = comm.axes[axis]
     n = ax.size
     moved = [_pad_to(g.movedim(d, 0), n * -(-g.shape[d] // n)).contiguous() for g, d in zip(grads, dims)]
@@ -179,7 +180,7 @@ def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):
             off += k
             res.append(piece if d == 0 else piece.movedim(0, d).contiguous())
         return res
-    return work, pieces
+    return work, out, pieces
 
 
 def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:

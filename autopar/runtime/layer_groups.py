@@ -13,8 +13,10 @@ does, the weights of one layer (cost/layer_groups.layer_of) move together:
               use has read them
     gradient  each weight's whole gradient goes into the layer's flat buffer;
               once every weight has arrived the buffer is reduce-scattered
-              asynchronously, and when backward ends each weight's .grad is set
-              from this rank's piece (added to one already there)
+              asynchronously, and when backward ends this rank's pieces are summed
+              over the group's other axes (`sum_axes`: gradients partial there,
+              e.g. norm weights under sequence parallelism) and each weight's .grad
+              is set from its piece (added to one already there)
 
 The cost model (cost/layer_groups.py) groups the same weights, so the plan's
 collectives are the module's.
@@ -22,8 +24,10 @@ collectives are the module's.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .._compat import at_backward_end
+from ..sharding.redistribute import ALL_REDUCE
 from ..sharding.placement import shard_dim
 from .collectives import Comm, all_gather_flat, reduce_scatter_flat
 
@@ -39,8 +43,8 @@ class _Member:
 class LayerGroup:
     """The FSDP weights of one layer on one axis; `params()` maps a weight's name to its local shard."""
 
-    def __init__(self, axis: int, comm: Comm):
-        self.axis, self.comm = axis, comm
+    def __init__(self, axis: int, comm: Comm, sum_axes: tuple = ()):
+        self.axis, self.comm, self.sum_axes = axis, comm, sum_axes
         self.params = None          # name -> this rank's shard; set by the ParallelModule that holds them
         self.next = self.prev = None   # the groups forward gathers after and before this one
         self._prefetched = None     # finish() of this group's gather launched ahead of its first use
@@ -157,10 +161,16 @@ class LayerGroup:
             return
         if self._work is None:
             self._launch()
-        work, pieces = self._work
+        work, out, pieces = self._work
         t0 = self.comm.start()
         work.wait()
         self.comm.stop(self.axis, t0)
+        for a in self.sum_axes:   # 1/n of the bytes summing the whole gradients first would move
+            if self.comm.log is not None:
+                self.comm.log.add(ALL_REDUCE, a, out.numel() * out.element_size(), "backward")
+            t0 = self.comm.start()
+            dist.all_reduce(out, group=self.comm.axes[a].group)
+            self.comm.stop(a, t0)
         coord = self.comm.axes[self.axis].coord
         for m, piece in zip(self.members, pieces(coord)):
             p = self.params(m.param_name)

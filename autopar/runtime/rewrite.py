@@ -228,7 +228,7 @@ class _Rewriter:
                             f"{self.deferred[producer]}; report this (cost/buckets.deferred_axes excludes it)")
         key = group_key(info.target_name, steps, cast[0] if cast else info.meta.dtype)
         if key not in self.groups:
-            group = self.groups[key] = LayerGroup(steps[0].axis, self.comm)
+            group = self.groups[key] = LayerGroup(steps[0].axis, self.comm, key[3])
             if self.gathered.groups:   # forward gathers the groups in the order it first needs them
                 group.prev, self.gathered.groups[-1].next = self.gathered.groups[-1], group
             self.gathered.groups.append(group)

@@ -19,6 +19,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 import cost_models as cm
 
 from ..cost.checkpointing import recomputed_ops
+from ..cost.layer_groups import layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_time, recompute_edge_cost, repeat_memory, tied_edges)
 from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes
@@ -119,6 +120,32 @@ def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
     return bvars
 
 
+def gathered_layers(prob: Problem, by_weight: list) -> list:
+    """Per forward op (prob.live's order): {y: MiB} of the weights gathered whole while it runs when the
+    module gathers FSDP weights a layer at a time (cost/predict._gathered_layers, the same spans): a
+    layer's weights from the first use of the layer before it (the prefetch) to their own last use.
+    Every gathered weight counts with its layer here, also one the module gathers alone for its op
+    (not groupable): the search cannot tell those apart before it has chosen, and over-counting keeps
+    the plans it picks within the memory limit the prediction then checks."""
+    position = {point: i for i, (point, _) in enumerate(prob.live)}
+    terms, span = {}, {}
+    for weight, consumer, gathered in by_weight:
+        if consumer not in position:
+            continue
+        layer = layer_of(prob.cap.info[weight].target_name)
+        for y, mib in gathered.items():
+            terms.setdefault(layer, {})[y] = terms.setdefault(layer, {}).get(y, 0.0) + mib
+        first, last = span.get(layer, (position[consumer], position[consumer]))
+        span[layer] = (min(first, position[consumer]), max(last, position[consumer]))
+    at = [dict() for _ in prob.live]
+    order = sorted(span, key=lambda k: span[k][0])
+    for k, layer in enumerate(order):
+        for i in range(span[order[k - 1]][0] if k else span[layer][0], span[layer][1] + 1):
+            for y, mib in terms[layer].items():
+                at[i][y] = at[i].get(y, 0.0) + mib
+    return at
+
+
 def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: set) -> dict:
     """y[e, p, k] for producer layout p and consumer key k (input layout, partial-gradient axes).
 
@@ -175,18 +202,20 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
     return gathered
 
 
-def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transient: int) -> None:
+def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transient: int, layers: list) -> None:
     """transient >= what is alive at each forward op beyond saved activations: tensors made and not
-    yet read for the last time, plus the weights gathered whole for that op (FSDP)."""
+    yet read for the last time, plus the weights gathered whole for that op (FSDP) -- or, where the
+    module gathers them a layer at a time, those of the layers gathered around it (`layers`)."""
     seen = set()
     canon = prob.canonical
-    for point, alive in prob.live:
+    for i, (point, alive) in enumerate(prob.live):
         alive = [u for u in alive if u in prob.strategies and not is_saved(prob, u)]
-        key = (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)))
+        gathered = layers[i] if layers else gathered_at.get(canon.get(point, point), {})
+        key = (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)), frozenset(gathered.items()))
         if key in seen:   # repeated blocks repeat their rows
             continue
         seen.add(key)
-        row = dict(gathered_at.get(canon.get(point, point), {}))
+        row = dict(gathered)
         for u in alive:
             ns = prob.strategies[u]
             for s, var in zip(ns.strategies, xvars[u]):
@@ -265,6 +294,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     # the largest working set of any forward op, in MiB like all memory terms
     transient = ilp.var(0.0, 1.0, integer=False, upper=np.inf)
     gathered_at: dict = {}   # (first copy of) op -> {y: MiB of the weight that y gathers for it}
+    by_weight: list = []     # (weight, the op it is gathered for, {y: MiB}) for every copy of a tied edge
     stacks = prob.stacks if recompute else ()
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
     for edges in tied_edges(prob):
@@ -272,7 +302,9 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
         if gathered:
             consumer = prob.canonical.get(edges[0].consumer, edges[0].consumer)
             gathered_at.setdefault(consumer, {}).update(gathered)
-    _transient_rows(prob, ilp, xvars, gathered_at, transient)
+            by_weight += [(e.producer, e.consumer, gathered) for e in edges]
+    layers = [] if prob.pipelined else gathered_layers(prob, by_weight)
+    _transient_rows(prob, ilp, xvars, gathered_at, transient, layers)
     _recompute_terms(prob, stacks, ilp, xvars, transient)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
