@@ -17,7 +17,7 @@ module launches.
 """
 from __future__ import annotations
 
-from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, NONE, REDUCE_SCATTER, Collective
+from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, CHUNK, NONE, REDUCE_SCATTER, ZERO, Collective
 
 ROOT = ""
 
@@ -34,15 +34,23 @@ def layer_of(fqn: str) -> str:
 def groupable(steps: list) -> bool:
     """A weight's redistribution that joins its layer's group: first a step that all-gathers forward and
     reduce-scatters backward (FSDP storage used whole on that axis, its gradient partial there), then
-    only steps that sum the gradient on other axes (nothing forward, an all-reduce backward)."""
+    only steps that sum the gradient on other axes (nothing forward, an all-reduce backward: the group
+    does it) or that cut the gathered weight locally (a chunk, or a row-parallel bias kept on one rank:
+    no communication either way; the module applies them to what the group serves)."""
     return (bool(steps) and steps[0].forward_kind == ALL_GATHER and steps[0].backward_kind == REDUCE_SCATTER
-            and all(s.forward_kind == NONE and s.backward_kind == ALL_REDUCE for s in steps[1:]))
+            and all(sums_gradient(s) or (s.forward_kind in (ZERO, CHUNK) and s.backward_kind == NONE)
+                    for s in steps[1:]))
+
+
+def sums_gradient(step) -> bool:
+    """A step that only sums the gradient on its axis (a grouped weight's: its group all-reduces the shard)."""
+    return step.forward_kind == NONE and step.backward_kind == ALL_REDUCE
 
 
 def group_key(fqn: str, steps: list, dtype) -> tuple:
     """What must match to share one flat collective: layer, gather axis, the dtype it moves in, and the
     axes its reduce-scattered gradient is summed over afterwards."""
-    return (layer_of(fqn), steps[0].axis, dtype, tuple(sorted(s.axis for s in steps[1:])))
+    return (layer_of(fqn), steps[0].axis, dtype, tuple(sorted(s.axis for s in steps[1:] if sums_gradient(s))))
 
 
 def grouped(colls: list, members: dict, axis_sizes) -> list:

@@ -23,7 +23,7 @@ from ..cost.precision import precision_of
 from ..errors import PlanError
 from ..sharding.op_spec import op_name, tensor_args
 from ..sharding.placement import R, chunk_index, dim_factor, gathered_size, is_shard
-from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution, plan_steps
+from ..sharding.redistribute import ALL_GATHER, NONE, UnsupportedRedistribution, plan_steps
 from .collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
 from .layer_groups import GroupGather, LayerGroup
 from .recompute import outline
@@ -57,6 +57,9 @@ class RedistributeModule(torch.nn.Module):
             if phase != "recompute" and torch.is_grad_enabled() and x.requires_grad:
                 self.group.used(self.group_index)   # (a recompute's gradient never reaches the group)
             x = GroupGather.apply(x, self.group, self.group_index, phase)
+            for s, whole in zip(self.steps[1:], self.wholes[1:]):   # local cuts (groupable); the group sums
+                if s.forward_kind != NONE:
+                    x = Redistribute.apply(x, s, self.comm, whole)
         elif self.cast is not None:
             x = CastAndRedistribute.apply(x, self.steps, self.wholes, self.comm, *self.cast)
         else:
@@ -74,7 +77,10 @@ class RedistributeModule(torch.nn.Module):
     @torch.no_grad()
     def gather_again(self, local):
         if self.group is not None:
-            return self.group.unpacked(self.group_index)
+            x = self.group.unpacked(self.group_index)
+            for s, whole in zip(self.steps[1:], self.wholes[1:]):
+                x = transform(x, s.src, s.dst, s.axis, self.comm, "backward", whole)
+            return x
         x = local if self.cast is None else local.to(self.cast[0])
         for s, whole in zip(self.steps, self.wholes):
             x = transform(x, s.src, s.dst, s.axis, self.comm, "backward", whole)
