@@ -53,6 +53,16 @@ def group_key(fqn: str, steps: list, dtype) -> tuple:
     return (layer_of(fqn), steps[0].axis, dtype, tuple(sorted(s.axis for s in steps[1:] if sums_gradient(s))))
 
 
+def alive_spans(uses: dict) -> dict:
+    """{group: (first, last) forward op index while its weights are gathered}, from {group: [indices of the
+    ops that read them]}: as the module runs them (runtime/layer_groups.py), a group's weights arrive in one
+    gather at the first use of any of them, which also launches the next group's (the prefetch), and stay
+    until the last has been used; so group k lives from group k-1's first use (its own, for the first) to
+    its own last use, and the root group (embeddings, head: first and last) through the whole forward."""
+    order = sorted(((min(u), max(u), g) for g, u in uses.items() if u), key=lambda t: t[:2])
+    return {g: (order[k - 1][0] if k else first, last) for k, (first, last, g) in enumerate(order)}
+
+
 def grouped(colls: list, members: dict, axis_sizes) -> list:
     """`colls` with the per-weight collectives of grouped weights (members: parameter node -> group key)
     replaced by one per group and phase, each moving every member of the group: the forward all-gather,

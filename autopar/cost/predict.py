@@ -17,7 +17,7 @@ from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective, plan_steps
 from .buckets import assign_buckets, deferred_axes
 from .checkpointing import recomputed_ops
-from .layer_groups import group_key, groupable, grouped
+from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import hidden_comm_time
 from .problem import charge_key, checkpoint_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
@@ -229,28 +229,20 @@ def _redistributions(prob, groups, stacks, rerun: set, symbolic: bool) -> list[C
 
 
 def _gathered_layers(prob, groups, members: dict) -> list:
-    """Per forward op (prob.live's order): bytes of the FSDP layer groups gathered whole while it runs.
-
-    As the module runs them (runtime/layer_groups.py): a layer's weights arrive in one flat gather at the
-    first use of any of them, which also launches the next layer's gather (the prefetch), and stay until
-    the last of them has been used. So layer k is alive from the first use of layer k-1 (its own first use,
-    for the first layer) to its own last use; the root group (embeddings, head) spans the whole forward.
-    A weight's size does not depend on the batch, so these are numbers, symbolic prediction or not."""
+    """Per forward op (prob.live's order): bytes of the FSDP layer groups gathered whole while it runs
+    (layer_groups.alive_spans: its layer, the next one prefetched, the root). A weight's size does not
+    depend on the batch, so these are numbers, symbolic prediction or not."""
     position = {point: i for i, (point, _) in enumerate(prob.live)}
-    size, span = {}, {}
+    size, uses = {}, {}
     for r in groups:
         key = members.get(r.producer)
-        uses = [position[c] for c, _ in r.consumers if c in position]
-        if key is None or not uses:
+        if key is None:
             continue
         size[key] = size.get(key, 0) + int(gathered_weight_bytes(prob.cap, r.producer, r.src, r.dst, prob.mesh))
-        first, last = span.get(key, (min(uses), max(uses)))
-        span[key] = (min(first, *uses), max(last, *uses))
+        uses.setdefault(key, []).extend(position[c] for c, _ in r.consumers if c in position)
     at = [0] * len(prob.live)
-    order = sorted(span, key=lambda k: span[k][0])
-    for k, key in enumerate(order):
-        start = span[order[k - 1]][0] if k else span[key][0]
-        for i in range(start, span[key][1] + 1):
+    for key, (start, end) in alive_spans(uses).items():
+        for i in range(start, end + 1):
             at[i] += size[key]
     return at
 

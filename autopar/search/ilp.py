@@ -19,7 +19,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 import cost_models as cm
 
 from ..cost.checkpointing import recomputed_ops
-from ..cost.layer_groups import layer_of
+from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_time, recompute_edge_cost, repeat_memory, tied_edges)
 from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes
@@ -122,25 +122,22 @@ def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
 
 def gathered_layers(prob: Problem, by_weight: list) -> list:
     """Per forward op (prob.live's order): {y: MiB} of the weights gathered whole while it runs when the
-    module gathers FSDP weights a layer at a time (cost/predict._gathered_layers, the same spans): a
-    layer's weights from the first use of the layer before it (the prefetch) to their own last use.
-    Every gathered weight counts with its layer here, also one the module gathers alone for its op
-    (not groupable): the search cannot tell those apart before it has chosen, and over-counting keeps
-    the plans it picks within the memory limit the prediction then checks."""
+    module gathers FSDP weights a layer at a time (the prediction's spans, layer_groups.alive_spans: its
+    layer, the next one prefetched, the root). Every gathered weight counts with its layer here, also one
+    the module gathers alone for its op (not groupable): the search cannot tell those apart before it has
+    chosen, and over-counting keeps the plans it picks within the memory limit the prediction checks."""
     position = {point: i for i, (point, _) in enumerate(prob.live)}
-    terms, span = {}, {}
+    terms, uses = {}, {}
     for weight, consumer, gathered in by_weight:
         if consumer not in position:
             continue
         layer = layer_of(prob.cap.info[weight].target_name)
         for y, mib in gathered.items():
             terms.setdefault(layer, {})[y] = terms.setdefault(layer, {}).get(y, 0.0) + mib
-        first, last = span.get(layer, (position[consumer], position[consumer]))
-        span[layer] = (min(first, position[consumer]), max(last, position[consumer]))
+        uses.setdefault(layer, []).append(position[consumer])
     at = [dict() for _ in prob.live]
-    order = sorted(span, key=lambda k: span[k][0])
-    for k, layer in enumerate(order):
-        for i in range(span[order[k - 1]][0] if k else span[layer][0], span[layer][1] + 1):
+    for layer, (start, end) in alive_spans(uses).items():
+        for i in range(start, end + 1):
             for y, mib in terms[layer].items():
                 at[i][y] = at[i].get(y, 0.0) + mib
     return at
