@@ -81,9 +81,15 @@ def _reference(x, y, loss_fn=gpt_loss, config=None) -> dict:
     return _fit(_gpt(**(config or {})), (x,), y, loss_fn)
 
 
-def _train(rank, mesh_shape, axis_names, plan_kwargs, x, y, config=None, plan_json=None):
+def _train_cases(rank, mesh_shape, axis_names, cases: dict, x, y, config=None):
+    """In each gloo process, on one mesh: _train for each case, {name: (plan kwargs, plan JSON or None)}.
+    One launch for several cases: starting 4 processes is most of a case's time."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
+    return {name: _train(mesh, kwargs, x, y, config, plan_json) for name, (kwargs, plan_json) in cases.items()}
+
+
+def _train(mesh, plan_kwargs, x, y, config=None, plan_json=None):
     plan = Plan.from_json(plan_json) if plan_json else None
     pm = autopar.parallelize(_gpt(**(config or {})), mesh, (x,), hardware="cpu", plan=plan, record_comm=True,
                              **plan_kwargs)
@@ -100,63 +106,72 @@ def _train(rank, mesh_shape, axis_names, plan_kwargs, x, y, config=None, plan_js
     return out
 
 
-def _check(results, ref, plan):
+def _check(results, ref, plan, case=""):
     """Every rank's parameters and gradients equal one device's, for each optimizer; so do the losses."""
     for opt in OPTIMIZERS:
         for r in results:
             got, want = r[opt], ref[opt]
             for name, p in got["params"].items():
                 torch.testing.assert_close(p, want["params"][name], atol=ATOL, rtol=0,
-                                           msg=lambda m: f"{opt}, {name}: {m}")
+                                           msg=lambda m: f"{case} {opt}, {name}: {m}")
             for name, g in got["grads"].items():
                 torch.testing.assert_close(g, want["grads"][name], atol=ATOL, rtol=0,
-                                           msg=lambda m: f"{opt}, grad {name}: {m}")
+                                           msg=lambda m: f"{case} {opt}, grad {name}: {m}")
             if not plan.batch_axes:
-                assert got["losses"] == pytest.approx(want["losses"], abs=ATOL), opt
+                assert got["losses"] == pytest.approx(want["losses"], abs=ATOL), (case, opt)
         if plan.batch_axes:   # each rank's loss is the mean over its shard: together they average to one device's
             for step in range(STEPS):
                 mean = sum(r[opt]["losses"][step] for r in results) / len(results)
-                assert mean == pytest.approx(ref[opt]["losses"][step], abs=ATOL), opt
+                assert mean == pytest.approx(ref[opt]["losses"][step], abs=ATOL), (case, opt)
 
 
+# (mesh shape, axis names) -> {case: plan kwargs}: the cases of one mesh share a launch of 4 processes
 CASES = {
-    "pp2 x dp2, 1f1b": ((2, 2), ("pp", "dp"), dict(pipeline_axis="pp", strategy="ddp", schedule="1f1b")),
-    "pp2 x dp2, gpipe": ((2, 2), ("pp", "dp"), dict(pipeline_axis="pp", strategy="ddp", schedule="gpipe")),
-    "dp2 x pp2 (fsdp), 1f1b": ((2, 2), ("dp", "pp"), dict(pipeline_axis="pp", strategy="fsdp")),
-    "pp2 x tp2, gpipe": ((2, 2), ("pp", "tp"), dict(pipeline_axis="pp", strategy="tp", schedule="gpipe")),
-    "pp2 x tp2, 1f1b": ((2, 2), ("pp", "tp"), dict(pipeline_axis="pp", strategy="tp", microbatches=2)),
-    "pp2 x dp2, interleaved 1f1b": ((2, 2), ("pp", "dp"), dict(pipeline_axis="pp", strategy="ddp", microbatches=4,
-                                                              schedule="interleaved-1f1b")),
-    "pp4, 1f1b": ((4,), ("pp",), dict(pipeline_axis="pp", microbatches=4)),
-    "pp4, gpipe": ((4,), ("pp",), dict(pipeline_axis="pp", microbatches=8, schedule="gpipe")),
+    ((2, 2), ("pp", "dp")): {
+        "pp2 x dp2, 1f1b": dict(pipeline_axis="pp", strategy="ddp", schedule="1f1b"),
+        "pp2 x dp2, gpipe": dict(pipeline_axis="pp", strategy="ddp", schedule="gpipe"),
+        "pp2 x dp2, interleaved 1f1b": dict(pipeline_axis="pp", strategy="ddp", microbatches=4,
+                                            schedule="interleaved-1f1b")},
+    ((2, 2), ("dp", "pp")): {"dp2 x pp2 (fsdp), 1f1b": dict(pipeline_axis="pp", strategy="fsdp")},
+    ((2, 2), ("pp", "tp")): {
+        "pp2 x tp2, gpipe": dict(pipeline_axis="pp", strategy="tp", schedule="gpipe"),
+        "pp2 x tp2, 1f1b": dict(pipeline_axis="pp", strategy="tp", microbatches=2)},
+    ((4,), ("pp",)): {
+        "pp4, 1f1b": dict(pipeline_axis="pp", microbatches=4),
+        "pp4, gpipe": dict(pipeline_axis="pp", microbatches=8, schedule="gpipe")},
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_pipelined_training_matches_one_device(case):
-    mesh_shape, names, kwargs = CASES[case]
+@pytest.mark.parametrize("mesh", list(CASES), ids=lambda m: " x ".join(f"{n}{s}" for s, n in zip(*m)))
+def test_pipelined_training_matches_one_device(mesh):
     x, y = _batch()
     ref = _reference(x, y)
-    results = run_gloo(4, _train, mesh_shape, names, kwargs, x, y)
+    cases = CASES[mesh]
+    by_case = run_gloo(4, _train_cases, *mesh, {name: (kwargs, None) for name, kwargs in cases.items()}, x, y)
+    for case, kwargs in cases.items():
+        _check_case(case, kwargs, [r[case] for r in by_case], ref)
+
+
+def _check_case(case, kwargs, results, ref):
     plan = Plan.from_json(results[0]["plan"])
     pipe = plan.pipeline
-    assert pipe is not None and pipe.axis == "pp"
-    assert pipe.schedule == kwargs.get("schedule", "1f1b")
+    assert pipe is not None and pipe.axis == "pp", case
+    assert pipe.schedule == kwargs.get("schedule", "1f1b"), case
     if "microbatches" in kwargs:
-        assert pipe.microbatches == kwargs["microbatches"]
-    _check(results, ref, plan)
+        assert pipe.microbatches == kwargs["microbatches"], case
+    _check(results, ref, plan, case)
     if kwargs.get("strategy") == "ddp":
         # the data axis reduces each weight's gradient once per step, in buckets, not once per microbatch
         # (+ microbatches: the position embedding's output gradient, summed where backward meets it)
         for r in results:
-            assert r["num_buckets"] >= 1
-            assert r["dp_reduces_per_step"] <= r["num_buckets"] + pipe.microbatches
-            assert r["dp_reduces_per_step"] < r["num_weights"]
+            assert r["num_buckets"] >= 1, case
+            assert r["dp_reduces_per_step"] <= r["num_buckets"] + pipe.microbatches, case
+            assert r["dp_reduces_per_step"] < r["num_weights"], case
     # every parameter lives on some stage, and a device holds only its own stages' parameters
     per_device = [set(r["AdamW"]["params"]) for r in results]
     everything = set(ref["AdamW"]["params"])
-    assert set().union(*per_device) == everything
-    assert all(s < everything for s in per_device), f"a device holds every parameter with {pipe.num_stages} stages"
+    assert set().union(*per_device) == everything, case
+    assert all(s < everything for s in per_device), f"{case}: a device holds every parameter with {pipe.num_stages} stages"
 
 
 def _cut_after(plan, op):
@@ -169,21 +184,21 @@ def _cut_after(plan, op):
     return replace(plan, pipeline=replace(pipe, stages=stages))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_stages_send_a_view_contiguous(schedule):
+def test_stages_send_a_view_contiguous():
     """pp4 on a GPT of n_embd 64, cut right after the first attention: what crosses is the attention's
     output, a transposed view, and its gradient comes back through a transpose. gloo (and NCCL) send
     and receive only contiguous tensors, and torch makes the receive buffers with the strides it saw."""
     from autopar.capture.export import capture
     config = dict(n_embd=64, n_head=4)
     x, y = _batch()
-    plan = autopar.plan(_gpt(**config), x, {"pp": 4}, hardware="cpu", pipeline_axis="pp", microbatches=4,
-                        schedule=schedule)
     op = "scaled_dot_product_attention"
     assert not capture(_gpt(**config), (x[:2],)).node(op).meta["val"].is_contiguous()   # the case this is for
-    plan = _cut_after(plan, op)
-    results = run_gloo(4, _train, (4,), ("pp",), {}, x, y, config, plan.to_json())
-    _check(results, _reference(x, y, config=config), plan)
+    plans = {s: _cut_after(autopar.plan(_gpt(**config), x, {"pp": 4}, hardware="cpu", pipeline_axis="pp",
+                                        microbatches=4, schedule=s), op) for s in ("1f1b", "gpipe")}
+    by_case = run_gloo(4, _train_cases, (4,), ("pp",), {s: ({}, p.to_json()) for s, p in plans.items()}, x, y, config)
+    ref = _reference(x, y, config=config)
+    for s, plan in plans.items():
+        _check([r[s] for r in by_case], ref, plan, s)
 
 
 def _train_targets_free(rank, x, y):
