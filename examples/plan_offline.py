@@ -71,7 +71,8 @@ def main():
     for b in (64, 128, 256, 512):
         print(f"  batch {b:>4}: {float(total.subs(batch, b)) / 2**30:7.3f} GiB per device")
     step_ms = sympy.N(plan.symbolic.step_time * 1000, 4)
-    print(f"\nplan.symbolic.step_time = {step_ms} ms  (predicted; compute + communication, no overlap)")
+    print(f"\nplan.symbolic.step_time = {step_ms} ms  (predicted: compute + optimizer step + the "
+          "communication not hidden behind backward)")
 
     # a plan is data: save it, load it on the cluster, pass it to autopar.parallelize(..., plan=plan)
     text = plan.to_json()
