@@ -351,7 +351,7 @@ class ParallelModule(torch.nn.Module):
                     continue
                 placements = self.plan.param_placements.get(self._aliases.get(fqn, fqn),
                                                              (R,) * self.plan.mesh.num_axes)
-                if _same_layout(value, self.device_mesh, placements):
+                if same_layout(value, self.device_mesh, placements):
                     own[fqn].copy_(value.to_local())   # this rank's piece already: nothing whole is made
                     continue
                 if hasattr(value, "full_tensor"):
@@ -427,7 +427,7 @@ def dtensor_placements(placements) -> list:
     return [Shard(shard_dim(p)) if is_shard(p) else Replicate() for p in placements]
 
 
-def _same_layout(value, mesh, placements) -> bool:
+def same_layout(value, mesh, placements) -> bool:
     """Is `value` a DTensor laid out over `mesh` as `placements` say (so its local piece is ours)?"""
     if mesh is None or not hasattr(value, "placements") or value.device_mesh != mesh:
         return False

@@ -25,6 +25,7 @@ from ..errors import PlanError
 from ..sharding.placement import P, R, S, gathered_size, shard_full_tensor
 from ..sharding.redistribute import plan_steps
 from .collectives import transform
+from .optim_state import export_state, init_state, load_state
 
 
 @dataclass
@@ -68,7 +69,9 @@ class ShardedOptimizer:
                 h.remove()
         policy = precision_of(plan.precision)
         params = []
+        self.param_names: list[str] = []   # the wrapped optimizer's parameters' names, in its order
         for fqn, p in module.named_parameters():
+            self.param_names.append(fqn)
             level, axis_names = plan.param_zero.get(fqn, (0, ()))
             if not level or not p.requires_grad:
                 params.append(p)
@@ -157,12 +160,21 @@ class ShardedOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def state_dict(self):
-        """The wrapped optimizer's state: this rank's slices (save one per rank)."""
-        return self.optimizer.state_dict()
+    def state_dict(self) -> dict:
+        """The state by parameter name, parameter-shaped tensors as DTensors (optim_state.py): what
+        torch's get_optimizer_state_dict gives, so DCP saves it beside `module.state_dict()` and any
+        plan loads it. Call on every rank (ZeRO slices are gathered); an optimizer that has not
+        stepped yet is given its state first (a step at learning rate 0), so a checkpoint can be
+        loaded into what this returns."""
+        if self.module.plan.pipeline is not None:
+            raise PlanError("the optimizer state of a pipelined module cannot be given as DTensors yet (its "
+                            "stages hold only their own parameters); save self.optimizer.state_dict() per rank")
+        init_state(self)
+        return export_state(self)
 
     def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        """Load what `state_dict()` returned under any plan (or DCP loaded into it)."""
+        load_state(self, state_dict)
 
     def reduce_gradients(self) -> None:
         """Reduce level-1 ZeRO gradients into their slices now, as step() would (it then does not again):

@@ -1,0 +1,142 @@
+"""Optimizer state that does not depend on the plan: keyed by parameter name, tensors as DTensors.
+
+A torch optimizer's `state_dict()` numbers its parameters and holds this rank's
+tensors: a layout-dependent object that cannot resume under another plan or
+world size. `ShardedOptimizer.state_dict()` returns instead what
+`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` returns for
+FSDP2 / DTensor models:
+
+    {"state": {fqn: {"step": tensor, "exp_avg": DTensor, ...}},
+     "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}]}
+
+Each parameter-shaped state tensor is a DTensor with its parameter's placements
+(the module's `state_dict()` layout), so torch.distributed.checkpoint (DCP)
+saves it sharded and loads it into any other plan's layout. A ZeRO slice (flat
+1/n of the weight, which no DTensor placement describes) is all-gathered over its
+ZeRO axes first, and cut again on load. `load_state` takes this format from any
+plan (DTensors of any layout, or whole tensors) and hands the wrapped optimizer
+its own, index-keyed format.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import PlanError
+from ..sharding.placement import R, S, shard_full_tensor
+from .module import same_layout
+
+
+def init_state(opt) -> None:
+    """Give every parameter its state now, as torch's get_optimizer_state_dict does (optimizers make it
+    lazily at their first step): a step on zero gradients at learning rate 0, so nothing moves. Then a
+    state_dict made before training has the structure a checkpoint is loaded into."""
+    inner = opt.optimizer
+    if inner.state:
+        return
+    lrs = [g["lr"] for g in inner.param_groups]
+    for z in opt._zero:
+        z.param.grad = None
+    for p in _params(inner):
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    for g in inner.param_groups:
+        g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+    try:
+        opt.step()
+    finally:
+        for g, lr in zip(inner.param_groups, lrs):
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+
+
+def export_state(opt) -> dict:
+    """The wrapped optimizer's state by parameter name, parameter-shaped tensors as DTensors."""
+    module = opt.module
+    inner = opt.optimizer
+    names = opt.param_names
+    zero = {id(z.slice): z for z in opt._zero}
+    state = {}
+    for p, fqn in zip(_params(inner), names):
+        entry = inner.state.get(p)
+        if not entry:
+            continue
+        state[fqn] = {key: _export(module, opt, fqn, p, zero.get(id(p)), key, value) for key, value in entry.items()}
+    groups = []
+    ids = {id(p): fqn for p, fqn in zip(_params(inner), names)}
+    for g in inner.param_groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [ids[id(p)] for p in g["params"]]})
+    return {"state": state, "param_groups": groups}
+
+
+def load_state(opt, state_dict: dict) -> None:
+    """Load `export_state`'s format, made under any plan, into this wrapper's optimizer."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise PlanError("ShardedOptimizer.load_state_dict takes what ShardedOptimizer.state_dict() returns: "
+                        "{'state': {parameter name: {...}}, 'param_groups': [...]}")
+    inner = opt.optimizer
+    names = opt.param_names
+    index = {fqn: i for i, fqn in enumerate(names)}
+    unknown = sorted(set(state_dict["state"]) - set(index))
+    if unknown:
+        raise PlanError(f"optimizer state for parameters this module does not have: {unknown[:5]}"
+                        f"{' ...' if len(unknown) > 5 else ''}")
+    params = list(_params(inner))
+    zero = {id(z.slice): z for z in opt._zero}
+    state = {}
+    for fqn, entry in state_dict["state"].items():
+        i = index[fqn]
+        state[i] = {key: _import(opt, fqn, params[i], zero.get(id(params[i])), key, value)
+                    for key, value in entry.items()}
+    if len(state_dict["param_groups"]) != len(inner.param_groups):
+        raise PlanError(f"the checkpoint has {len(state_dict['param_groups'])} parameter groups, this optimizer "
+                        f"{len(inner.param_groups)}")
+    groups = []
+    for saved, own in zip(state_dict["param_groups"], inner.param_groups):
+        groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                       "params": [index[fqn] for fqn in saved["params"] if fqn in index]})
+        if len(groups[-1]["params"]) != len(own["params"]):
+            raise PlanError("the checkpoint's parameter groups name other parameters than this optimizer's")
+    inner.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _params(inner):
+    return [p for g in inner.param_groups for p in g["params"]]
+
+
+def _shaped(value, p: torch.Tensor) -> bool:
+    """A state tensor that follows its parameter element by element (Adam's moments, momentum buffers)."""
+    return isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0
+
+
+def _export(module, opt, fqn: str, p, z, key: str, value):
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value.clone() if isinstance(value, torch.Tensor) else value   # "step" and other scalars
+    if not _shaped(value, p):
+        raise PlanError(f"optimizer state {key!r} of {fqn!r} has shape {tuple(value.shape)}, not its parameter's "
+                        f"{tuple(p.shape)}: autopar cannot lay it out for another plan")
+    local = value.detach()
+    if z is not None:   # a ZeRO slice: gather the rank's whole local tensor first
+        local = opt._gather(z, local, "checkpoint").view_as(z.param)
+    return module._export_tensor(local, module.plan.param_placements[fqn], False, module._global_shapes[fqn])
+
+
+def _import(opt, fqn: str, p, z, key: str, value):
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value.clone() if isinstance(value, torch.Tensor) else value
+    module = opt.module
+    plan = module.plan
+    sizes, coords = plan.mesh.axis_sizes, module._coords
+    if tuple(value.shape) != tuple(module._global_shapes[fqn]):
+        raise PlanError(f"optimizer state {key!r} of {fqn!r} has shape {tuple(value.shape)}, the parameter "
+                        f"{tuple(module._global_shapes[fqn])}")
+    if same_layout(value, module.device_mesh, plan.param_placements[fqn]):
+        local = value.to_local().to(p.dtype)   # this rank's piece already (DCP loaded it in place)
+    else:
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        local = shard_full_tensor(value.to(p.dtype), plan.param_placements[fqn], coords, sizes)
+    if z is not None:   # this plan steps a flat slice of it
+        axes = [plan.mesh.axis_names.index(a) for a in plan.param_zero[fqn][1]]
+        sliced = tuple(S(0) if a in axes else R for a in range(len(sizes)))
+        local = shard_full_tensor(local.reshape(-1), sliced, coords, sizes)
+    return local.clone().to(p.device)
