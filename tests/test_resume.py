@@ -1,5 +1,5 @@
 """Resume anywhere: 2 steps under plan A, a DCP checkpoint of model + optimizer (autopar.checkpoint.save),
-loaded under plan B (another layout, another world size), 2 more steps: the 4 losses and the final
+loaded under plan B (another layout, a pipeline, another world size), 2 more steps: the 4 losses and the final
 parameters equal 4 single-device steps (fp32; 1e-5 with SGD-momentum, 1e-3 with AdamW, whose state the
 checkpoint must carry exactly or its next steps go astray).
 
@@ -21,7 +21,9 @@ OPTIMIZERS = {"sgd-momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9), 1e-5
               "adamw": (torch.optim.AdamW, dict(lr=1e-3), 1e-3)}
 # (name, (mesh shape, axis names, strategy) before, after): on 4 ranks
 PAIRS = {"fsdp -> fsdp2 x tp2": (((4,), ("dp",), "fsdp"), ((2, 2), ("dp", "tp"), "fsdp+tp")),
-         "zero2 -> tp4": (((4,), ("dp",), "zero2"), ((2, 2), ("a", "b"), "tp"))}
+         "zero2 -> tp4": (((4,), ("dp",), "zero2"), ((2, 2), ("a", "b"), "tp")),
+         "fsdp2 x tp2 -> pp2 x dp2": (((2, 2), ("dp", "tp"), "fsdp+tp"), ((2, 2), ("pp", "dp"), "ddp")),
+         "pp2 x dp2 -> fsdp": (((2, 2), ("pp", "dp"), "ddp"), ((4,), ("dp",), "fsdp"))}
 
 
 def _model():
@@ -58,8 +60,11 @@ def _steps(pm, opt, n: int) -> list:
     out = []
     for _ in range(n):
         opt.zero_grad()
-        loss = gpt_loss(pm(xl), yl)
-        loss.backward()
+        if pm.plan.pipeline is not None:   # forward + backward over the microbatches; this rank's mean loss
+            loss = pm.train_step(xl, loss_fn=gpt_loss, targets=yl)
+        else:
+            loss = gpt_loss(pm(xl), yl)
+            loss.backward()
         opt.step()
         t = loss.detach().clone()
         dist.all_reduce(t)
@@ -72,9 +77,21 @@ def _run(mesh_def, optimizer: str):
     shape, names, strategy = mesh_def
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     x, _ = _batch()
-    pm = autopar.parallelize(_model(), mesh, (x,), strategy=strategy, hardware="cpu")
+    pipeline = {"pipeline_axis": "pp", "microbatches": 2} if "pp" in names else {}
+    pm = autopar.parallelize(_model(), mesh, (x,), strategy=strategy, hardware="cpu", **pipeline)
     cls, kwargs, _ = OPTIMIZERS[optimizer]
     return pm, autopar.ShardedOptimizer(pm, cls, **kwargs)
+
+
+def _full_params(pm) -> dict:
+    """Every parameter whole on every rank (a pipelined module's stages are gathered from their ranks)."""
+    import torch.distributed as dist
+    mine = pm.state_dict(full=True)
+    if pm.plan.pipeline is None:
+        return mine
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: v for d in everyone for k, v in d.items()}
 
 
 def _save_then_resume(rank, root, pairs, optimizer):
@@ -87,7 +104,7 @@ def _save_then_resume(rank, root, pairs, optimizer):
         pm, opt = _run(after, optimizer)
         step = autopar.checkpoint.load(path, pm, opt)
         losses += _steps(pm, opt, 2)
-        out[name] = {"losses": losses, "step": step, "params": pm.state_dict(full=True)}
+        out[name] = {"losses": losses, "step": step, "params": _full_params(pm)}
     return out
 
 
@@ -101,7 +118,7 @@ def _save(rank, path, before, optimizer):
 def _resume(rank, path, after, optimizer):
     pm, opt = _run(after, optimizer)
     step = autopar.checkpoint.load(path, pm, opt)
-    return {"losses": _steps(pm, opt, 2), "step": step, "params": pm.state_dict(full=True)}
+    return {"losses": _steps(pm, opt, 2), "step": step, "params": _full_params(pm)}
 
 
 def _check(got: dict, want: dict, atol: float, where: str):

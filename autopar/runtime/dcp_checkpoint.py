@@ -17,7 +17,7 @@ import os
 from torch.distributed.checkpoint import FileSystemReader
 
 from ..errors import PlanError
-from .module import LoadResult
+from .state_dict import LoadResult
 
 
 class OneTensorAtATimeReader(FileSystemReader):

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from ..errors import PlanError
-from .module import LoadResult
+from .state_dict import LoadResult
 
 # Ranks run as threads of one process (autopar.testing.run_threaded) share one meta module tree: each
 # makes a module real and puts it back on meta, so one at a time, or a rank finds another's module on meta

@@ -8,7 +8,7 @@ checkpoint does not depend on the layout it was saved from.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict
 
 import torch
 import torch.fx as fx
@@ -19,14 +19,14 @@ from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
 from ..cost.buckets import deferred_axes
 from ..cost.precision import precision_of
 from ..errors import PlanError
-from ..sharding.placement import R, gathered_size, is_shard, shard_dim, shard_full_tensor
+from ..sharding.placement import R, shard_full_tensor
 from .collectives import Comm
 from .grad_buckets import GradBuckets
 from .initialization import init_shards
 from .input_shapes import check_input_shapes, input_shape_specs
 from .regather import GatheredParams
+from .state_dict import export_tensor, load_module_state, stored_layout
 
-LoadResult = namedtuple("LoadResult", ["missing_keys", "unexpected_keys"])
 
 
 def _set_by_path(root: torch.nn.Module, fqn: str, value, as_param: bool):
@@ -78,6 +78,7 @@ class ParallelModule(torch.nn.Module):
         full_buffers = dict(model.named_buffers(remove_duplicate=False))
         # whole shapes: a shard split unevenly (placement.py) does not tell them
         self._global_shapes = {fqn: tuple(p.shape) for fqn, p in full_params.items()}
+        self._model_names = set(full_params) | set(full_buffers)   # a pipelined module holds only some
         master_dtypes = _master_dtypes(full_params, plan)
         self._compute_dtype = cap.compute_dtype   # floating inputs are cast to it (compute_dtype.py)
         self._aliases = dict(cap.aliases)   # tied names -> canonical name (state_dict lists both)
@@ -294,12 +295,12 @@ class ParallelModule(torch.nn.Module):
     def state_dict(self, *args, full: bool = False, **kwargs):
         """Original names -> DTensors on the device mesh (or whole tensors with full=True).
 
-        full=True gathers every parameter, which costs one all-gather per split axis.
+        full=True gathers every parameter, which costs one all-gather per split axis. A pipelined module
+        gives only its stages' parameters, as DTensors on the mesh without the pipeline axis (plain
+        tensors when that is the only axis): DCP saves each under its own name from the ranks that hold
+        it, and any plan loads them.
         """
         out = OrderedDict()
-        if self.plan.pipeline is not None and not full:
-            raise PlanError("a pipelined module holds only its stages' parameters, which DTensors over the whole "
-                            "mesh cannot describe; use state_dict(full=True) (this device's stages, whole)")
         for fqn, p in self.store.named_parameters():
             out[fqn] = self._export_tensor(p.detach(), self.plan.param_placements[fqn], full, self._global_shapes[fqn])
         for fqn, b in self.store.named_buffers():
@@ -317,47 +318,15 @@ class ParallelModule(torch.nn.Module):
 
     def _export_tensor(self, local, placements, full, shape):
         """This rank's `local` piece of a tensor of whole `shape`: gathered whole, or as a DTensor."""
-        from .collectives import transform
-        if full:
-            x = local
-            current = tuple(placements)
-            for a in reversed(range(len(placements))):
-                if is_shard(placements[a]):
-                    whole = gathered_size(shape, current, a, self.plan.mesh.axis_sizes)
-                    x = transform(x, placements[a], R, a, self.comm, "checkpoint", whole)
-                    current = current[:a] + (R,) + current[a + 1:]
-            return x
-        if self.device_mesh is None:
-            raise PlanError("state_dict() as DTensors needs the DeviceMesh given to parallelize; "
-                            "use state_dict(full=True) for whole tensors")
-        from torch.distributed.tensor import DTensor
-        # shape and stride given: a split that does not divide leaves ranks' pieces of unequal length,
-        # which DTensor lays out as torch.chunk does, as placement.py does
-        return DTensor.from_local(local, self.device_mesh, dtensor_placements(placements), run_check=False,
-                                  shape=torch.Size(shape), stride=_contiguous_strides(shape))
+        return export_tensor(self, local, placements, full, shape)
+
+    def stored_layout(self, placements) -> tuple:
+        """(DeviceMesh, placements) a stored tensor is given as (state_dict.stored_layout)."""
+        return stored_layout(self, placements)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Accepts DTensors or whole tensors, in any layout; keeps this module's layout."""
-        own = dict(self.store.named_parameters())
-        own.update(dict(self.store.named_buffers()))
-        own.update({a: own[c] for a, c in self._aliases.items() if c in own})
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
-            raise PlanError(f"state_dict does not match the model: missing {missing}, unexpected {unexpected}")
-        with torch.no_grad():
-            for fqn, value in state_dict.items():
-                if fqn not in own:
-                    continue
-                placements = self.plan.param_placements.get(self._aliases.get(fqn, fqn),
-                                                             (R,) * self.plan.mesh.num_axes)
-                if same_layout(value, self.device_mesh, placements):
-                    own[fqn].copy_(value.to_local())   # this rank's piece already: nothing whole is made
-                    continue
-                if hasattr(value, "full_tensor"):
-                    value = value.full_tensor()
-                own[fqn].copy_(shard_full_tensor(value, placements, self._coords, self.plan.mesh.axis_sizes))
-        return LoadResult(missing, unexpected)
+        return load_module_state(self, state_dict, strict)
 
 
 def _serve_layer_groups(pm: "ParallelModule", registries: list) -> None:
@@ -419,24 +388,3 @@ def _master_dtypes(params: dict, plan) -> dict:
     """Parameter name -> the dtype the plan's precision policy keeps it in (floating ones only)."""
     policy = precision_of(plan.precision)
     return {fqn: policy.resolve(p.dtype).master for fqn, p in params.items() if p.dtype.is_floating_point}
-
-
-def dtensor_placements(placements) -> list:
-    """autopar's placements ("S(d)" / "R" per axis) as DTensor's."""
-    from torch.distributed.tensor import Replicate, Shard
-    return [Shard(shard_dim(p)) if is_shard(p) else Replicate() for p in placements]
-
-
-def same_layout(value, mesh, placements) -> bool:
-    """Is `value` a DTensor laid out over `mesh` as `placements` say (so its local piece is ours)?"""
-    if mesh is None or not hasattr(value, "placements") or value.device_mesh != mesh:
-        return False
-    return list(value.placements) == dtensor_placements(placements)
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import PlanError
 from ..sharding.placement import R, S, shard_full_tensor
-from .module import same_layout
+from .state_dict import same_layout
 
 
 def init_state(opt) -> None:
@@ -65,6 +65,10 @@ def export_state(opt) -> dict:
     ids = {id(p): fqn for p, fqn in zip(_params(inner), names)}
     for g in inner.param_groups:
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [ids[id(p)] for p in g["params"]]})
+    if len(groups) == 1 and module.plan.pipeline is not None:
+        # DCP keeps one rank's copy of what is not a tensor: the one group names the whole model's parameters,
+        # not this stage's, so a plan that holds others can load it
+        groups[0]["params"] = [n for n in module._global_shapes if n not in module._aliases]
     return {"state": state, "param_groups": groups}
 
 
@@ -90,12 +94,17 @@ def load_state(opt, state_dict: dict) -> None:
     if len(state_dict["param_groups"]) != len(inner.param_groups):
         raise PlanError(f"the checkpoint has {len(state_dict['param_groups'])} parameter groups, this optimizer "
                         f"{len(inner.param_groups)}")
-    groups = []
+    # each group: the checkpoint's hyperparameters, this optimizer's parameters (a pipeline stage holds some
+    # of the group's; DCP hands every rank the group as one rank saved it)
+    groups, start = [], 0
     for saved, own in zip(state_dict["param_groups"], inner.param_groups):
-        groups.append({**{k: v for k, v in saved.items() if k != "params"},
-                       "params": [index[fqn] for fqn in saved["params"] if fqn in index]})
-        if len(groups[-1]["params"]) != len(own["params"]):
-            raise PlanError("the checkpoint's parameter groups name other parameters than this optimizer's")
+        mine = list(range(start, start + len(own["params"])))
+        start += len(own["params"])
+        absent = [names[i] for i in mine if names[i] not in saved["params"]]
+        if absent:
+            raise PlanError(f"the checkpoint's parameter groups do not hold {absent[:3]}: it was saved for another "
+                            "model or optimizer")
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": mine})
     inner.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -129,7 +138,7 @@ def _import(opt, fqn: str, p, z, key: str, value):
     if tuple(value.shape) != tuple(module._global_shapes[fqn]):
         raise PlanError(f"optimizer state {key!r} of {fqn!r} has shape {tuple(value.shape)}, the parameter "
                         f"{tuple(module._global_shapes[fqn])}")
-    if same_layout(value, module.device_mesh, plan.param_placements[fqn]):
+    if same_layout(value, *module.stored_layout(plan.param_placements[fqn])):
         local = value.to_local().to(p.dtype)   # this rank's piece already (DCP loaded it in place)
     else:
         if hasattr(value, "full_tensor"):
