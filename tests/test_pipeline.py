@@ -24,7 +24,7 @@ OPTIMIZERS = {"AdamW": (torch.optim.AdamW, LR), "SGD": (torch.optim.SGD, 0.1)}
 
 def _gpt(**config):
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=4, **config))
+    return GPT(GPTConfig(**{"n_layer": 4, **config}))
 
 
 def _batch():
@@ -86,7 +86,12 @@ def _train_cases(rank, mesh_shape, axis_names, cases: dict, x, y, config=None):
     One launch for several cases: starting 4 processes is most of a case's time."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
-    return {name: _train(mesh, kwargs, x, y, config, plan_json) for name, (kwargs, plan_json) in cases.items()}
+    out = {}
+    for name, (kwargs, plan_json) in cases.items():
+        kwargs = dict(kwargs)
+        layers = {"n_layer": kwargs.pop("n_layer")} if "n_layer" in kwargs else {}
+        out[name] = _train(mesh, kwargs, x, y, {**(config or {}), **layers}, plan_json)
+    return out
 
 
 def _train(mesh, plan_kwargs, x, y, config=None, plan_json=None):
@@ -138,18 +143,20 @@ CASES = {
         "pp2 x tp2, 1f1b": dict(pipeline_axis="pp", strategy="tp", microbatches=2)},
     ((4,), ("pp",)): {
         "pp4, 1f1b": dict(pipeline_axis="pp", microbatches=4),
-        "pp4, gpipe": dict(pipeline_axis="pp", microbatches=8, schedule="gpipe")},
+        "pp4, gpipe": dict(pipeline_axis="pp", microbatches=8, schedule="gpipe"),
+        # 2 virtual stages per rank: 8 stages, so 8 layers (n_layer: the model's, not a planning option)
+        "pp4, interleaved 1f1b": dict(pipeline_axis="pp", microbatches=8, schedule="interleaved-1f1b", n_layer=8)},
 }
 
 
 @pytest.mark.parametrize("mesh", list(CASES), ids=lambda m: " x ".join(f"{n}{s}" for s, n in zip(*m)))
 def test_pipelined_training_matches_one_device(mesh):
     x, y = _batch()
-    ref = _reference(x, y)
     cases = CASES[mesh]
+    refs = {n: _reference(x, y, config={"n_layer": n}) for n in {k.get("n_layer", 4) for k in cases.values()}}
     by_case = run_gloo(4, _train_cases, *mesh, {name: (kwargs, None) for name, kwargs in cases.items()}, x, y)
     for case, kwargs in cases.items():
-        _check_case(case, kwargs, [r[case] for r in by_case], ref)
+        _check_case(case, kwargs, [r[case] for r in by_case], refs[kwargs.get("n_layer", 4)])
 
 
 def _check_case(case, kwargs, results, ref):
