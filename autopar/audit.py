@@ -17,15 +17,14 @@ Measured, on this rank:
   (`predicted.exposed_comm_time`; the rest should hide behind backward). On CPU
   (gloo) that is the time the step waited; on CUDA a collective's call returns
   once queued on its stream, so the figure is the host's waits only. The measured
-  step includes the optimizer step, which the prediction does not price.
+  step includes the optimizer step (`predicted.optimizer_time`) and zero_grad.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
-
 import statistics
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 

@@ -179,3 +179,42 @@ def test_a_layer_group_sums_its_gradient_over_tp_after_the_reduce_scatter(optimi
             torch.testing.assert_close(r["params"][name], p, atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {name}: {m}")
     for step in range(3):
         assert sum(r["losses"][step] for r in res) / 4 == pytest.approx(ref["losses"][step], abs=1e-5)
+
+
+class _TwoHeads(torch.nn.Module):
+    """Two outputs; a loss that reads only the first leaves the second head's weight without a gradient."""
+    def __init__(self):
+        super().__init__()
+        self.body, self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.a(h), self.b(h)
+
+
+def _two_heads(rank, model, x):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="ddp")
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    (xl,) = pm.plan.local_inputs(x)
+    for _ in range(3):   # the bucket's buffer is made anew each step: its unreached pieces must read zero
+        opt.zero_grad()
+        pm(xl)[0].square().mean().backward()
+        opt.step()
+    return pm.state_dict(full=True), pm._grad_buckets.num_buckets()
+
+
+def test_a_weight_whose_gradient_never_arrives_adds_nothing_to_its_bucket():
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(8, 8)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for _ in range(3):
+        opt.zero_grad()
+        ref(x)[0].square().mean().backward()
+        opt.step()
+    for params, num_buckets in run_threaded(2, _two_heads, model, x):
+        assert num_buckets == 1   # head b shares the bucket of the weights whose gradients come
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), atol=ATOL, rtol=0, msg=lambda m: f"{n}: {m}")

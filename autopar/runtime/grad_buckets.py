@@ -54,6 +54,8 @@ class _Bucket:
     slots: list = field(default_factory=list)
     numel: int = 0
     flat: torch.Tensor | None = None   # this backward's buffer, made at the first arrival
+    written: set = field(default_factory=set)   # slots whose piece of `flat` holds a gradient
+    outstanding: int = 0               # its slots' forward uses whose gradient has not arrived
     work: object = None                # the launched all-reduce on axes[0]
 
 
@@ -113,6 +115,7 @@ class GradBuckets:
         # the parameter forward reads now: to_empty (a meta-built model) replaces the ones made at construction
         self.slots[i].param = param
         self.slots[i].outstanding += 1
+        self.buckets[self.slots[i].bucket].outstanding += 1
         return DeferredReduce.apply(param, self, i)
 
     @contextlib.contextmanager
@@ -127,7 +130,9 @@ class GradBuckets:
 
     def arrive(self, i: int, grad: torch.Tensor, accumulate: bool = False) -> None:
         slot = self.slots[i]
-        slot.outstanding = max(slot.outstanding - 1, 0)
+        if slot.outstanding > 0:
+            slot.outstanding -= 1
+            self.buckets[slot.bucket].outstanding -= 1
         if not self._callback_queued:
             self._callback_queued = True
             at_backward_end(self._finish)
@@ -144,13 +149,23 @@ class GradBuckets:
         if b.work is not None:
             raise PlanError(f"the gradient of {slot.name!r} arrived after its bucket was all-reduced in this backward "
                             "(a use forward did not count); report this with the model")
-        if b.flat is None:   # zeros: a weight whose gradient does not come adds nothing
-            b.flat = torch.zeros(b.numel, dtype=b.reduce_dtype, device=slot.param.device)
-        piece = b.flat[slot.offset: slot.offset + slot.param.numel()]
-        piece.add_(grad.reshape(-1))
+        self._add(b, i, grad)
         pending = self._pending.pop(i, None)
         if pending is not None:
-            piece.add_(pending.reshape(-1))
+            self._add(b, i, pending)
+
+    def _add(self, b: _Bucket, i: int, grad: torch.Tensor) -> None:
+        """Slot i's piece of the bucket += grad; the first gradient is copied in (no zero-fill of the
+        whole bucket each step: _launch zeroes only the pieces no gradient reached)."""
+        slot = self.slots[i]
+        if b.flat is None:
+            b.flat = torch.empty(b.numel, dtype=b.reduce_dtype, device=slot.param.device)
+        piece = b.flat[slot.offset: slot.offset + slot.param.numel()]
+        if i in b.written:
+            piece.add_(grad.reshape(-1))
+        else:
+            piece.copy_(grad.reshape(-1))
+            b.written.add(i)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._ready(self.buckets[self._next_launch]):
@@ -158,13 +173,17 @@ class GradBuckets:
             self._next_launch += 1
 
     def _ready(self, b: _Bucket) -> bool:
-        return b.flat is not None and all(self.slots[i].outstanding == 0 for i in b.slots)
+        return b.flat is not None and b.outstanding == 0
 
     def _launch(self, b: _Bucket) -> None:
         if b.flat is None:   # nothing arrived, but the slots may hold gradients summed under accumulating()
             self._take_pending(b)
         if b.flat is None:
             return
+        for i in b.slots:   # a weight whose gradient did not come adds nothing
+            if i not in b.written:
+                slot = self.slots[i]
+                b.flat[slot.offset: slot.offset + slot.param.numel()].zero_()
         ax = self.comm.axes[b.axes[0]]
         self._log(b.axes[0], b.flat)
         t0 = self.comm.start()   # a launch counts too: some backends (the threaded one) block in it
@@ -174,12 +193,8 @@ class GradBuckets:
     def _take_pending(self, b: _Bucket) -> None:
         for i in b.slots:
             g = self._pending.pop(i, None)
-            if g is None:
-                continue
-            if b.flat is None:
-                b.flat = torch.zeros(b.numel, dtype=b.reduce_dtype, device=self.slots[i].param.device)
-            slot = self.slots[i]
-            b.flat[slot.offset: slot.offset + slot.param.numel()].add_(g.reshape(-1))
+            if g is not None:
+                self._add(b, i, g)
 
     def _finish(self) -> None:
         """End of backward: launch what has not launched, wait for all, set the gradients."""
@@ -221,7 +236,8 @@ class GradBuckets:
                 p.grad = g
             else:
                 p.grad.add_(g)
-        b.flat, b.work = None, None
+        b.flat, b.work, b.outstanding = None, None, 0
+        b.written.clear()
         for i in b.slots:
             self.slots[i].outstanding = 0
 
