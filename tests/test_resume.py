@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo
+from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo, run_threaded
 
 OPTIMIZERS = {"sgd-momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9), 1e-5),
               "adamw": (torch.optim.AdamW, dict(lr=1e-3), 1e-3)}
@@ -150,3 +150,22 @@ def test_checkpoint_refuses_a_plain_optimizer(tmp_path):
     model = _model()
     with pytest.raises(autopar.PlanError, match="takes an autopar.ShardedOptimizer"):
         autopar.checkpoint._state(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.1), None)
+
+
+def _state_dict_mid_step(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    x, y = _batch()
+    pm = autopar.parallelize(_model(), mesh, (x,), strategy="ddp", hardware="cpu")
+    opt = autopar.ShardedOptimizer(pm, torch.optim.SGD, lr=0.1)   # keeps no state at all
+    (xl,), (yl,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+    gpt_loss(pm(xl), yl).backward()
+    before = {n: p.grad.clone() for n, p in pm.named_parameters()}
+    sd = opt.state_dict()   # between backward and step: must leave the gradients alone
+    return all(torch.equal(p.grad, before[n]) for n, p in pm.named_parameters()), sd["state"], sd["param_groups"]
+
+
+def test_state_dict_between_backward_and_step_keeps_the_gradients():
+    for same, state, groups in run_threaded(2, _state_dict_mid_step):
+        assert same and state == {}
+        assert groups[0]["lr"] == 0.1 and "wte.weight" in groups[0]["params"]

@@ -70,6 +70,7 @@ class ShardedOptimizer:
         policy = precision_of(plan.precision)
         params = []
         self.param_names: list[str] = []   # the wrapped optimizer's parameters' names, in its order
+        self._state_initialized = False    # optim_state.init_state ran (or had nothing to make)
         for fqn, p in module.named_parameters():
             self.param_names.append(fqn)
             level, axis_names = plan.param_zero.get(fqn, (0, ()))

@@ -31,8 +31,11 @@ def init_state(opt) -> None:
     lazily at their first step): a step on zero gradients at learning rate 0, so nothing moves. Then a
     state_dict made before training has the structure a checkpoint is loaded into."""
     inner = opt.optimizer
-    if inner.state:
-        return
+    if inner.state or opt._state_initialized:
+        return   # (SGD without momentum keeps no state: one try is enough)
+    if any(p.grad is not None for p in _params(inner)) or any(z.param.grad is not None for z in opt._zero):
+        return   # between backward and step: the user's gradients are not ours to replace
+    opt._state_initialized = True
     lrs = [g["lr"] for g in inner.param_groups]
     for z in opt._zero:
         z.param.grad = None
