@@ -36,7 +36,11 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     AdamW is the default because it is what large models train with.
     `checkpointing`: "auto" lets the search recompute stacks of repeated
     blocks when that is what fits memory_limit (it only costs time, so never
-    without a limit); "full" recomputes every such stack; "none" never.
+    without a limit), each block whole or only its attention core, whichever
+    is faster; "full" recomputes every block of such stacks; "selective" only
+    their attention cores (Megatron's selective recompute: the activations
+    that grow with the square of the sequence, for little compute); "none"
+    never. `plan.checkpointed` says which stacks got which.
     The model is traced with each stack of alike layers (an nn.ModuleList of
     one class, same parameter shapes) cut to three, the rest copied from the
     last (autopar.capture.repeat), so depth adds little time. `trace_every_layer=True`

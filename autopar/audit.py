@@ -135,9 +135,11 @@ class _SavedActivations:
     def pack(self, t: torch.Tensor):
         """The saved-tensor hook: GatheredParams' own, counting what it keeps."""
         packed = self._inner_pack(t)
-        if packed is t:   # otherwise an FSDP weight: a handle is kept, not the tensor
+        if packed is t:
             self._count(t)
-        return packed
+        elif packed[2].activation:   # an activation kept as its shard (sequence parallelism): the shard counts
+            self._count(packed[1])
+        return packed                # else an FSDP weight: a handle is kept, not the tensor
 
     def region_inputs(self, inputs) -> None:
         """A CheckpointRegion's observer: a checkpointed block keeps no activations but holds the tensors it reads."""

@@ -62,7 +62,9 @@ class Plan:
     param_zero: dict = field(default_factory=dict)  # parameter FQN -> (ZeRO level, axis names)
     precision: dict = field(default_factory=dict)   # Precision.to_dict(): None = the parameter's dtype
     optimizer: dict = field(default_factory=dict)   # {"name", "states_per_param"}
-    checkpointed: tuple = ()          # stacks (module paths) whose blocks are recomputed in backward
+    # {stack path: kind}: "full" recomputes each block of the stack in backward, "selective" only each
+    # block's attention core (cost/checkpointing.py); stacks not named keep their activations
+    checkpointed: dict = field(default_factory=dict)
     pipeline: PipelinePlan | None = None  # stages over a pipeline axis (search/pipeline.py); None: not pipelined
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most bytes one gradient bucket's all-reduce carries (cost/buckets.py)
 
@@ -159,9 +161,9 @@ class Plan:
             lines.append("optimizer state split: " + ", ".join(f"{k} ({n} parameters)" for k, n in by_kind.items()))
         if self.pipeline is not None:
             lines += pipeline_lines(self.pipeline)
-        if self.checkpointed:
-            lines.append("activation checkpointing: every block of " + ", ".join(self.checkpointed)
-                         + " is recomputed in backward")
+        for path, kind in self.checkpointed.items():
+            what = "every block" if kind == "full" else "the attention core of every block"
+            lines.append(f"activation checkpointing ({kind}): {what} of {path} is recomputed in backward")
         p = self.predicted
         lines.append("communication per step: " + ", ".join(
             f"{a} {format_bytes(p.comm_bytes[a])} ({p.comm_time[a] * 1e3:.3f} ms, "
@@ -191,7 +193,7 @@ class Plan:
                                     **({"zero": s.zero, "zero_axes": list(s.zero_axes)} if s.zero else {})}
                                 for n, s in self.node_strategies.items()},
             "param_zero": {k: [lvl, list(axes)] for k, (lvl, axes) in self.param_zero.items()},
-            "precision": self.precision, "optimizer": self.optimizer, "checkpointed": list(self.checkpointed),
+            "precision": self.precision, "optimizer": self.optimizer, "checkpointed": dict(self.checkpointed),
             "param_placements": {k: list(v) for k, v in self.param_placements.items()},
             "input_placements": [list(p) for p in self.input_placements],
             "output_placements": [list(p) for p in self.output_placements],
@@ -228,7 +230,7 @@ class Plan:
                              for n, s in d["node_strategies"].items()},
             param_zero={k: (lvl, tuple(axes)) for k, (lvl, axes) in d.get("param_zero", {}).items()},
             precision=d.get("precision", {}), optimizer=d.get("optimizer", {}),
-            checkpointed=tuple(d.get("checkpointed", ())),
+            checkpointed=_checkpointed(d.get("checkpointed", {})),
             param_placements={k: tuple(v) for k, v in d["param_placements"].items()},
             input_placements=tuple(tuple(p) for p in d["input_placements"]),
             output_placements=tuple(tuple(p) for p in d["output_placements"]),
@@ -332,6 +334,11 @@ class _DoublePrinter(StrPrinter):
 
 def _sympy_text(value) -> str:
     return _DoublePrinter().doprint(sympy.sympify(value))
+
+
+def _checkpointed(saved) -> dict:
+    """{path: kind}; a list of paths is a plan saved before selective recompute (all of them full)."""
+    return {path: "full" for path in saved} if isinstance(saved, list) else dict(saved)
 
 
 def _read_sympy(text: str, symbols: dict):

@@ -230,6 +230,11 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     if checkpointing == "full" and not prob.stacks:
         raise PlanError("checkpointing='full' found no stack of repeated blocks to checkpoint (an nn.ModuleList "
                         "of 2+ layers whose ops run one layer after another); use checkpointing='auto' or 'none'")
+    if checkpointing == "selective" and not any(st.kind == "selective" for st in prob.stacks):
+        raise PlanError("checkpointing='selective' found no stack of repeated blocks with an attention core to "
+                        "recompute (two matmuls of activations, scores and weighted values, or a fused attention "
+                        "op, in each block of an nn.ModuleList of 2+ layers); use checkpointing='full', 'auto' "
+                        "or 'none'")
     t_rules = time.perf_counter() - t0
     tiers = [[roles]]
     if strategy == "auto" and spec.num_axes >= AUTO_BY_ROLE_AXES:
@@ -285,9 +290,9 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
     """The best plan with `axis` pipelined in `m` microbatches: the ILP lays out one microbatch on the
     other axes (the pipeline axis whole), then stage_partition.partition cuts it into stages."""
     spec, strategy = env.spec, env.strategy
-    if env.checkpointing == "full":
-        raise PipelineError("checkpointing='full' with a pipeline is not supported yet: a pipelined plan "
-                            "recomputes nothing; use checkpointing='auto' or 'none'")
+    if env.checkpointing in ("full", "selective"):
+        raise PipelineError(f"checkpointing={env.checkpointing!r} with a pipeline is not supported yet: a "
+                            "pipelined plan recomputes nothing; use checkpointing='auto' or 'none'")
     limit = _memory_limit(env.memory_limit)
     a = spec.axis_index(axis)
     p = spec.axis_sizes[a]

@@ -78,7 +78,7 @@ def test_checkpointed_training_matches_one_device(strategy, mesh_shape):
     for rec in run_threaded(world, parallel_record, model, mesh_shape, names, x, y, gpt_loss, 3, 1e-3,
                             {"strategy": strategy, "hardware": "cpu", "checkpointing": "full"}):
         plan = rec["plan"]
-        assert plan.checkpointed == ("h",)
+        assert plan.checkpointed == {"h": "full"}
         for name, g in ref["grads"].items():
             torch.testing.assert_close(rec["grads"][name], g, atol=1e-5, rtol=0, msg=name)
         for name, p in ref["params"].items():
@@ -100,24 +100,24 @@ def test_auto_checkpoints_exactly_when_the_limit_needs_it():
     model, x, _ = _gpt(n_layer=4)
     mesh = {"dp": 2}
     free = autopar.plan(model, (x,), mesh, hardware="cpu")
-    assert free.checkpointed == ()          # it only costs time: not without a limit
+    assert free.checkpointed == {}          # it only costs time: not without a limit
     without = _least_memory(model, x, mesh, checkpointing="none")
     with_ = _least_memory(model, x, mesh)
     assert with_ < without
     # a limit no plan meets without recomputing blocks
     limit = int((with_ + without) / 2)
     tight = autopar.plan(model, (x,), mesh, hardware="cpu", memory_limit=limit)
-    assert tight.checkpointed == ("h",)
+    assert tight.checkpointed == {"h": "full"}
     assert tight.predicted.memory.total <= limit
     assert tight.predicted.step_time > free.predicted.step_time   # memory is bought with time
     with pytest.raises(autopar.InfeasiblePlanError):
         autopar.plan(model, (x,), mesh, hardware="cpu", memory_limit=limit, checkpointing="none")
     # where the best plan without a limit fits, auto keeps it
     roomy = autopar.plan(model, (x,), mesh, hardware="cpu", memory_limit=int(free.predicted.memory.total * 1.01))
-    assert roomy.checkpointed == () and roomy.stats["objective_seconds"] == free.stats["objective_seconds"]
+    assert roomy.checkpointed == {} and roomy.stats["objective_seconds"] == free.stats["objective_seconds"]
     text = str(tight)
     assert "activation checkpointing" in text and "h" in text
-    assert autopar.Plan.from_json(tight.to_json()).checkpointed == ("h",)
+    assert autopar.Plan.from_json(tight.to_json()).checkpointed == {"h": "full"}
 
 
 def _train_under_limit(rank, model, x, y, limit):
@@ -133,7 +133,7 @@ def test_auto_chooses_checkpointing_under_a_limit_only_it_meets_and_trains_on_gl
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=1e-3)
     for rank, (rec, rows) in enumerate(run_gloo(2, _train_under_limit, model, x, y, limit)):
         plan = rec["plan"]
-        assert plan.checkpointed == ("h",) and plan.predicted.memory.total <= limit
+        assert plan.checkpointed == {"h": "full"} and plan.predicted.memory.total <= limit
         _check_audit(rows, ("dp",), f"rank {rank}")
         for name, p in ref["params"].items():
             torch.testing.assert_close(rec["params"][name], p, atol=1e-5, rtol=0, msg=name)

@@ -229,6 +229,14 @@ class ActivationModel:
     # ops that keep some tensor (a weight too): backward's rerun of a checkpointed block stops after
     # the last of its ops that keeps one (torch.utils.checkpoint's early stop)
     keepers: frozenset = frozenset()
+    # (op, tensor input index) -> how many tensors autograd keeps of the activation that op reads there,
+    # by the op itself or by ops that read it through views and aliases of that input
+    saves_through: Mapping = field(default_factory=dict)
+    # the pairs of saves_through through which the op that pays for the activation's whole storage
+    # reaches it (charged in the layout it takes it in): where the activation arrives all-gathered,
+    # the module keeps the shard instead (runtime/regather.py) and the edge corrects the charge
+    # (terms.regather_saving)
+    payers: frozenset = frozenset()
 
 
 def _bytes_of(m: TensorMeta) -> int:
@@ -273,7 +281,7 @@ def activation_model(cap: Captured, hardware, regions=()) -> ActivationModel:
         book.charge_storage(root, uses)
     kept = {root[0] for root in book.kept_by} | {v[0] for uses in book.kept_by.values() for _, _, v in uses}
     return ActivationModel(kernels, {n: tuple(c) for n, c in book.charges.items()}, frozenset(kept),
-                           frozenset(book.keepers))
+                           frozenset(book.keepers), dict(book.saves_through), frozenset(book.payers))
 
 
 @dataclass
@@ -285,10 +293,31 @@ class _Keeping:
     charges: dict = field(default_factory=dict)   # node -> [Charge]
     kept_by: dict = field(default_factory=dict)   # storage -> [(keeper, keep, kept value)], in graph order
     keepers: set = field(default_factory=set)
+    saves_through: dict = field(default_factory=dict)   # (op, tensor input index) -> saves
+    payers: set = field(default_factory=set)            # (op, tensor input index)
 
     def meta_of(self, value: Value) -> TensorMeta | None:
         m = self.cap.info[value[0]].meta
         return m[value[1]] if isinstance(m, list) and value[1] is not None else first_of(m)
+
+    def entry(self, keeper: fx.Node, keep, value: Value, root: Value) -> tuple | None:
+        """(op, tensor input index) where `keeper`'s kept input `value` reads `root`'s output: the keeper's
+        own input, or the first of a chain of views and aliases that ends in `value`. None for an op's own
+        output or a piece of a tuple."""
+        if not isinstance(keep, Arg) or root[1] is not None or value[1] is not None:
+            return None
+        if value == root:
+            return (keeper.name, keep.index)
+        cur = value[0]
+        while True:
+            args = tensor_args(self.cap.node(cur))
+            for i, a in enumerate(args):
+                if a.name == root[0]:
+                    return (cur, i)
+            onto = [a for a in args if self.owner.get((a.name, None), (a.name, None)) == root]
+            if not onto:
+                return None
+            cur = onto[0].name
 
     def checkpoint_holds(self, region) -> None:
         """A checkpoint keeps its region's tensor inputs, charged to their producers."""
@@ -322,6 +351,9 @@ class _Keeping:
                 continue           # parameter memory, counted with the parameters
             if self.meta_of(value) is None or self.meta_of(root) is None:
                 continue           # not a tensor export could describe
+            entry = self.entry(node, keep, value, root)
+            if entry is not None:
+                self.saves_through[entry] = self.saves_through.get(entry, 0) + 1
             self.kept_by.setdefault(root, []).append((node, keep, value))
 
     def charge_storage(self, root: Value, uses: list) -> None:
@@ -348,6 +380,8 @@ class _Keeping:
             if heads is not None:
                 dim, groups, repeats = heads
                 view = (input_cuts(spec, keep.index, out.ndim, (dim,)), groups, repeats)
+            elif not partial and not keep.unless and self.entry(node, keep, value, root) is not None:
+                self.payers.add(self.entry(node, keep, value, root))
         self.charges.setdefault(node.name, []).append(
             Charge(self.meta_of(root) if partial else m, cuts, f"{value[0]} kept by {node.name}",
                    unless=keep.unless if isinstance(keep, Arg) else frozenset(), view=view))

@@ -1,5 +1,12 @@
 """Activation checkpointing: which stacks of repeated blocks may be recomputed, and at what price.
 
+Two kinds, chosen per stack (`CheckpointStack.kind`):
+- "full": each whole block is recomputed;
+- "selective" (Megatron's): only each block's attention core -- the scores
+  matmul, scale, softmax, dropout and the weighted sum of values, or one fused
+  attention op -- whose activations grow with the square of the sequence while
+  its compute is a small share of the block's.
+
 A checkpointed block keeps nothing for backward but the tensors it reads
 from outside (the checkpoint holds them); backward runs its forward again,
 paying that block's forward compute (and its forward collectives) a second
@@ -17,18 +24,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..capture.blocks import block_nodes
-from ..capture.export import Captured
+from ..capture.export import PARAM, Captured
 from ..errors import AutoparError
+from ..sharding.op_spec import op_name, tensor_args
 from .activations import ActivationModel, activation_model
 
-NONE, FULL = "none", "full"
-MODES = (NONE, FULL, "auto")
+NONE, SELECTIVE, FULL, AUTO = "none", "selective", "full", "auto"
+MODES = (NONE, SELECTIVE, FULL, AUTO)
+KINDS = (SELECTIVE, FULL)
+# ops that multiply two activations: attention's scores and its weighted sum of values
+_PRODUCTS = {"aten.matmul.default", "aten.bmm.default", "aten.mm.default", "aten.einsum.default"}
+_FUSED_ATTENTION = {"aten.scaled_dot_product_attention.default"}
+# ops that only view or copy their input: the core starts with those that prepare its first product
+_VIEWS = {"aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.permute.default",
+          "aten.expand.default", "aten.clone.default", "aten.contiguous.default", "aten._unsafe_view.default",
+          "aten.t.default", "aten.unsqueeze.default"}
 
 
 @dataclass(frozen=True)
 class CheckpointStack:
     path: str        # module path of the stack, e.g. "model.layers"
-    blocks: tuple    # per block, its op nodes in graph order: one checkpointed region each
+    blocks: tuple    # per block, the op nodes of its region in graph order: one checkpointed region each
+    kind: str = FULL   # FULL: each region is the whole block; SELECTIVE: its attention core
+
+    @property
+    def key(self) -> tuple:
+        return (self.path, self.kind)
 
     @property
     def regions(self) -> list[frozenset]:
@@ -36,7 +57,8 @@ class CheckpointStack:
 
 
 def checkpointable_stacks(cap: Captured) -> tuple[CheckpointStack, ...]:
-    """Stacks of 2+ blocks whose ops each form one contiguous run of the graph."""
+    """Stacks of 2+ blocks whose ops each form one contiguous run of the graph, whole (FULL) and, where
+    every block has an attention core, that core alone (SELECTIVE)."""
     position = {n.name: i for i, n in enumerate(n for n in cap.graph.nodes if n.op == "call_function")}
     out = []
     for path, blocks in block_nodes(cap).items():
@@ -50,7 +72,38 @@ def checkpointable_stacks(cap: Captured) -> tuple[CheckpointStack, ...]:
         else:
             if len(regions) >= 2:
                 out.append(CheckpointStack(path, tuple(regions)))
+                cores = [attention_core(cap, block) for block in regions]
+                if all(cores):
+                    out.append(CheckpointStack(path, tuple(cores), SELECTIVE))
     return tuple(out)
+
+
+def attention_core(cap: Captured, block: tuple) -> tuple:
+    """The ops of a block's attention core, in graph order: from its first product of two activations
+    (with the views just before it that prepare its operands) to the next one, or a fused attention
+    op alone; () where the block has neither."""
+    for i, name in enumerate(block):
+        if op_name(cap.node(name)) in _FUSED_ATTENTION:
+            return (name,)
+    products = [i for i, name in enumerate(block) if op_name(cap.node(name)) in _PRODUCTS
+                and not any(_from_weight(cap, a) for a in tensor_args(cap.node(name)))]
+    if len(products) < 2:
+        return ()
+    start, end = products[0], products[1]
+    while start > 0 and op_name(cap.node(block[start - 1])) in _VIEWS and \
+            all(u.name in block[start:end + 1] for u in cap.node(block[start - 1]).users):
+        start -= 1
+    return tuple(block[start:end + 1])
+
+
+def _from_weight(cap: Captured, node) -> bool:
+    """Is this value a parameter, or a view of one?"""
+    while True:
+        if cap.info[node.name].kind == PARAM:
+            return True
+        if node.op != "call_function" or op_name(node) not in _VIEWS:
+            return False
+        node = tensor_args(node)[0]
 
 
 def checkpointed_model(cap: Captured, hardware, stacks) -> ActivationModel:
@@ -71,6 +124,12 @@ def recomputed_ops(stack: CheckpointStack, saved: ActivationModel) -> set:
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise AutoparError(f"checkpointing={mode!r}: use 'auto' (the search decides per stack of repeated "
-                           f"blocks), 'full' (recompute every such stack) or 'none'")
+        raise AutoparError(f"checkpointing={mode!r}: use 'auto' (the search decides for the stacks of repeated "
+                           f"blocks), 'full' (recompute every block of each such stack), 'selective' (recompute "
+                           f"only each block's attention core) or 'none'")
     return mode
+
+
+def stacks_of(stacks, checkpointed) -> list:
+    """The CheckpointStacks a plan's `checkpointed` ({stack path: kind}) names."""
+    return [st for st in stacks if checkpointed.get(st.path) == st.kind]

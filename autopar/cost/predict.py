@@ -14,15 +14,15 @@ import cost_models as cm
 
 from ..capture.export import BUFFER, INPUT, OP, PARAM
 from ..sharding.placement import local_shape, numel
-from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective, plan_steps
+from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective, gathers_again, plan_steps
 from .buckets import assign_buckets, deferred_axes
-from .checkpointing import recomputed_ops
+from .checkpointing import recomputed_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import hidden_comm_time
 from .problem import charge_key, checkpoint_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
                     gathered_weight_bytes, is_saved, node_compute_time, output_bytes, param_memory, reduce_itemsize,
-                    regathers, zero_collectives)
+                    regather_saving, regathers, zero_collectives)
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,10 @@ def group_redistributions(prob, choice) -> list[Redistribution]:
         key = (e.producer, dst, gp)
         g = groups.setdefault(key, [src, [], 0, keep])
         g[1].append((e.consumer, e.index))
-        g[2] += int(regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes))
-    return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]), g[2], tuple(g[3]))
+        g[2] += int(regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, prob.saved))
+    # an activation is gathered again once for all its readers (runtime/regather.py), a weight per reader
+    return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]),
+                           g[2] if prob.cap.info[p].kind == PARAM else min(g[2], 1), tuple(g[3]))
             for (p, d, gp), g in groups.items()]
 
 
@@ -60,8 +62,10 @@ def redistribution_collectives(prob, r: Redistribution, symbolic=False) -> list[
     colls = edge_collectives(r.producer, r.src, r.dst, r.grad_partial, prob.cap, prob.mesh,
                              r.producer in prob.grad_nodes, False, where, symbolic,
                              keep_partial=r.keep_partial, reduce_itemsize=reduce_itemsize(prob.param_bytes, r.producer))
-    regather = [c for c in colls if c.phase == "forward" and c.kind == ALL_GATHER
-                and prob.cap.info[r.producer].kind == PARAM]
+    steps = plan_steps(r.src, r.dst, r.grad_partial if r.producer in prob.grad_nodes else (),
+                       keep_partial=r.keep_partial)
+    again = gathers_again(steps, prob.cap.info[r.producer].kind == PARAM)
+    regather = [c for c in colls if c.phase == "forward" and c.kind == ALL_GATHER and again]
     for _ in range(r.regather_count):
         colls += [Collective(ALL_GATHER, c.axis, c.full_bytes, "backward", where, r.producer)
                   for c in regather]
@@ -99,17 +103,20 @@ class Predicted:
         return {a: t - self.exposed_comm_time.get(a, t) for a, t in self.comm_time.items()}
 
 
-def predict(prob, choice, symbolic: bool, checkpointed: tuple = ()) -> tuple[Predicted, list[Collective]]:
-    """`checkpointed`: paths of the stacks (prob.stacks) whose blocks recompute in backward."""
+def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted, list[Collective]]:
+    """`checkpointed`: {path: kind} of the stacks (prob.stacks) whose blocks, or their attention cores,
+    recompute in backward."""
     mesh = prob.mesh
     num = (lambda x: x) if symbolic else (lambda x: float(x))
-    stacks = [st for st in prob.stacks if st.path in checkpointed]
-    saved = checkpoint_model(prob, tuple(checkpointed)) if stacks else prob.saved
+    stacks = stacks_of(prob.stacks, checkpointed or {})
+    saved = checkpoint_model(prob, tuple(st.key for st in stacks)) if stacks else prob.saved
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
     params, master, grads, opt, update, colls = _state_terms(prob, choice, symbolic)
     optimizer_time = cm.memory_time(update, prob.hardware)
     acts, compute, op_times = _op_terms(prob, choice, symbolic, saved, rerun)
     groups = group_redistributions(prob, choice)
+    acts = acts + sum(regather_saving(prob.cap, saved, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
+                                      prob.grad_nodes, symbolic) for r in groups for c, i in r.consumers)
     colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic))
     colls = grouped(colls, layer_members(prob, groups), prob.mesh.axis_sizes)
     transient = _transient(prob, choice, groups, stacks, symbolic)

@@ -44,6 +44,7 @@ class Problem:
     live: list = field(default_factory=list)         # (op, storages alive there) per forward op (liveness.py)
     edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
     stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
+                                                     # (a stack's path twice: whole blocks, and their cores)
     checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
     node_cost_cache: dict = field(default_factory=dict, repr=False)    # see repeat_memory
     bucket_bytes: int = DEFAULT_BUCKET_BYTES          # gradient buckets' size (buckets.py)
@@ -77,7 +78,7 @@ def edge_signature(prob: Problem, e: Edge) -> tuple:
     """All an edge's cost depends on besides the two layouts."""
     meta = first_meta(prob.cap.info[e.producer].meta)
     return (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
-            regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes),
+            regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, prob.saved),
             reduce_itemsize(prob.param_bytes, e.producer))
 
 
@@ -86,7 +87,7 @@ def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
     try:
         colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
                                  e.producer in prob.grad_nodes,
-                                 regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes), e.consumer,
+                                 regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, prob.saved), e.consumer,
                                  keep_partial=keep_partial,
                                  reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
     except UnsupportedRedistribution as err:
@@ -106,7 +107,7 @@ def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_par
                                  reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
         forward = [c for c in colls if c.phase == "forward"]
         cost = float(collectives_time(forward, prob.mesh, prob.links))
-        if regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes):
+        if regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, prob.saved):
             cost -= float(collectives_time([c for c in forward if c.kind == ALL_GATHER], prob.mesh, prob.links))
         prob.edge_cost_cache[key] = cost
     return cost
@@ -145,12 +146,14 @@ def repeat_memory(prob: Problem, name: str, first: str) -> list:
     return mems
 
 
-def checkpoint_model(prob: Problem, paths: tuple):
-    """The activation model with the stacks at `paths` checkpointed (built once per set of stacks)."""
-    model = prob.checkpoint_models.get(paths)
+def checkpoint_model(prob: Problem, keys: tuple):
+    """The activation model with the stacks of `keys` ((path, kind) pairs, CheckpointStack.key)
+    checkpointed (built once per set of stacks)."""
+    keys = tuple(sorted(keys))
+    model = prob.checkpoint_models.get(keys)
     if model is None:
-        stacks = [st for st in prob.stacks if st.path in paths]
-        model = prob.checkpoint_models[paths] = checkpointed_model(prob.cap, prob.hardware, stacks)
+        stacks = [st for st in prob.stacks if st.key in keys]
+        model = prob.checkpoint_models[keys] = checkpointed_model(prob.cap, prob.hardware, stacks)
     return model
 
 

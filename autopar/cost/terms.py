@@ -26,7 +26,8 @@ from ..capture.export import PARAM, Captured, TensorMeta
 from ..mesh import MeshSpec
 from ..sharding.op_spec import op_name, tensor_args
 from ..sharding.placement import P, Placements, R, S, ceil_div, local_shape, numel, shard_dim, uneven_dims
-from ..sharding.redistribute import Collective, UnsupportedRedistribution, plan_steps, step_collectives
+from ..sharding.redistribute import (Collective, UnsupportedRedistribution, gathers_again, plan_steps,
+                                     step_collectives)
 from .activations import ActivationModel, activation_model, node_activation_bytes
 from .precision import ParamBytes
 
@@ -186,7 +187,7 @@ def reduce_itemsize(param_bytes: dict, producer: str):
 
 
 def edge_collectives(producer: str, src: Placements, dst: Placements, grad_partial, cap: Captured,
-                     mesh: MeshSpec, grad_flows: bool, regather: bool, where: str,
+                     mesh: MeshSpec, grad_flows: bool, regather: int, where: str,
                      symbolic=False, keep_partial=(), reduce_itemsize=None) -> list[Collective]:
     """Collectives on one edge; raises UnsupportedRedistribution if it cannot be done.
 
@@ -200,6 +201,7 @@ def edge_collectives(producer: str, src: Placements, dst: Placements, grad_parti
         return []
     steps = plan_steps(src, dst, grad_partial if grad_flows else (), keep_partial=keep_partial)
     check_uneven_gathered(meta, src, steps, mesh)
+    regather = regather if gathers_again(steps, cap.info[producer].kind == PARAM) else 0
     out = []
     for st in steps:
         for c in step_collectives(st, shape_of(meta, symbolic), meta.itemsize, mesh.axis_sizes, where, regather,
@@ -230,16 +232,33 @@ def check_uneven_gathered(meta: TensorMeta, src: Placements, steps, mesh: MeshSp
                                         "must be gathered first")
 
 
-def regathers(cap: Captured, producer: str, consumer: str, index: int, grad_nodes: set) -> bool:
-    """Does this parameter edge gather again in backward (autograd keeps the weight)?"""
+def regathers(cap: Captured, producer: str, consumer: str, index: int, grad_nodes: set,
+              saved: ActivationModel | None = None) -> int:
+    """How many times this edge gathers again in backward, where it gathers: a weight once when the
+    op keeps it (FSDP); an activation with a gradient once when autograd keeps some tensor of it
+    through this op (`saved`; sequence parallelism: gathers_again decides which layout changes
+    qualify) -- once for all the ops that read one gathered activation (runtime/regather.py)."""
     if cap.info[producer].kind != PARAM:
-        return False
+        return int(saved is not None and producer in grad_nodes and saved.saves_through.get((consumer, index), 0) > 0)
     node = cap.node(consumer)
     needed_by = SAVED_FOR_GRAD_OF.get(op_name(node), {}).get(index)
     if not needed_by:
-        return False
+        return 0
     args = tensor_args(node)
-    return any(j < len(args) and args[j].name in grad_nodes for j in needed_by)
+    return int(any(j < len(args) and args[j].name in grad_nodes for j in needed_by))
+
+
+def regather_saving(cap: Captured, saved: ActivationModel, producer: str, consumer: str, index: int, src, dst,
+                    grad_partial, mesh: MeshSpec, grad_nodes: set, symbolic=False):
+    """Activation bytes an edge changes by when its consumer keeps the activation it gathers as the shard
+    (negative, or 0): the consumer is charged its input in the gathered layout (activations.py), and
+    the module keeps the producer's layout instead (runtime/regather.py)."""
+    if cap.info[producer].kind == PARAM or (consumer, index) not in saved.payers or producer not in grad_nodes:
+        return 0
+    if src == dst or not gathers_again(plan_steps(src, dst, grad_partial), is_param=False):
+        return 0
+    meta = first_meta(cap.info[producer].meta)
+    return (local_numel(meta, src, mesh, symbolic) - local_numel(meta, dst, mesh, symbolic)) * meta.itemsize
 
 
 def collectives_time(colls, mesh: MeshSpec, links: dict):

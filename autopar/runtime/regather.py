@@ -1,9 +1,17 @@
-"""FSDP re-gather in backward: weights gathered in forward are not kept alive for backward.
+"""Gather again in backward: a tensor all-gathered in forward is not kept whole for backward.
 
-Autograd would save a gathered weight (a linear keeps its weight to compute
-the input's gradient) until backward, losing what FSDP saves. The pack hook
-saves the local shard and the module that gathered it instead, and the
-unpack hook gathers again (ARCHITECTURE.md section 5).
+Autograd would keep what an op saves -- a weight gathered whole (FSDP: a linear
+keeps its weight for its input's gradient), or an activation gathered whole
+(sequence parallelism: a column-parallel linear keeps the norm output it reads)
+-- alive until backward, losing what the split saves. The pack hook keeps the
+local shard and the module that gathered it instead, and the unpack hook
+gathers again (ARCHITECTURE.md section 5).
+
+An activation is gathered again once however many tensors autograd kept of it
+(the query, key and value projections all keep the one norm output): the first
+unpack gathers, and the result lives until the last of them has been unpacked.
+A weight is gathered again for each op that kept it (the layer groups decide
+when that is; layer_groups.py).
 """
 from __future__ import annotations
 
@@ -17,12 +25,8 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 
 class GatheredParams:
-    """FSDP: weights gathered in forward are not kept for backward.
-
-    Autograd would save the gathered weight (e.g. for a linear's input
-    gradient) and keep it alive until backward. The pack hook instead saves
-    the local shard and the steps, and the unpack hook gathers again.
-    """
+    """The saved-tensor hooks of one graph: weights (FSDP) and activations (sequence parallelism)
+    gathered in forward are kept as their shards, and gathered again when backward unpacks them."""
 
     def __init__(self):
         self._entries = {}
@@ -30,7 +34,8 @@ class GatheredParams:
 
     def register(self, full: torch.Tensor, local: torch.Tensor, module):   # a rewrite.RedistributeModule
         full = _root(full)
-        self._entries[id(full)] = (weakref.ref(full), local, module)
+        slot = _Regathered() if module.activation else None
+        self._entries[id(full)] = (weakref.ref(full), local, module, slot)
 
     def clear(self):
         self._entries.clear()
@@ -41,13 +46,32 @@ class GatheredParams:
         base = _root(t)
         entry = self._entries.get(id(base))
         if entry is not None and entry[0]() is base:
-            entry[2].saved()
-            return ("regather", entry[1], entry[2], t.size(), t.stride(), t.storage_offset())
+            module, slot = entry[2], entry[3]
+            module.saved()
+            if slot is not None:
+                slot.pending += 1
+            return ("regather", entry[1], module, t.size(), t.stride(), t.storage_offset(), slot)
         return t
 
     def unpack(self, packed):
         if isinstance(packed, tuple) and packed and packed[0] == "regather":
-            _, local, module, size, stride, offset = packed
-            full = module.gather_again(local)
+            _, local, module, size, stride, offset, slot = packed
+            if slot is None:
+                full = module.gather_again(local)
+            else:   # an activation: gathered by the first unpack, held until the last
+                if slot.full is None:
+                    slot.full = module.gather_again(local)
+                full = slot.full
+                slot.pending -= 1
+                if slot.pending <= 0:
+                    slot.full = None
             return full.as_strided(size, stride, offset)
         return packed
+
+
+class _Regathered:
+    """An activation's saved copies still to unpack, and its re-gathered value while some are."""
+
+    def __init__(self):
+        self.pending = 0
+        self.full: torch.Tensor | None = None

@@ -23,7 +23,7 @@ from ..cost.precision import precision_of
 from ..errors import PlanError
 from ..sharding.op_spec import op_name, tensor_args
 from ..sharding.placement import R, chunk_index, dim_factor, gathered_size, is_shard
-from ..sharding.redistribute import ALL_GATHER, NONE, UnsupportedRedistribution, plan_steps
+from ..sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
 from .collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
 from .layer_groups import GroupGather, LayerGroup
 from .recompute import outline
@@ -49,6 +49,8 @@ class RedistributeModule(torch.nn.Module):
         # (compute dtype, reduce dtype) for a weight stored in the master dtype (mixed precision), else None
         self.cast = cast
         self.group, self.group_index = None, None   # the FSDP layer group it gathers with (layer_groups.py)
+        # with `gathered`: an activation, not a weight, so what backward keeps of it is activation memory
+        self.activation = False
 
     def forward(self, x):
         local = x
@@ -214,14 +216,17 @@ class _Rewriter:
             raise PlanError(f"plan asks for an unsupported layout change at {producer.name}: {e}") from e
         is_param = self.cap.info[producer.name].kind == PARAM
         cast = self.casts.get(producer.name)
-        # an FSDP weight, or one cast for its op (mixed precision), is made again for backward, not kept
-        regathered = is_param and (cast is not None or any(s.forward_kind == ALL_GATHER for s in steps))
+        # an FSDP weight, or one cast for its op (mixed precision), is made again for backward, not kept;
+        # so is an activation gathered whole for an op that keeps it (sequence parallelism, as Megatron)
+        regathered = (cast is not None or gathers_again(steps, is_param)) if is_param else \
+            producer.name in self.grad_nodes and gathers_again(steps, is_param)
         # a parameter's storage may split a dim unevenly (placement.py): its steps need the whole length
         wholes = [_step_whole(s, self.cap.info[producer.name].meta.hint, self.sizes) for s in steps] if is_param else None
         self._count += 1
         mod_name = f"redist_{self._count}_{producer.name}"
         label = f"{producer.name}: {_describe(steps, self.names)}" + (f"; cast to {cast[0]}" if cast else "")
         module = RedistributeModule(steps, self.comm, label, self.gathered if regathered else None, wholes, cast)
+        module.activation = regathered and not is_param
         if is_param and not self.pipelined and groupable(steps):   # a pipeline's stages hold only their own weights
             self._join_group(module, producer.name, steps, cast)
         self.root.add_module(mod_name, module)
@@ -341,15 +346,17 @@ def output_grad_scale(placements, axis_sizes) -> float:
     return scale
 
 
-def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, paths: tuple, made_for: list,
+def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, checkpointed: dict, made_for: list,
                        comm: Comm) -> fx.GraphModule:
-    """Run every block of the stacks at `paths` under activation checkpointing (recompute.py)."""
-    stacks = {st.path: st for st in checkpointable_stacks(cap)}
-    missing = [p for p in paths if p not in stacks]
+    """Run every block of the stacks in `checkpointed` ({path: kind}), or its attention core, under
+    activation checkpointing (recompute.py)."""
+    stacks = {st.key: st for st in checkpointable_stacks(cap)}
+    missing = [key for key in checkpointed.items() if key not in stacks]
     if missing:
-        raise PlanError(f"the plan checkpoints {missing}, which this model's capture has no checkpointable "
+        raise PlanError(f"the plan checkpoints {dict(missing)}, which this model's capture has no checkpointable "
                         "stack for: the plan was made for another model")
-    block_of = {n: (p, i) for p in paths for i, block in enumerate(stacks[p].blocks) for n in block}
+    paths = list(checkpointed)
+    block_of = {n: (p, i) for p in paths for i, block in enumerate(stacks[p, checkpointed[p]].blocks) for n in block}
     starts = [k for k, _ in made_for]
     members: dict = {}
     for k, new in enumerate(gm.graph.nodes):

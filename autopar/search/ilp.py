@@ -18,11 +18,11 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 import cost_models as cm
 
-from ..cost.checkpointing import recomputed_ops
+from ..cost.checkpointing import KINDS, NONE, recomputed_ops
 from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_time, recompute_edge_cost, repeat_memory, tied_edges)
-from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes
+from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes, regather_saving
 from ..errors import InfeasiblePlanError
 from ..sharding.redistribute import UnsupportedRedistribution
 from .classics import Roles, allow_edge, allowed_flags
@@ -162,6 +162,8 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
         entry[1] += 1
         entry[2] += member.consumer in rerun
     alike = [(sig, member, n, m) for sig, (member, n, m) in alike.items()]
+    # repeats whose op pays for the activation it gathers: the module keeps the shard (regather_saving)
+    keepers = [m for m in edges if (m.consumer, m.index) in prob.saved.payers]
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
         if var is not None:
@@ -188,7 +190,9 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
                 continue
             c += sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig)
                      for sig, member, _, m in alike if m)
-            y = ilp.var(c * TIME_SCALE, integer=False)
+            saving = sum(regather_saving(cap, prob.saved, m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
+                                         prob.grad_nodes) for m in keepers if m.consumer not in rerun)
+            y = ilp.var(c * TIME_SCALE, float(saving) * MEM_SCALE, integer=False)
             by_src[src_key][y] = by_dst[k][y] = 1.0
             gb = float(gathered_weight_bytes(cap, e.producer, p, dst, prob.mesh))
             if gb:
@@ -229,7 +233,7 @@ def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) ->
     on the edges, _edge_vars), and backward's working set holds one block's activations B(x).
     """
     for st in stacks:
-        model = checkpoint_model(prob, (st.path,))
+        model = checkpoint_model(prob, (st.key,))
         memo: dict = {}
         for name in set(model.charges) | set(prob.saved.charges):
             if name not in prob.strategies:
@@ -262,27 +266,28 @@ def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) ->
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
           minimize_memory: bool = False, gap: float = 1e-3, checkpointing: str = "none") -> Solution:
     """Cheapest plan under the roles and memory limit; see _solve. With checkpointing="auto" under a
-    limit, the better of two searches: no stack recomputed, and every stack recomputed. (A binary
-    per stack in one search would also try mixes, but its big-M rows made HiGHS branch for tens of
-    seconds on small models.) With one stack, as in most models, the two are the whole choice."""
+    limit, the best of one search per kind: no stack recomputed, every stack's attention cores
+    recomputed (selective), every stack's blocks recomputed (full). (A binary per stack in one
+    search would also try mixes, but its big-M rows made HiGHS branch for tens of seconds on small
+    models.) With one stack, as in most models, those are the whole choice."""
     limited = minimize_memory or memory_limit is not None
-    if checkpointing != "auto" or not limited or not prob.stacks:
-        return _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, checkpointing == "full")
-    plain = _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, False)
-    recompute = _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, True)
-    best = min((plain, recompute), key=lambda sol: sol.objective if sol.choice else float("inf"))
-    best.solve_seconds = plain.solve_seconds + recompute.solve_seconds
-    best.build_seconds = plain.build_seconds + recompute.build_seconds
+    if checkpointing != "auto":
+        return _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, checkpointing)
+    kinds = [kind for kind in KINDS if any(st.kind == kind for st in prob.stacks)] if limited else []
+    sols = [_solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, kind) for kind in [NONE] + kinds]
+    best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
+    best.solve_seconds = sum(sol.solve_seconds for sol in sols)
+    best.build_seconds = sum(sol.build_seconds for sol in sols)
     return best
 
 
 def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float,
-           minimize_memory: bool, gap: float, recompute: bool) -> Solution:
+           minimize_memory: bool, gap: float, kind: str) -> Solution:
     """Cheapest plan under the roles and memory limit (or, with minimize_memory, the least memory).
 
     `gap`: HiGHS stops once the plan is provably within this fraction of the
-    optimum; the plan reports the gap it reached. `recompute`: every stack in
-    prob.stacks checkpointed.
+    optimum; the plan reports the gap it reached. `kind`: the checkpointing
+    of every stack in prob.stacks (NONE, SELECTIVE or FULL).
     """
     t_build = time.perf_counter()
     ilp = _ILP()
@@ -292,7 +297,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     transient = ilp.var(0.0, 1.0, integer=False, upper=np.inf)
     gathered_at: dict = {}   # (first copy of) op -> {y: MiB of the weight that y gathers for it}
     by_weight: list = []     # (weight, the op it is gathered for, {y: MiB}) for every copy of a tied edge
-    stacks = prob.stacks if recompute else ()
+    stacks = [st for st in prob.stacks if st.kind == kind]
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
     for edges in tied_edges(prob):
         gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun)
@@ -313,7 +318,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     nvar, nrow = len(ilp.cost), len(ilp.rows)
     if res.x is None:
         # stopped at the time limit, not infeasible; the greedy never recomputes, so not under "full"
-        if res.status == 1 and not minimize_memory and not recompute:
+        if res.status == 1 and not minimize_memory and not stacks:
             fallback = _fallback(prob, roles, memory_limit, res, ilp, time_limit)
             if fallback is not None:
                 fallback.solve_seconds = time.perf_counter() - t0
@@ -328,7 +333,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
     status = OPTIMAL if res.status == 0 else TIME_LIMIT
     return Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
-                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, tuple(st.path for st in stacks))
+                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, {st.path: st.kind for st in stacks})
 
 
 def _fallback(prob: Problem, roles: Roles, memory_limit, res, ilp: _ILP, time_limit: float) -> Solution | None:

@@ -5,7 +5,7 @@ and must not depend on which solver ran.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OPTIMAL = "optimal"
 TIME_LIMIT = "time limit reached"
@@ -25,4 +25,5 @@ class Solution:
     num_constraints: int = 0
     mip_gap: float = 0.0            # proven distance from the optimum when HiGHS stopped
     build_seconds: float = 0.0      # building the ILP (edge costs, rows), before HiGHS
-    checkpointed: tuple = ()        # paths of the stacks whose blocks are recomputed in backward
+    # {stack path: 'selective' or 'full'}: stacks whose blocks' attention cores, or whole blocks, recompute
+    checkpointed: dict = field(default_factory=dict)

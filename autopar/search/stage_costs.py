@@ -18,7 +18,7 @@ import cost_models as cm
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
 from ..cost.predict import Memory, Predicted, group_redistributions, redistribution_collectives
 from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, first_meta, node_compute_time,
-                          output_bytes, param_memory, zero_collectives)
+                          output_bytes, param_memory, regather_saving, zero_collectives)
 from ..sharding.placement import numel
 from .pipeline import PipelinePlan
 
@@ -75,6 +75,10 @@ def op_costs(prob, choice) -> OpCosts:
     for r in group_redistributions(prob, choice):
         first = min((pos[c] for c, _ in r.consumers if c in pos), default=len(order) - 1)
         charge(first, redistribution_collectives(prob, r))
+        for c, i in r.consumers:   # an activation kept as its shard where it is gathered (sequence parallel)
+            if c in pos:
+                acts[pos[c]] += float(regather_saving(cap, prob.saved, r.producer, c, i, r.src, r.dst,
+                                                      r.grad_partial, mesh, prob.grad_nodes))
     time = [compute[i] + sum(comm_time[i].values()) for i in range(len(order))]
     parts = [(compute[i], comm_bytes[i], comm_time[i]) for i in range(len(order))]
     crossing = _crossing_bytes(cap, order, pos, strategy, mesh)

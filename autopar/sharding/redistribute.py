@@ -144,6 +144,21 @@ def _direct_steps(src: Placements, dst: Placements, grad_partial: Sequence[int],
     return steps
 
 
+def gathers_again(steps, is_param: bool) -> bool:
+    """Is a tensor that `steps` gather kept as its shard and gathered again when backward reads it?
+
+    A weight (FSDP): whenever a step all-gathers it; the other steps are local cuts
+    or casts, made again with it. An activation (Megatron's sequence parallelism:
+    the sequence-split norm output gathered for a column-parallel linear): only
+    when every step all-gathers, so the rerun moves what forward moved and
+    nothing else (an all-reduce or all-to-all is not repeated to save memory).
+    """
+    kinds = [s.forward_kind for s in steps]
+    if is_param:
+        return ALL_GATHER in kinds
+    return bool(kinds) and all(k == ALL_GATHER for k in kinds)
+
+
 @dataclass(frozen=True)
 class Collective:
     """One collective a plan launches per step: what, on which axis, how many bytes."""
@@ -156,8 +171,8 @@ class Collective:
 
 
 def step_collectives(step: Step, shape: Sequence, itemsize: int, axis_sizes: Sequence[int],
-                     where: str, regather: bool = False, tensor: str = "") -> list[Collective]:
-    """The collectives one step launches. `regather`: gathered again in backward (FSDP)."""
+                     where: str, regather: int = 0, tensor: str = "") -> list[Collective]:
+    """The collectives one step launches. `regather`: how many times it is gathered again in backward."""
     out = []
 
     def full_bytes():
@@ -171,8 +186,8 @@ def step_collectives(step: Step, shape: Sequence, itemsize: int, axis_sizes: Seq
     if step.forward_kind in COMMUNICATING:
         fb = full_bytes()
         out.append(Collective(step.forward_kind, step.axis, fb, "forward", where, tensor))
-        if regather and step.forward_kind == ALL_GATHER:
-            out.append(Collective(ALL_GATHER, step.axis, fb, "backward", where, tensor))
+        if step.forward_kind == ALL_GATHER:
+            out += [Collective(ALL_GATHER, step.axis, fb, "backward", where, tensor) for _ in range(int(regather))]
     if step.backward_kind in COMMUNICATING:
         out.append(Collective(step.backward_kind, step.axis, full_bytes(), "backward", where, tensor))
     return out

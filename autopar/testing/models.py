@@ -1,8 +1,9 @@
 """Toy models the tests parallelize: small, fp32, deterministic given torch.manual_seed.
 
 MLP and a nanoGPT-style GPT (with GPTWithLoss, the variant that computes its
-loss inside forward), plus thin wrappers that make Hugging Face models
-exportable (WithLabels, LogitsOnly) and tiny_llama.
+loss inside forward), MegatronStack (the layer whose activations Korthikanti et
+al. count), plus thin wrappers that make Hugging Face models exportable
+(WithLabels, LogitsOnly) and tiny_llama.
 """
 
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 __all__ = ["MLP", "GPTConfig", "CausalSelfAttention", "Block", "GPT", "GPTWithLoss", "WithLabels", "LogitsOnly",
-           "tiny_llama"]
+           "MegatronLayer", "MegatronStack", "tiny_llama"]
 
 
 class MLP(nn.Module):
@@ -154,6 +155,47 @@ class LogitsOnly(nn.Module):
 
     def forward(self, input_ids):
         return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+class MegatronLayer(nn.Module):
+    """A transformer layer as "Reducing Activation Recomputation in Large Transformer Models"
+    (Korthikanti et al.) counts its activations: attention written out (scores, softmax, dropout,
+    weighted sum; no mask), dropout after attention and after the MLP, a GELU MLP of 4h."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(hidden)
+        # no key bias: its gradient is exactly zero (it shifts a softmax row evenly; see CausalSelfAttention)
+        self.q, self.k, self.v = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden)
+        self.o = nn.Linear(hidden, hidden)
+        self.attn_dropout, self.dropout_1 = nn.Dropout(dropout), nn.Dropout(dropout)
+        self.ln_2 = nn.LayerNorm(hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.dropout_2 = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        d = h // self.heads
+        y = self.ln_1(x)
+        q, k, v = (f(y).view(b, s, self.heads, d).transpose(1, 2) for f in (self.q, self.k, self.v))
+        probs = self.attn_dropout(((q @ k.transpose(-2, -1)) * d ** -0.5).softmax(-1))
+        attended = (probs @ v).transpose(1, 2).reshape(b, s, h)
+        x = x + self.dropout_1(self.o(attended))
+        return x + self.dropout_2(self.fc2(F.gelu(self.fc1(self.ln_2(x)))))
+
+
+class MegatronStack(nn.Module):
+    """`num_layers` MegatronLayers: x [b, s, hidden] -> [b, s, hidden]."""
+
+    def __init__(self, num_layers: int = 2, hidden: int = 32, heads: int = 4, dropout: float = 0.1):
+        super().__init__()
+        self.layers = nn.ModuleList(MegatronLayer(hidden, heads, dropout) for _ in range(num_layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 def tiny_llama(num_layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 32) -> nn.Module:
