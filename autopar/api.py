@@ -53,7 +53,9 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     search does not pick one unasked: a loop written for forward would break.
     `microbatches` (default: the search tries p, 2p and 4p) and `schedule`
     ("1f1b" by default: it holds fewer activations than "gpipe" for the same
-    bubble; or "interleaved-1f1b") pin those choices. `bucket_bytes`: the
+    bubble, and is the one torch's users know; "interleaved-1f1b";
+    "zero-bubble", torch's ScheduleInterleavedZeroBubble, whose bubble is a
+    third of 1F1B's; or "auto", the fastest of them as priced) pin those choices. `bucket_bytes`: the
     most bytes one data-parallel gradient all-reduce carries
     (runtime/grad_buckets.py); DDP's 25 MiB by default, large enough that
     per-call latency is small beside the bytes, small enough that the first

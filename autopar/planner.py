@@ -33,8 +33,8 @@ from .plan_result import Plan, Searched, make_plan
 from .search.classics import (PIPE, Roles, axis_roles, check_promised_splits, check_tensor_parallel_divisibility,
                               role_assignments, with_pipeline)
 from .search.ilp import solve
-from .search.pipeline import (GPIPE, ONE_F_ONE_B, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
-                              num_layers)
+from .search.pipeline import (AUTO, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
+                              num_layers, schedule_candidates, schedule_fits)
 from .search.solution import INFEASIBLE, Solution
 from .search.stage_costs import device_prediction, op_costs
 from .search.stage_partition import partition
@@ -112,22 +112,25 @@ def plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, stra
             # over every device, stretched by that
             if bound is not None and best.predicted.step_time <= bound * (1 + (p - 1) / m):
                 continue
-            if (schedule or ONE_F_ONE_B) != GPIPE and m < p:
-                # torch's 1F1B schedules refuse it at the first step: every stage needs a microbatch in flight
-                if microbatches is not None:
-                    raise PipelineError(f"microbatches={m} is fewer than the {p} stages on axis {axis!r}; "
-                                        f"schedule {schedule or ONE_F_ONE_B!r} needs at least {p} (or use "
-                                        "schedule='gpipe')")
-                continue
-            try:
-                found = _pipelined_plan(recapture(m), env, axis, m, schedule or ONE_F_ONE_B)
-            except (PipelineError, InfeasiblePlanError, ShardingError) as e:
-                if pipeline_axis not in (None, "auto") and microbatches is not None:
-                    raise
-                failure = failure or e
-                continue
-            if best is None or found.predicted.step_time < best.predicted.step_time:
-                best = found
+            captured = None
+            for sched in schedule_candidates(schedule):
+                why = schedule_fits(sched, p, m)   # torch's schedules refuse these at the first step
+                if why is not None:
+                    if microbatches is not None and schedule != AUTO:
+                        raise PipelineError(f"microbatches={m} on axis {axis!r}: {why} (or use schedule='gpipe')")
+                    continue
+                if STAGES_PER_DEVICE[sched] * p > _depth(cap):
+                    continue   # interleaving under "auto", on a model too shallow for it
+                try:
+                    captured = captured or recapture(m)
+                    found = _pipelined_plan(captured, env, axis, m, sched)
+                except (PipelineError, InfeasiblePlanError, ShardingError) as e:
+                    if pipeline_axis not in (None, "auto") and microbatches is not None and schedule != AUTO:
+                        raise
+                    failure = failure or e
+                    continue
+                if best is None or found.predicted.step_time < best.predicted.step_time:
+                    best = found
     if best is None:
         if failure is not None:
             raise failure
@@ -173,13 +176,18 @@ def _pipeline_axes(cap: Captured, spec: MeshSpec, strategy: str, pipeline_axis, 
         return []
     if pipeline_axis != "auto":
         check_depth(cap, spec.axis_sizes[spec.axis_index(pipeline_axis)]
-                    * STAGES_PER_DEVICE[schedule or ONE_F_ONE_B], pipeline_axis)
+                    * min(STAGES_PER_DEVICE[s] for s in schedule_candidates(schedule)), pipeline_axis)
         return [pipeline_axis]
     if strategy != "auto":
         return []
-    layers = max(num_layers(cap).values(), default=1)
-    per_device = STAGES_PER_DEVICE[schedule or ONE_F_ONE_B]
+    layers = _depth(cap)
+    per_device = min(STAGES_PER_DEVICE[s] for s in schedule_candidates(schedule))
     return [name for name, size in zip(spec.axis_names, spec.axis_sizes) if 1 < size and size * per_device <= layers]
+
+
+def _depth(cap: Captured) -> int:
+    """Layers of the model's deepest stack: no more stages than that."""
+    return max(num_layers(cap).values(), default=1)
 
 
 def _serial_time(plan: Plan, spec: MeshSpec) -> float:

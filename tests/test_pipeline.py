@@ -136,7 +136,8 @@ CASES = {
         "pp2 x dp2, 1f1b": dict(pipeline_axis="pp", strategy="ddp", schedule="1f1b"),
         "pp2 x dp2, gpipe": dict(pipeline_axis="pp", strategy="ddp", schedule="gpipe"),
         "pp2 x dp2, interleaved 1f1b": dict(pipeline_axis="pp", strategy="ddp", microbatches=4,
-                                            schedule="interleaved-1f1b")},
+                                            schedule="interleaved-1f1b"),
+        "pp2 x dp2, zero bubble": dict(pipeline_axis="pp", strategy="ddp", microbatches=4, schedule="zero-bubble")},
     ((2, 2), ("dp", "pp")): {"dp2 x pp2 (fsdp), 1f1b": dict(pipeline_axis="pp", strategy="fsdp")},
     ((2, 2), ("pp", "tp")): {
         "pp2 x tp2, gpipe": dict(pipeline_axis="pp", strategy="tp", schedule="gpipe"),
@@ -145,7 +146,8 @@ CASES = {
         "pp4, 1f1b": dict(pipeline_axis="pp", microbatches=4),
         "pp4, gpipe": dict(pipeline_axis="pp", microbatches=8, schedule="gpipe"),
         # 2 virtual stages per rank: 8 stages, so 8 layers (n_layer: the model's, not a planning option)
-        "pp4, interleaved 1f1b": dict(pipeline_axis="pp", microbatches=8, schedule="interleaved-1f1b", n_layer=8)},
+        "pp4, interleaved 1f1b": dict(pipeline_axis="pp", microbatches=8, schedule="interleaved-1f1b", n_layer=8),
+        "pp4, zero bubble": dict(pipeline_axis="pp", microbatches=8, schedule="zero-bubble")},
 }
 
 
@@ -355,7 +357,7 @@ def test_microbatches_must_divide_the_batch():
 def test_1f1b_needs_a_microbatch_per_stage():
     """torch's 1F1B refuses fewer microbatches than stages at the first step; planning says so first."""
     x, _ = _batch()
-    with pytest.raises(PipelineError, match="microbatches=2 is fewer than the 4 stages"):
+    with pytest.raises(PipelineError, match="microbatches=2 on axis 'pp': schedule '1f1b' needs at least 4"):
         autopar.plan(_gpt(), x, {"pp": 4}, hardware="cpu", pipeline_axis="pp", microbatches=2)
     plan = autopar.plan(_gpt(), x, {"pp": 4}, hardware="cpu", pipeline_axis="pp", microbatches=2, schedule="gpipe")
     assert plan.pipeline.microbatches == 2
@@ -366,10 +368,27 @@ def test_pipeline_axis_must_exist():
     with pytest.raises(PipelineError, match="'pipe' is not an axis of mesh dp=2 x tp=2"):
         autopar.plan(_gpt(), x, {"dp": 2, "tp": 2}, hardware="cpu", pipeline_axis="pipe")
     with pytest.raises(PipelineError, match="schedule="):
-        autopar.plan(_gpt(), x, {"pp": 2}, hardware="cpu", pipeline_axis="pp", schedule="zero-bubble")
+        autopar.plan(_gpt(), x, {"pp": 2}, hardware="cpu", pipeline_axis="pp", schedule="no-bubble")
     with pytest.raises(PipelineError, match="pipeline_axis=None"):
         autopar.plan(_gpt(), x, {"pp": 2}, hardware="cpu", microbatches=2)
     assert issubclass(PipelineError, autopar.AutoparError) and not issubclass(PipelineError, MeshError)
+
+
+def test_schedule_auto_prices_each_schedule_and_keeps_the_fastest():
+    """Zero bubble idles a third of 1F1B's bubble (the weights' gradients fill the rest): priced so,
+    "auto" keeps it, and the plan says which it chose."""
+    x, _ = _batch()
+    plans = {s: autopar.plan(_gpt(), x, {"pp": 2}, hardware="cpu", pipeline_axis="pp", microbatches=4, schedule=s)
+             for s in ("1f1b", "zero-bubble", "auto")}
+    one_f, zb = plans["1f1b"].pipeline, plans["zero-bubble"].pipeline
+    assert zb.bubble == pytest.approx(one_f.bubble / 3)
+    assert plans["zero-bubble"].predicted.step_time < plans["1f1b"].predicted.step_time
+    assert plans["auto"].pipeline.schedule == "zero-bubble"
+    assert plans["auto"].predicted.step_time == pytest.approx(plans["zero-bubble"].predicted.step_time)
+    assert "zero-bubble" in str(plans["auto"])
+    ten = torch.cat([x, x[:2]])   # torch's ZB1P runs microbatches in m // p rounds: 5 do not split in 2
+    with pytest.raises(PipelineError, match=r"multiple of microbatches // 2 \(2\)"):
+        autopar.plan(_gpt(), ten, {"pp": 2}, hardware="cpu", pipeline_axis="pp", microbatches=5, schedule="zero-bubble")
 
 
 def test_auto_picks_the_fastest_of_flat_and_pipelined_plans():

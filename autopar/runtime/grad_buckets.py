@@ -67,10 +67,14 @@ class DeferredReduce(torch.autograd.Function):
         # whether to reduce is decided in forward, as DDP's no_sync does: a forward run inside no_sync()
         # accumulates even when its backward runs outside
         ctx.buckets, ctx.slot, ctx.accumulate = buckets, slot, buckets._accumulating
+        ctx.through_autograd = buckets._through_autograd
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.through_autograd:   # see GradBuckets.through_autograd
+            ctx.buckets.passed(ctx.slot)
+            return grad, None, None
         ctx.buckets.arrive(ctx.slot, grad, ctx.accumulate)
         return None, None, None
 
@@ -103,6 +107,7 @@ class GradBuckets:
             self.buckets.append(bucket)
         self._pending: dict[int, torch.Tensor] = {}   # slot -> local gradient summed under accumulating()
         self._accumulating = False
+        self._through_autograd = False
         self._next_launch = 0          # buckets launch in index order
         self._callback_queued = False
         self._reducing = False
@@ -127,6 +132,33 @@ class GradBuckets:
             yield
         finally:
             self._accumulating = was
+
+    @contextlib.contextmanager
+    def through_autograd(self):
+        """Inside, gradients go through autograd to .grad, summed there unreduced; on leaving they move
+        to the buckets as if summed under accumulating(), and .grad gets back what it held.
+
+        For torch's zero-bubble schedules: they compute weight gradients in a pass of their own, with
+        torch.autograd.grad towards each weight's gradient accumulator, which must be given one."""
+        held = {i: s.param.grad for i, s in enumerate(self.slots)}
+        for s in self.slots:
+            s.param.grad = None
+        was, self._through_autograd = self._through_autograd, True
+        try:
+            yield
+        finally:
+            self._through_autograd = was
+            for i, s in enumerate(self.slots):
+                g, s.param.grad = s.param.grad, held[i]
+                if g is not None:
+                    self._pending[i] = g if i not in self._pending else self._pending[i] + g
+
+    def passed(self, i: int) -> None:
+        """Slot i's gradient went through autograd (through_autograd): one use fewer to wait for."""
+        slot = self.slots[i]
+        if slot.outstanding > 0:
+            slot.outstanding -= 1
+            self.buckets[slot.bucket].outstanding -= 1
 
     def arrive(self, i: int, grad: torch.Tensor, accumulate: bool = False) -> None:
         slot = self.slots[i]

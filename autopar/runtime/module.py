@@ -19,6 +19,7 @@ from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
 from ..cost.buckets import deferred_axes
 from ..cost.precision import precision_of
 from ..errors import PlanError
+from ..search.pipeline import ZERO_BUBBLE
 from ..sharding.placement import R, shard_full_tensor
 from .collectives import Comm
 from .grad_buckets import GradBuckets
@@ -236,7 +237,10 @@ class ParallelModule(torch.nn.Module):
                                   device=mesh_device(self.device_mesh))
         local_inputs = cast_inputs(local_inputs, self._compute_dtype)   # as forward does
         losses = []
-        with self._grad_buckets.accumulating():   # every microbatch's data-axis gradient, reduced once below
+        # every microbatch's data-axis gradient summed here, reduced once below
+        summing = (self._grad_buckets.through_autograd() if pipe.schedule == ZERO_BUBBLE
+                   else self._grad_buckets.accumulating())
+        with summing:
             schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses)
         self._grad_buckets.flush()
         loss = (torch.stack([x.detach() for x in losses]).sum() if last

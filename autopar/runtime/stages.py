@@ -21,7 +21,7 @@ import torch.fx as fx
 from .._compat import unflatten_outputs
 from ..capture.export import INPUT, PARAM, Captured
 from ..errors import PlanError
-from ..search.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B
+from ..search.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
 
 FIRST = -1   # owner of the model's inputs: they enter before stage 0
 
@@ -157,6 +157,12 @@ class StageModule(torch.nn.Module):
         self._owner = owner       # the ParallelModule: it holds the weights and the FSDP hooks
         self._is_last = is_last
 
+    def parameters(self, recurse: bool = True):
+        """The weights this stage reads, though the ParallelModule holds them: a zero-bubble schedule
+        computes their gradients in a pass of its own, from the stage module's parameters."""
+        table = self._owner()._weight_table()
+        return iter([table[w] for w in self._weights if w[0] == PARAM])
+
     def forward(self, *inputs):
         pm = self._owner()
         table = pm._weight_table()
@@ -175,7 +181,8 @@ class StageModule(torch.nn.Module):
         return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in flat)
 
 
-SCHEDULE_CLASSES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B"}
+SCHEDULE_CLASSES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B",
+                    ZERO_BUBBLE: "ScheduleInterleavedZeroBubble"}
 
 
 def make_schedule(stages: list, schedule: str, microbatches: int, loss_fn):
@@ -184,6 +191,6 @@ def make_schedule(stages: list, schedule: str, microbatches: int, loss_fn):
     ours hold none (the ParallelModule does)."""
     import torch.distributed.pipelining as pipelining
     cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
-    first = stages if schedule == INTERLEAVED else stages[0]
+    first = stages if schedule in (INTERLEAVED, ZERO_BUBBLE) else stages[0]
     return cls(first, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 

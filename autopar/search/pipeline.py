@@ -9,7 +9,14 @@ Schedules (torch.distributed.pipelining): GPipe runs every microbatch's
 forward, then every backward (all m in flight); 1F1B alternates once the
 pipe is full, so stage s holds at most p - s; both idle (p-1)/m of the
 step (the bubble). Interleaved 1F1B puts v stages on each device, cutting
-the bubble to (p-1)/(v m) for more sends.
+the bubble to (p-1)/(v m) for more sends. Zero bubble (Qi et al., torch's
+ScheduleInterleavedZeroBubble, their ZB-H1) splits each backward into the
+inputs' gradients, which the previous stage waits for, and the weights'
+gradients, which fill the idle slots: each idles F + B - W instead of
+F + B + W (ZB-H1), a third of it when the three are equal (backward is two
+forwards, half of it the weights'), so the bubble shrinks to (p-1)/(3m), with
+1F1B's activations in flight. schedule="auto" lets the
+planner price each and keep the fastest.
 
 The planning of a pipeline reads in three steps: stage_costs.py prices each
 op of the chosen layout and what crosses each point of the graph;
@@ -26,9 +33,13 @@ from ..capture.blocks import block_nodes
 from ..capture.export import Captured
 from ..errors import PipelineError
 
-GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved-1f1b"
-SCHEDULES = (ONE_F_ONE_B, GPIPE, INTERLEAVED)
-STAGES_PER_DEVICE = {GPIPE: 1, ONE_F_ONE_B: 1, INTERLEAVED: 2}
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
+SCHEDULES = (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZERO_BUBBLE)
+AUTO = "auto"   # schedule=: the planner tries each that fits and keeps the fastest
+STAGES_PER_DEVICE = {GPIPE: 1, ONE_F_ONE_B: 1, INTERLEAVED: 2, ZERO_BUBBLE: 1}
+# each of the bubble's p-1 idle slots, as a share of a stage's forward + backward (F + B + W, weights'
+# gradients W apart): zero bubble's ZB-H1 idles F + B - W, a third of it where F = B = W
+IDLE_SHARE = {GPIPE: 1.0, ONE_F_ONE_B: 1.0, INTERLEAVED: 1.0, ZERO_BUBBLE: 1 / 3}
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,7 @@ class PipelinePlan:
     microbatches: int
     schedule: str
     stages: tuple             # Stage, in order
-    bubble: float             # idle fraction of the step relative to useful work: (p-1)/m, or (p-1)/(v m)
+    bubble: float             # idle fraction of the step relative to useful work: (p-1)/m, (p-1)/(v m), (p-1)/(3m)
     step_time: float
 
     @property
@@ -80,8 +91,8 @@ class PipelinePlan:
 
 def check_request(spec, pipeline_axis, microbatches, schedule, batch: int | None) -> None:
     """Bad pipeline options fail before any capture or search, with what to do."""
-    if schedule is not None and schedule not in SCHEDULES:
-        raise PipelineError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if schedule is not None and schedule not in SCHEDULES + (AUTO,):
+        raise PipelineError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES + (AUTO,))}")
     if pipeline_axis not in (None, "auto") and pipeline_axis not in spec.axis_names:
         raise PipelineError(f"pipeline_axis={pipeline_axis!r} is not an axis of mesh {spec} (axes "
                             f"{list(spec.axis_names)}); name one of them, 'auto' to let the search choose, "
@@ -113,6 +124,24 @@ def check_depth(cap: Captured, num_stages: int, axis: str) -> None:
                             "schedule='1f1b' instead of interleaving, or another axis for pipelining")
 
 
+def schedule_candidates(schedule: str | None) -> list[str]:
+    """The schedules to price: the one asked for; 1F1B by default (the one torch's users know);
+    under "auto" 1F1B, zero bubble and interleaved 1F1B."""
+    if schedule == AUTO:
+        return [ONE_F_ONE_B, ZERO_BUBBLE, INTERLEAVED]
+    return [schedule or ONE_F_ONE_B]
+
+
+def schedule_fits(schedule: str, p: int, microbatches: int) -> str | None:
+    """Why torch's `schedule` cannot run `microbatches` over p devices, or None if it can."""
+    if schedule != GPIPE and microbatches < p:
+        return f"schedule {schedule!r} needs at least {p} microbatches, one in flight per stage"
+    rounds = max(1, microbatches // p)
+    if schedule == ZERO_BUBBLE and microbatches % rounds:
+        return f"schedule {schedule!r} needs microbatches a multiple of microbatches // {p} ({rounds})"
+    return None
+
+
 def microbatch_candidates(p: int, batch: int, pinned: int | None) -> list[int]:
     """What the search tries when the user pins no count: p, 2p and 4p microbatches (fewer than p
     leaves a stage idle most of the step; past 4p the bubble is already under a quarter of p-1 parts
@@ -130,7 +159,7 @@ def in_flight(schedule: str, stage: int, num_stages: int, microbatches: int) -> 
     p = num_stages // v
     if schedule == GPIPE:
         return microbatches
-    if schedule == ONE_F_ONE_B:
+    if schedule in (ONE_F_ONE_B, ZERO_BUBBLE):
         return min(microbatches, num_stages - stage)
     # torch's interleaved 1F1B warms device r up with (v-1)p + 2(p-1-r) chunks before its first backward
     r = stage % p

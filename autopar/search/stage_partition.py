@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import cost_models as cm
 
 from ..errors import PipelineError
-from .pipeline import STAGES_PER_DEVICE, PipelinePlan, Stage, in_flight
+from .pipeline import IDLE_SHARE, STAGES_PER_DEVICE, PipelinePlan, Stage, in_flight
 from .stage_costs import OpCosts
 
 # a cut may fall where at most this many times the fewest bytes of the model's body cross: "few bytes"
@@ -48,8 +48,9 @@ def partition(prob, costs: OpCosts, *, axis: str, microbatches: int, schedule: s
     v = STAGES_PER_DEVICE[schedule]
     slowest = max(st.time for st in stages)
     per_device = max(sum(stages[s].time for s in range(c, num_stages, p)) for c in range(p))
-    return PipelinePlan(axis, num_stages, microbatches, schedule, tuple(stages), (p - 1) / (v * microbatches),
-                        microbatches * per_device + (p - 1) * slowest)
+    idle = IDLE_SHARE[schedule]
+    return PipelinePlan(axis, num_stages, microbatches, schedule, tuple(stages), idle * (p - 1) / (v * microbatches),
+                        microbatches * per_device + idle * (p - 1) * slowest)
 
 
 @dataclass
