@@ -1,6 +1,6 @@
 """autopar: automatic DP / FSDP / TP plans for PyTorch training, planned by ILP over a symbolic cost model."""
 from . import checkpoint
-from .api import parallelize, plan
+from .api import compare, parallelize, plan
 from .audit import AuditReport, audit
 from .calibrate import Calibration, calibrate
 from .cost.precision import BF16_MIXED, OptimizerSpec, Precision
@@ -14,7 +14,7 @@ from .runtime.module import ParallelModule
 from .runtime.optim import ShardedOptimizer
 from .whatif import max_batch, min_axis_size, min_compute_bound_batch
 
-__all__ = ["plan", "parallelize", "checkpoint", "audit", "AuditReport", "calibrate", "Calibration", "Plan", "ParallelModule", "ShardedOptimizer", "clip_grad_norm_", "load_checkpoint",
+__all__ = ["plan", "compare", "parallelize", "checkpoint", "audit", "AuditReport", "calibrate", "Calibration", "Plan", "ParallelModule", "ShardedOptimizer", "clip_grad_norm_", "load_checkpoint",
            "load_hf_checkpoint",
            "Precision", "BF16_MIXED", "OptimizerSpec", "AutoparError", "CaptureError",
            "InfeasiblePlanError", "InputShapeError", "DivisibilityWarning", "MeshError", "PipelineError", "PlanError", "ShardingError", "UnsupportedOpWarning",

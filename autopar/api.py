@@ -1,4 +1,4 @@
-"""The public entry points: autopar.plan (offline) and autopar.parallelize (on every rank)."""
+"""The public entry points: autopar.plan and autopar.compare (offline), autopar.parallelize (on every rank)."""
 from __future__ import annotations
 
 import time
@@ -19,6 +19,7 @@ from .planner import plan_captured
 from .runtime.collectives import AxisGroup, Comm
 from .runtime.module import ParallelModule
 from .runtime.rewrite import rewrite
+from .search.classics import STRATEGIES
 from .search.pipeline import check_request
 
 
@@ -70,15 +71,53 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     check_request(mesh_spec(mesh), pipeline_axis, microbatches, schedule, _first_batch(example_inputs))
-    t0 = time.perf_counter()
-    capture_fn = _at_compute_dtype(capture if trace_every_layer else capture_repeated, model, precision)
-    cap = capture_fn(model, example_inputs, dynamic_shapes)
-    t_capture = time.perf_counter() - t0
+    cap, t_capture, recapture = _capture(model, example_inputs, precision, dynamic_shapes, trace_every_layer)
     return plan_captured(cap, mesh, hardware=hardware, memory_limit=memory_limit, strategy=strategy,
                           precision=precision, optimizer=optimizer, checkpointing=checkpointing, links=links,
                           time_limit=time_limit, t_capture=t_capture, pipeline_axis=pipeline_axis,
                           microbatches=microbatches, schedule=schedule, bucket_bytes=bucket_bytes,
-                          recapture=_recapture(capture_fn, model, example_inputs, dynamic_shapes))
+                          recapture=recapture)
+
+
+def compare(model: torch.nn.Module, example_inputs, mesh, *, strategies=None, dynamic_shapes=AUTO,
+            trace_every_layer: bool = False, **options) -> dict:
+    """Each strategy's plan for one model and mesh, from one capture: {strategy: the Plan, or the
+    AutoparError saying why that strategy does not apply here (a tp degree that does not divide the
+    heads, a memory_limit it cannot meet)}. The table engineers draw by hand before a launch.
+
+    `strategies`: "auto" and every named strategy by default. The other options are autopar.plan's
+    (hardware, memory_limit, precision, optimizer, ...), the same for every strategy.
+    """
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    unknown = set(options) - _PLAN_OPTIONS
+    if unknown:
+        raise AutoparError(f"unknown option(s) {sorted(unknown)} for autopar.compare")
+    precision = options.get("precision")
+    precision_of(precision)
+    optimizer_spec(options.get("optimizer", "adamw"))
+    cap, t_capture, recapture = _capture(model, example_inputs, precision, dynamic_shapes, trace_every_layer)
+    out = {}
+    for strategy in strategies or STRATEGIES:
+        try:
+            out[strategy] = plan_captured(cap, mesh, strategy=strategy, t_capture=t_capture, recapture=recapture,
+                                          **options)
+        except AutoparError as e:
+            out[strategy] = e
+    return out
+
+
+# autopar.plan's options that compare passes on to each strategy's plan
+_PLAN_OPTIONS = {"hardware", "memory_limit", "precision", "optimizer", "checkpointing", "links", "time_limit",
+                 "pipeline_axis", "microbatches", "schedule", "bucket_bytes"}
+
+
+def _capture(model, example_inputs: tuple, precision, dynamic_shapes, trace_every_layer: bool):
+    """(the captured model, seconds it took, the recapture a pipelined plan needs)."""
+    t0 = time.perf_counter()
+    capture_fn = _at_compute_dtype(capture if trace_every_layer else capture_repeated, model, precision)
+    cap = capture_fn(model, example_inputs, dynamic_shapes)
+    return cap, time.perf_counter() - t0, _recapture(capture_fn, model, example_inputs, dynamic_shapes)
 
 
 def _at_compute_dtype(capture_fn, model: torch.nn.Module, precision):

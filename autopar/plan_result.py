@@ -25,7 +25,7 @@ from .mesh import MeshSpec
 from .search.classics import Roles
 from .search.pipeline import PipelinePlan
 from .search.solution import GREEDY, GREEDY_NO_BOUND, OPTIMAL, TIME_LIMIT, Solution
-from .sharding.placement import format_placements, shard_full_tensor
+from .sharding.placement import chunk_index, dim_factor, format_placements, shard_full_tensor
 from .sharding.strategies import Strategy
 
 FORMAT_VERSION = 1
@@ -67,6 +67,9 @@ class Plan:
     checkpointed: dict = field(default_factory=dict)
     pipeline: PipelinePlan | None = None  # stages over a pipeline axis (search/pipeline.py); None: not pipelined
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most bytes one gradient bucket's all-reduce carries (cost/buckets.py)
+    # an activation gathered whole for an op that keeps it (sequence parallelism's norm output) is kept as
+    # its shard and gathered again in backward (runtime/regather.py), as Megatron does
+    regather_activations: bool = False
 
     # ------------------------------------------------------------ inputs
     def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:
@@ -89,6 +92,27 @@ class Plan:
             else:
                 out.append(t)
         return tuple(out)
+
+    def data_shard(self, rank: int | None = None) -> tuple[int, int]:
+        """(index, count): this rank reads share `index` of `count` equal shares of the batch (dim 0 of the
+        inputs, in order); ranks that split something else between them (tensor parallelism) share an index.
+        `rank`: this process's rank in the default group when None.
+
+        A data loader reads the rank's share itself, and the module takes that local batch:
+
+            index, count = pm.plan.data_shard()
+            sampler = DistributedSampler(dataset, num_replicas=count, rank=index)
+            loader = DataLoader(dataset, batch_size=global_batch // count, sampler=sampler)
+            for x, y in loader:
+                loss = loss_fn(pm(x), y)
+
+        The same cut as local_inputs: `local_inputs(x)[0]` is `x.chunk(count)[index]`.
+        """
+        placements = self.input_placements[0] if self.input_placements else tuple(
+            "S(0)" if a in self.batch_axes else "R" for a in self.mesh.axis_names)
+        coords = self._coords(rank)
+        return (chunk_index(placements, 0, coords, self.mesh.axis_sizes),
+                dim_factor(placements, 0, self.mesh.axis_sizes))
 
     def local_targets(self, *global_targets, rank: int | None = None) -> tuple:
         """This rank's shard of each whole-batch target, split like the outputs along the batch dim.
@@ -115,6 +139,17 @@ class Plan:
         return tuple(reversed(coords))
 
     # ------------------------------------------------------------ text
+    def _backward_lines(self) -> list:
+        """What backward makes again instead of keeping: gathered activations, recomputed blocks."""
+        lines = []
+        if self.regather_activations:
+            lines.append("activations gathered for an op that keeps them are kept as shards and gathered again "
+                         "in backward (sequence parallelism as Megatron does it)")
+        for path, kind in self.checkpointed.items():
+            what = "every block" if kind == "full" else "the attention core of every block"
+            lines.append(f"activation checkpointing ({kind}): {what} of {path} is recomputed in backward")
+        return lines
+
     def __str__(self) -> str:
         names = self.mesh.axis_names
         lines = [f"autopar plan  strategy={self.strategy}  mesh: {self.mesh}  hardware={self.hardware}  "
@@ -161,9 +196,7 @@ class Plan:
             lines.append("optimizer state split: " + ", ".join(f"{k} ({n} parameters)" for k, n in by_kind.items()))
         if self.pipeline is not None:
             lines += pipeline_lines(self.pipeline)
-        for path, kind in self.checkpointed.items():
-            what = "every block" if kind == "full" else "the attention core of every block"
-            lines.append(f"activation checkpointing ({kind}): {what} of {path} is recomputed in backward")
+        lines += self._backward_lines()
         p = self.predicted
         lines.append("communication per step: " + ", ".join(
             f"{a} {format_bytes(p.comm_bytes[a])} ({p.comm_time[a] * 1e3:.3f} ms, "
@@ -201,7 +234,7 @@ class Plan:
             "collectives": [asdict(c) for c in self.collectives],
             "predicted": pred(self.predicted, False), "symbolic": pred(self.symbolic, True),
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
-            "bucket_bytes": self.bucket_bytes,
+            "bucket_bytes": self.bucket_bytes, "regather_activations": self.regather_activations,
             "symbols": self.symbols, "stats": {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str))},
         }
         return json.dumps(d, indent=1)
@@ -239,7 +272,8 @@ class Plan:
             predicted=pred(d["predicted"], False), symbolic=pred(d["symbolic"], True),
             symbols=d.get("symbols", {}), stats=d.get("stats", {}),
             pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
-            bucket_bytes=d.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+            bucket_bytes=d.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
+            regather_activations=d.get("regather_activations", False))
 
 
 @dataclass
@@ -292,7 +326,8 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
                 symbols={str(s): v for s, v in cap.hints.items()}, stats=stats, param_zero=param_zero,
                 precision=searched.policy.to_dict(),
                 optimizer={"name": searched.optimizer.name, "states_per_param": searched.optimizer.states_per_param},
-                checkpointed=sol.checkpointed, pipeline=searched.pipeline, bucket_bytes=prob.bucket_bytes)
+                checkpointed=sol.checkpointed, pipeline=searched.pipeline, bucket_bytes=prob.bucket_bytes,
+                regather_activations=sol.regather_activations)
 
 
 

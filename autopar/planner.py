@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cost_models as cm
 from cost_models.hardware import resolve_hardware
@@ -199,6 +199,12 @@ def _serial_time(plan: Plan, spec: MeshSpec) -> float:
     return plan.predicted.compute_time * shards / spec.num_devices
 
 
+# whether activations gathered whole for an op that keeps them are kept as shards and gathered again in
+# backward: as Megatron does under sequence parallelism, whose point is memory; for "auto", the search's
+# choice under a memory limit (ilp.solve); for the other named strategies, never (it only costs time)
+REGATHER = {"tp+sp": True, "auto": None}
+
+
 def _problem(cap: Captured, env: Request, checkpointing: str):
     spec = env.spec
     policy, opt = precision_of(env.precision), optimizer_spec(env.optimizer)
@@ -223,7 +229,7 @@ def _problem(cap: Captured, env: Request, checkpointing: str):
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
                    needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
                    stacks=checkpointable_stacks(cap) if checkpointing != "none" else (),
-                   bucket_bytes=env.bucket_bytes)
+                   bucket_bytes=env.bucket_bytes, regather_activations=REGATHER.get(env.strategy, False))
     return prob, policy, opt, hw
 
 
@@ -255,6 +261,7 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
         _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing)
     _check_named_strategy(prob, roles, strategy, sol.choice)
     t0 = time.perf_counter()
+    prob = replace(prob, regather_activations=sol.regather_activations)   # as the solution was priced
     pred, colls = predict(prob, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
     sym, _ = predict(prob, sol.choice, symbolic=True, checkpointed=sol.checkpointed)
     t_predict = time.perf_counter() - t0
@@ -325,6 +332,7 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
         _explain_no_plan(prob, candidates, None if limit is None else limit * p, env.time_limit, strategy, spec,
                          "none")
     t0 = time.perf_counter()
+    prob = replace(prob, regather_activations=sol.regather_activations)   # as the solution was priced
     transient = float(peak_working_set(prob, sol.choice, group_redistributions(prob, sol.choice), False))
     costs = op_costs(prob, sol.choice)
     pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,

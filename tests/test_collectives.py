@@ -325,7 +325,9 @@ def test_predicted_collectives_equal_measured(kind, strategy, shape):
 
 
 def test_sequence_parallel_splits_norms_along_the_sequence_and_replaces_all_reduce():
-    """tp+sp: layer norms run sequence-split; the row-parallel output is reduce-scattered, not all-reduced."""
+    """tp+sp: layer norms run sequence-split; the row-parallel output is reduce-scattered, not all-reduced.
+    (The head is the search's to lay out: a column-parallel head keeps the gathered final norm output as
+    its shard and gathers it again in backward, so on this toy a row-parallel head, all-reduced, is cheaper.)"""
     import autopar
     from autopar.testing import GPT, GPTConfig
     torch.manual_seed(0)
@@ -335,7 +337,8 @@ def test_sequence_parallel_splits_norms_along_the_sequence_and_replaces_all_redu
     norms = [n for n in sp.node_strategies if n.startswith("layer_norm")]
     assert norms and all(sp.node_strategies[n].output == ("S(1)",) for n in norms)   # (batch, seq, hidden)
     assert all(tp.node_strategies[n].output == ("R",) for n in norms)
-    fwd = lambda plan, kind: sum(1 for c in plan.collectives if c.kind == kind and c.phase == "forward")
+    fwd = lambda plan, kind: sum(1 for c in plan.collectives if c.kind == kind and c.phase == "forward"
+                                 and c.module_path.startswith("h."))
     assert fwd(tp, "all_reduce") > 0 and fwd(sp, "all_reduce") == 0
     assert fwd(sp, "reduce_scatter") > 0 and fwd(sp, "all_gather") > 0
     assert sp.predicted.memory.activations < tp.predicted.memory.activations

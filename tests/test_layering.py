@@ -27,6 +27,7 @@ STAGES = [
     ("runtime", ("autopar.runtime",)),
     ("questions", ("autopar.whatif", "autopar.audit", "autopar.calibrate", "autopar.checkpoint")),   # of a finished plan or module
     ("api", ("autopar.api",)),
+    ("cli", ("autopar.cli", "autopar.__main__")),          # the `autopar` command, over the api
     ("package", ("autopar",)),                            # autopar/__init__.py: the public names
 ]
 TESTING = "autopar.testing"

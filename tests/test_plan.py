@@ -1,6 +1,7 @@
 """The Plan: text, JSON, symbolic predictions, and reuse of an offline plan on every rank."""
 import copy
 
+import pytest
 import sympy
 import torch
 
@@ -75,6 +76,32 @@ def test_local_inputs_and_targets_cut_the_batch_over_batch_axes():
     shards = [plan.local_inputs(x, rank=r)[0] for r in range(4)]
     assert torch.equal(torch.cat(shards), x)           # row-major over (dp, tp)
     assert torch.equal(plan.local_targets(x, rank=3)[0], x[6:])
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"a": 2, "b": 2, "c": 2}], ids=["2x2", "2x2x2"])
+def test_data_shard_is_the_share_local_inputs_cuts(mesh):
+    """For every named strategy that applies: rank r's local batch is x.chunk(count)[index], and ranks
+    that split the weights rather than the batch (tensor parallelism) read the same share."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2))
+    x = torch.arange(16 * 16).reshape(16, 16) % 64
+    planned = 0
+    for strategy in ("ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp"):
+        try:
+            plan = autopar.plan(model, (x,), mesh, hardware="cpu", strategy=strategy)
+        except autopar.AutoparError:
+            continue   # a strategy that cannot use this mesh (it says why elsewhere)
+        planned += 1
+        world = 1
+        for n in mesh.values():
+            world *= n
+        shares = [plan.data_shard(rank=r) for r in range(world)]
+        count = shares[0][1]
+        assert all(c == count for _, c in shares) and {i for i, _ in shares} == set(range(count)), (strategy, shares)
+        assert count == world // (2 ** sum(a not in plan.batch_axes for a in mesh)), strategy
+        for r, (index, _) in enumerate(shares):
+            assert torch.equal(plan.local_inputs(x, rank=r)[0], x.chunk(count)[index]), (strategy, r)
+    assert planned >= 4
 
 
 def _train_with_given_plan(rank, model, plan_json, x):

@@ -230,10 +230,10 @@ class ActivationModel:
     # the last of its ops that keeps one (torch.utils.checkpoint's early stop)
     keepers: frozenset = frozenset()
     # (op, tensor input index) -> how many tensors autograd keeps of the activation that op reads there,
-    # by the op itself or by ops that read it through views and aliases of that input
+    # by the op itself or by ops that read it through views and aliases of that op's output
     saves_through: Mapping = field(default_factory=dict)
-    # the pairs of saves_through through which the op that pays for the activation's whole storage
-    # reaches it (charged in the layout it takes it in): where the activation arrives all-gathered,
+    # the pairs of saves_through on the way from an activation's storage to the op that pays for all of
+    # it (charged in the layout it takes it in): where the activation arrives all-gathered on one of them,
     # the module keeps the shard instead (runtime/regather.py) and the edge corrects the charge
     # (terms.regather_saving)
     payers: frozenset = frozenset()
@@ -300,24 +300,24 @@ class _Keeping:
         m = self.cap.info[value[0]].meta
         return m[value[1]] if isinstance(m, list) and value[1] is not None else first_of(m)
 
-    def entry(self, keeper: fx.Node, keep, value: Value, root: Value) -> tuple | None:
-        """(op, tensor input index) where `keeper`'s kept input `value` reads `root`'s output: the keeper's
-        own input, or the first of a chain of views and aliases that ends in `value`. None for an op's own
-        output or a piece of a tuple."""
+    def reads(self, keeper: fx.Node, keep, value: Value, root: Value) -> list:
+        """The (op, tensor input index) edges through which `keeper`'s kept input `value` reads `root`'s
+        output: the keeper's own input, then back along the chain of views and aliases that ends in
+        `value` to the op that reads `root` itself (a layout change on any of them gathers what is kept).
+        Empty for an op's own output or a piece of a tuple."""
         if not isinstance(keep, Arg) or root[1] is not None or value[1] is not None:
-            return None
-        if value == root:
-            return (keeper.name, keep.index)
+            return []
+        edges = [(keeper.name, keep.index)]
         cur = value[0]
-        while True:
+        while cur != root[0]:
             args = tensor_args(self.cap.node(cur))
-            for i, a in enumerate(args):
-                if a.name == root[0]:
-                    return (cur, i)
-            onto = [a for a in args if self.owner.get((a.name, None), (a.name, None)) == root]
+            onto = [(i, a) for i, a in enumerate(args) if a.name == root[0]] or \
+                [(i, a) for i, a in enumerate(args) if self.owner.get((a.name, None), (a.name, None)) == root]
             if not onto:
-                return None
-            cur = onto[0].name
+                return []
+            edges.append((cur, onto[0][0]))
+            cur = onto[0][1].name
+        return edges
 
     def checkpoint_holds(self, region) -> None:
         """A checkpoint keeps its region's tensor inputs, charged to their producers."""
@@ -351,9 +351,8 @@ class _Keeping:
                 continue           # parameter memory, counted with the parameters
             if self.meta_of(value) is None or self.meta_of(root) is None:
                 continue           # not a tensor export could describe
-            entry = self.entry(node, keep, value, root)
-            if entry is not None:
-                self.saves_through[entry] = self.saves_through.get(entry, 0) + 1
+            for edge in self.reads(node, keep, value, root):
+                self.saves_through[edge] = self.saves_through.get(edge, 0) + 1
             self.kept_by.setdefault(root, []).append((node, keep, value))
 
     def charge_storage(self, root: Value, uses: list) -> None:
@@ -380,8 +379,8 @@ class _Keeping:
             if heads is not None:
                 dim, groups, repeats = heads
                 view = (input_cuts(spec, keep.index, out.ndim, (dim,)), groups, repeats)
-            elif not partial and not keep.unless and self.entry(node, keep, value, root) is not None:
-                self.payers.add(self.entry(node, keep, value, root))
+            elif not partial and not keep.unless:
+                self.payers.update(self.reads(node, keep, value, root))
         self.charges.setdefault(node.name, []).append(
             Charge(self.meta_of(root) if partial else m, cuts, f"{value[0]} kept by {node.name}",
                    unless=keep.unless if isinstance(keep, Arg) else frozenset(), view=view))

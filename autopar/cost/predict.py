@@ -19,7 +19,7 @@ from .buckets import assign_buckets, deferred_axes
 from .checkpointing import recomputed_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import hidden_comm_time
-from .problem import charge_key, checkpoint_model
+from .problem import charge_key, checkpoint_model, regather_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
                     gathered_weight_bytes, is_saved, node_compute_time, output_bytes, param_memory, reduce_itemsize,
                     regather_saving, regathers, zero_collectives)
@@ -50,7 +50,7 @@ def group_redistributions(prob, choice) -> list[Redistribution]:
         key = (e.producer, dst, gp)
         g = groups.setdefault(key, [src, [], 0, keep])
         g[1].append((e.consumer, e.index))
-        g[2] += int(regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, prob.saved))
+        g[2] += int(regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob)))
     # an activation is gathered again once for all its readers (runtime/regather.py), a weight per reader
     return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]),
                            g[2] if prob.cap.info[p].kind == PARAM else min(g[2], 1), tuple(g[3]))
@@ -115,7 +115,7 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     optimizer_time = cm.memory_time(update, prob.hardware)
     acts, compute, op_times = _op_terms(prob, choice, symbolic, saved, rerun)
     groups = group_redistributions(prob, choice)
-    acts = acts + sum(regather_saving(prob.cap, saved, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
+    acts = acts + sum(regather_saving(prob.cap, saved if prob.regather_activations else None, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
                                       prob.grad_nodes, symbolic) for r in groups for c, i in r.consumers)
     colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic))
     colls = grouped(colls, layer_members(prob, groups), prob.mesh.axis_sizes)

@@ -48,6 +48,10 @@ class Problem:
     checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
     node_cost_cache: dict = field(default_factory=dict, repr=False)    # see repeat_memory
     bucket_bytes: int = DEFAULT_BUCKET_BYTES          # gradient buckets' size (buckets.py)
+    # an activation gathered whole for an op that keeps it: kept as its shard and gathered again in backward
+    # (True; Megatron's sequence parallelism), kept whole (False), or whichever is faster within a memory
+    # limit (None: the search tries both; search/ilp.solve)
+    regather_activations: bool | None = False
     pipelined: bool = False                          # stages hold their own weights: no FSDP layer groups
 
 
@@ -78,7 +82,7 @@ def edge_signature(prob: Problem, e: Edge) -> tuple:
     """All an edge's cost depends on besides the two layouts."""
     meta = first_meta(prob.cap.info[e.producer].meta)
     return (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
-            regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, prob.saved),
+            regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob)),
             reduce_itemsize(prob.param_bytes, e.producer))
 
 
@@ -87,7 +91,7 @@ def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
     try:
         colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
                                  e.producer in prob.grad_nodes,
-                                 regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, prob.saved), e.consumer,
+                                 regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob)), e.consumer,
                                  keep_partial=keep_partial,
                                  reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
     except UnsupportedRedistribution as err:
@@ -107,7 +111,7 @@ def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_par
                                  reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
         forward = [c for c in colls if c.phase == "forward"]
         cost = float(collectives_time(forward, prob.mesh, prob.links))
-        if regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, prob.saved):
+        if regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob)):
             cost -= float(collectives_time([c for c in forward if c.kind == ALL_GATHER], prob.mesh, prob.links))
         prob.edge_cost_cache[key] = cost
     return cost
@@ -144,6 +148,12 @@ def repeat_memory(prob: Problem, name: str, first: str) -> list:
     if mems is None:
         mems = prob.node_cost_cache[key] = [node_memory(prob, name, s) for s in prob.strategies[name].strategies]
     return mems
+
+
+def regather_model(prob: Problem):
+    """The activation model the re-gather terms read (terms.regathers, regather_saving), or None when the
+    problem keeps gathered activations whole."""
+    return prob.saved if prob.regather_activations else None
 
 
 def checkpoint_model(prob: Problem, keys: tuple):

@@ -248,12 +248,13 @@ def regathers(cap: Captured, producer: str, consumer: str, index: int, grad_node
     return int(any(j < len(args) and args[j].name in grad_nodes for j in needed_by))
 
 
-def regather_saving(cap: Captured, saved: ActivationModel, producer: str, consumer: str, index: int, src, dst,
+def regather_saving(cap: Captured, saved: ActivationModel | None, producer: str, consumer: str, index: int, src, dst,
                     grad_partial, mesh: MeshSpec, grad_nodes: set, symbolic=False):
     """Activation bytes an edge changes by when its consumer keeps the activation it gathers as the shard
     (negative, or 0): the consumer is charged its input in the gathered layout (activations.py), and
     the module keeps the producer's layout instead (runtime/regather.py)."""
-    if cap.info[producer].kind == PARAM or (consumer, index) not in saved.payers or producer not in grad_nodes:
+    if saved is None or cap.info[producer].kind == PARAM or (consumer, index) not in saved.payers \
+            or producer not in grad_nodes:
         return 0
     if src == dst or not gathers_again(plan_steps(src, dst, grad_partial), is_param=False):
         return 0

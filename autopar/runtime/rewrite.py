@@ -173,6 +173,7 @@ class _Rewriter:
         self._count = 0
         self.casts = weight_casts(cap, plan)
         self.pipelined = plan.pipeline is not None
+        self.regather_activations = plan.regather_activations
         self.groups: dict = {}   # cost/layer_groups.group_key -> LayerGroup
         self.deferred = deferred_axes(cap, plan.node_strategies, grad_nodes)
 
@@ -219,7 +220,7 @@ class _Rewriter:
         # an FSDP weight, or one cast for its op (mixed precision), is made again for backward, not kept;
         # so is an activation gathered whole for an op that keeps it (sequence parallelism, as Megatron)
         regathered = (cast is not None or gathers_again(steps, is_param)) if is_param else \
-            producer.name in self.grad_nodes and gathers_again(steps, is_param)
+            self.regather_activations and producer.name in self.grad_nodes and gathers_again(steps, is_param)
         # a parameter's storage may split a dim unevenly (placement.py): its steps need the whole length
         wholes = [_step_whole(s, self.cap.info[producer.name].meta.hint, self.sizes) for s in steps] if is_param else None
         self._count += 1

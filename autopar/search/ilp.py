@@ -11,6 +11,7 @@ the time of the collectives on every edge. Constraint: memory per device.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import scipy.sparse as sp
@@ -21,7 +22,8 @@ import cost_models as cm
 from ..cost.checkpointing import KINDS, NONE, recomputed_ops
 from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
-                            memory_reserve, node_memory, node_time, recompute_edge_cost, repeat_memory, tied_edges)
+                            memory_reserve, node_memory, node_time, recompute_edge_cost, regather_model, repeat_memory,
+                            tied_edges)
 from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes, regather_saving
 from ..errors import InfeasiblePlanError
 from ..sharding.redistribute import UnsupportedRedistribution
@@ -163,7 +165,7 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
         entry[2] += member.consumer in rerun
     alike = [(sig, member, n, m) for sig, (member, n, m) in alike.items()]
     # repeats whose op pays for the activation it gathers: the module keeps the shard (regather_saving)
-    keepers = [m for m in edges if (m.consumer, m.index) in prob.saved.payers]
+    keepers = [m for m in edges if prob.regather_activations and (m.consumer, m.index) in prob.saved.payers]
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
         if var is not None:
@@ -190,7 +192,7 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
                 continue
             c += sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig)
                      for sig, member, _, m in alike if m)
-            saving = sum(regather_saving(cap, prob.saved, m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
+            saving = sum(regather_saving(cap, regather_model(prob), m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
                                          prob.grad_nodes) for m in keepers if m.consumer not in rerun)
             y = ilp.var(c * TIME_SCALE, float(saving) * MEM_SCALE, integer=False)
             by_src[src_key][y] = by_dst[k][y] = 1.0
@@ -269,13 +271,25 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     limit, the best of one search per kind: no stack recomputed, every stack's attention cores
     recomputed (selective), every stack's blocks recomputed (full). (A binary per stack in one
     search would also try mixes, but its big-M rows made HiGHS branch for tens of seconds on small
-    models.) With one stack, as in most models, those are the whole choice."""
+    models.) With one stack, as in most models, those are the whole choice.
+
+    Where the problem leaves it to the search whether gathered activations are kept as shards
+    (prob.regather_activations None), they are kept whole, and under a limit the best kind is solved
+    once more with them re-gathered (every kind, if none fit): re-gathering only buys memory with time."""
     limited = minimize_memory or memory_limit is not None
+    decide = prob.regather_activations is None
+    base = replace(prob, regather_activations=False) if decide else prob
     if checkpointing != "auto":
-        return _solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, checkpointing)
-    kinds = [kind for kind in KINDS if any(st.kind == kind for st in prob.stacks)] if limited else []
-    sols = [_solve(prob, roles, memory_limit, time_limit, minimize_memory, gap, kind) for kind in [NONE] + kinds]
+        kinds = [checkpointing]
+    else:
+        kinds = [NONE] + ([kind for kind in KINDS if any(st.kind == kind for st in prob.stacks)] if limited else [])
+    sols = [_solve(base, roles, memory_limit, time_limit, minimize_memory, gap, kind) for kind in kinds]
     best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
+    if decide and limited:
+        again = [next(iter(best.checkpointed.values()), NONE)] if best.choice else kinds
+        regathered = replace(prob, regather_activations=True)
+        sols += [_solve(regathered, roles, memory_limit, time_limit, minimize_memory, gap, kind) for kind in again]
+        best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     best.solve_seconds = sum(sol.solve_seconds for sol in sols)
     best.build_seconds = sum(sol.build_seconds for sol in sols)
     return best
@@ -333,7 +347,8 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
     status = OPTIMAL if res.status == 0 else TIME_LIMIT
     return Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
-                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, {st.path: st.kind for st in stacks})
+                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, {st.path: st.kind for st in stacks},
+                    bool(prob.regather_activations))
 
 
 def _fallback(prob: Problem, roles: Roles, memory_limit, res, ilp: _ILP, time_limit: float) -> Solution | None:
@@ -345,6 +360,7 @@ def _fallback(prob: Problem, roles: Roles, memory_limit, res, ilp: _ILP, time_li
     sol = greedy(prob, roles, memory_limit)
     if sol is None:
         return None
+    sol.regather_activations = bool(prob.regather_activations)
     bound = getattr(res, "mip_dual_bound", None)
     if bound is None or not np.isfinite(bound):
         bound = _relaxation_bound(ilp, time_limit)

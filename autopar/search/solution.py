@@ -27,3 +27,4 @@ class Solution:
     build_seconds: float = 0.0      # building the ILP (edge costs, rows), before HiGHS
     # {stack path: 'selective' or 'full'}: stacks whose blocks' attention cores, or whole blocks, recompute
     checkpointed: dict = field(default_factory=dict)
+    regather_activations: bool = False   # activations gathered whole for an op that keeps them: kept as shards

@@ -17,6 +17,7 @@ import cost_models as cm
 
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
 from ..cost.predict import Memory, Predicted, group_redistributions, redistribution_collectives
+from ..cost.problem import regather_model
 from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, first_meta, node_compute_time,
                           output_bytes, param_memory, regather_saving, zero_collectives)
 from ..sharding.placement import numel
@@ -77,7 +78,7 @@ def op_costs(prob, choice) -> OpCosts:
         charge(first, redistribution_collectives(prob, r))
         for c, i in r.consumers:   # an activation kept as its shard where it is gathered (sequence parallel)
             if c in pos:
-                acts[pos[c]] += float(regather_saving(cap, prob.saved, r.producer, c, i, r.src, r.dst,
+                acts[pos[c]] += float(regather_saving(cap, regather_model(prob), r.producer, c, i, r.src, r.dst,
                                                       r.grad_partial, mesh, prob.grad_nodes))
     time = [compute[i] + sum(comm_time[i].values()) for i in range(len(order))]
     parts = [(compute[i], comm_bytes[i], comm_time[i]) for i in range(len(order))]

@@ -229,5 +229,5 @@ def all_strategies(cap: Captured, mesh: MeshSpec, same_as: dict | None = None) -
         warnings.warn(
             f"autopar has no sharding rule for {op} (used in {', '.join(sorted(set(paths)))}); "
             "it runs replicated, which is correct but may cost communication. "
-            "Add a rule in autopar/rules.py to let it be split.", UnsupportedOpWarning, stacklevel=3)
+            "Add a rule in autopar/sharding/rules.py to let it be split.", UnsupportedOpWarning, stacklevel=3)
     return result

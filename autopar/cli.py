@@ -1,0 +1,251 @@
+"""The `autopar` command: lay a Hugging Face model out on a mesh from the terminal, before any launch.
+
+    autopar plan MODEL --mesh dp=8,tp=8 [--hardware h100] [--memory 80GB] [--batch 8] [--seq 4096]
+                 [--precision bf16-mixed] [--strategy auto] [--pipeline AXIS|auto] [--json plan.json]
+    autopar compare MODEL --mesh dp=8,tp=8 [...]     every named strategy side by side
+    autopar show plan.json                            a saved plan, printed again
+
+MODEL is a config.json, a directory holding one (what `save_pretrained` writes), or a Hugging Face
+model id found in the local cache; nothing is downloaded. The model is built on the meta device with
+transformers' AutoModelForCausalLM.from_config, so no weight is read or allocated.
+
+Exit status: 0 done; 1 no plan fits (the message says what would); 2 bad input (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+import warnings
+
+import torch
+
+import cost_models as cm
+
+from .api import compare, plan
+from .errors import AutoparError, InfeasiblePlanError, UnsupportedOpWarning
+from .plan_result import Plan
+from .search.classics import STRATEGIES
+from .whatif import max_batch
+
+
+class CliError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+class Logits(torch.nn.Module):
+    """A causal LM as autopar plans it: token ids in, logits out (the loss is the training loop's)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except CliError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+    except InfeasiblePlanError as e:
+        print(f"autopar: {e}", file=sys.stderr)
+        return 1
+    except AutoparError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(required=True, metavar="{plan,compare,show}")
+    for name, run, what in (("plan", _plan, "the best plan for MODEL on the mesh"),
+                            ("compare", _compare, "every named strategy for MODEL side by side")):
+        s = sub.add_parser(name, help=what, description=what)
+        s.set_defaults(run=run)
+        s.add_argument("model", metavar="MODEL", help="config.json, a directory with one, or a cached HF model id")
+        s.add_argument("--mesh", required=True, type=_mesh, help="axis sizes, e.g. dp=8,tp=8")
+        s.add_argument("--hardware", default="h100", help=f"a preset ({', '.join(sorted(cm.PRESETS))}) or the "
+                       "JSON spec autopar.calibrate wrote (default: h100)")
+        s.add_argument("--memory", default=None, help="memory per device, e.g. 80GB (default: no limit)")
+        s.add_argument("--batch", type=int, default=8, help="global batch in sequences (default: 8)")
+        s.add_argument("--seq", type=int, default=4096, help="sequence length in tokens (default: 4096)")
+        s.add_argument("--precision", default="bf16-mixed",
+                       help="bf16-mixed (default: what large models train with) or fp32")
+        s.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd or sgd-momentum")
+        if name == "plan":
+            s.add_argument("--strategy", default="auto", choices=STRATEGIES, help="default: auto")
+            s.add_argument("--pipeline", default=None, metavar="AXIS|auto",
+                           help="pipeline over this mesh axis, or let the search decide (default: none)")
+            s.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
+    s = sub.add_parser("show", help="print a plan saved with --json", description="print a plan saved with --json")
+    s.set_defaults(run=_show)
+    s.add_argument("path", metavar="PLAN_JSON")
+    return p
+
+
+def _mesh(text: str) -> dict:
+    try:
+        mesh = {name.strip(): int(size) for name, size in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give axis=size pairs, e.g. dp=8,tp=8") from None
+    if not mesh or any(n < 1 for n in mesh.values()):
+        raise argparse.ArgumentTypeError(f"{text!r}: every axis needs a positive size")
+    return mesh
+
+
+# ---------------------------------------------------------------- the model
+
+def load_config(model: str):
+    """The model's transformers config: from a config.json, a directory with one, or the local HF cache."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise CliError("reading a model config needs Hugging Face transformers: pip install transformers") from None
+    path = pathlib.Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise CliError(f"directory {model} has no config.json")
+    if path.is_file() or model.endswith(".json"):
+        if not path.is_file():
+            raise CliError(f"no file {path}")
+        with open(path) as f:
+            d = json.load(f)
+        if "model_type" not in d:
+            raise CliError(f"{path} has no model_type: not a Hugging Face config.json")
+        return AutoConfig.for_model(**d)
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError):
+        raise CliError(f"{model!r} is not a file, a directory with a config.json, or a model in the local Hugging "
+                       "Face cache (nothing is downloaded: fetch its config.json first, e.g. "
+                       f"`huggingface-cli download {model} config.json`)") from None
+
+
+def build(config) -> torch.nn.Module:
+    """The causal LM of `config` on the meta device, logits out."""
+    from transformers import AutoModelForCausalLM
+    config.use_cache = False
+    with torch.device("meta"):
+        return Logits(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+
+
+def _inputs(config, args) -> tuple:
+    if args.batch < 1 or args.seq < 1:
+        raise CliError(f"--batch {args.batch} --seq {args.seq}: both must be positive")
+    return (torch.randint(0, config.vocab_size, (args.batch, args.seq), device="meta"),)
+
+
+def _options(args) -> dict:
+    return {"hardware": args.hardware, "memory_limit": args.memory, "optimizer": args.optimizer,
+            "precision": None if args.precision in ("fp32", "float32", "none") else args.precision}
+
+
+def _progress(message: str, start: float) -> None:
+    print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _planned(fn, *args, **kwargs):
+    """fn(*args, **kwargs), its warnings summed up on stderr: an op without a sharding rule (it runs
+    replicated) warns once per op, and a big model has dozens."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args, **kwargs)
+    replicated = sorted({str(w.message).split(" for ", 1)[-1].split(" ", 1)[0] for w in caught
+                         if issubclass(w.category, UnsupportedOpWarning)})
+    if replicated:
+        print(f"note: {len(replicated)} op kind(s) without a sharding rule run replicated: "
+              f"{', '.join(replicated[:8])}{' ...' if len(replicated) > 8 else ''}", file=sys.stderr)
+    for w in caught:
+        if not issubclass(w.category, UnsupportedOpWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+    return out
+
+
+# ---------------------------------------------------------------- commands
+
+def _plan(args) -> int:
+    start = time.perf_counter()
+    config = load_config(args.model)
+    model = build(config)
+    _progress(f"{_describe(config, model)}; planning batch {args.batch} x seq {args.seq} on "
+              f"{_mesh_text(args.mesh)} ({args.hardware})", start)
+    p = _planned(plan, model, _inputs(config, args), args.mesh, strategy=args.strategy,
+                 pipeline_axis=args.pipeline, **_options(args))
+    _progress("planned", start)
+    print(p)
+    tokens = args.batch * args.seq
+    print(f"\ntokens/s: {tokens / p.predicted.step_time:,.0f} predicted ({tokens} tokens a step, "
+          f"{p.predicted.step_time:.3f} s)")
+    if args.memory is not None:
+        print(f"largest batch that fits {args.memory} per device: {_largest_batch(p, args.memory)}")
+    if args.json:
+        pathlib.Path(args.json).write_text(p.to_json())
+        print(f"plan written to {args.json} (autopar show {args.json})")
+    return 0
+
+
+def _largest_batch(p: Plan, memory) -> str:
+    try:   # the model's input is traced with dynamic batch and sequence dims: the batch is dim 0's symbol
+        return str(max_batch(p, memory, symbol="batch" if "batch" in p.symbols else None))
+    except AutoparError as e:
+        return f"unknown ({str(e).splitlines()[0]})"
+
+
+def _compare(args) -> int:
+    start = time.perf_counter()
+    config = load_config(args.model)
+    model = build(config)
+    _progress(f"{_describe(config, model)}; planning every strategy for batch {args.batch} x seq {args.seq} "
+              f"on {_mesh_text(args.mesh)} ({args.hardware})", start)
+    plans = _planned(compare, model, _inputs(config, args), args.mesh, **_options(args))
+    _progress("planned", start)
+    print(compare_table(plans, args.batch * args.seq, args.memory))
+    return 0
+
+
+def compare_table(plans: dict, tokens: int, memory) -> str:
+    """One row per strategy: memory per device, communication per step, step time, tokens/s, fits."""
+    limit = cm.parse_bytes(memory) if memory is not None else None
+    head = f"{'strategy':<9} {'memory/device':>14} {'comm/step':>12} {'step':>10} {'tokens/s':>12}  fits"
+    lines = [head, "-" * len(head)]
+    for name, p in plans.items():
+        if isinstance(p, AutoparError):
+            lines.append(f"{name:<9} {'-':>14} {'-':>12} {'-':>10} {'-':>12}  no: {str(p).splitlines()[0][:100]}")
+            continue
+        pred = p.predicted
+        fits = "yes" if limit is None or pred.memory.total <= limit else "no"
+        lines.append(f"{name:<9} {cm.format_bytes(pred.memory.total):>14} "
+                     f"{cm.format_bytes(sum(pred.comm_bytes.values())):>12} {pred.step_time * 1e3:>8.1f} ms "
+                     f"{tokens / pred.step_time:>12,.0f}  {fits}")
+    return "\n".join(lines)
+
+
+def _show(args) -> int:
+    path = pathlib.Path(args.path)
+    if not path.is_file():
+        raise CliError(f"no plan file at {path}")
+    try:
+        print(Plan.from_json(path.read_text()))
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CliError(f"{path} is not a plan autopar wrote ({type(e).__name__}: {e})") from None
+    return 0
+
+
+def _describe(config, model) -> str:
+    n = sum(t.numel() for t in model.parameters())
+    return f"{type(model.model).__name__} ({config.model_type}, {n / 1e9:.2f}B parameters, on meta)"
+
+
+def _mesh_text(mesh: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in mesh.items())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The `autopar` command (autopar/cli.py), run as a user runs it: on a Llama-3-8B-shaped config.json
+(tests/data, no weights), on a small config saved as `save_pretrained` would, and on bad input."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import autopar
+from autopar.cli import main
+from autopar.search.classics import STRATEGIES
+
+pytest.importorskip("transformers")
+
+DATA = pathlib.Path(__file__).parent / "data"
+LLAMA_8B = DATA / "llama3_8b_config.json"
+
+
+def _small_llama_dir(tmp_path) -> pathlib.Path:
+    """A directory like save_pretrained's, holding only config.json: a 2-layer Llama."""
+    from transformers import LlamaConfig
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_plan_prints_the_plan_and_its_json_shows_again(tmp_path, capsys):
+    out_json = tmp_path / "plan.json"
+    assert main(["plan", str(LLAMA_8B), "--mesh", "dp=8,tp=8", "--memory", "80GB", "--batch", "8",
+                 "--seq", "4096", "--json", str(out_json)]) == 0
+    printed = capsys.readouterr()
+    assert "LlamaForCausalLM (llama, 8.03B parameters, on meta)" in printed.err
+    plan = autopar.Plan.from_json(out_json.read_text())
+    assert str(plan) in printed.out
+    assert "tokens/s" in printed.out and "largest batch that fits 80GB per device: " in printed.out
+    assert plan.predicted.memory.total <= 80e9
+    assert main(["show", str(out_json)]) == 0
+    assert capsys.readouterr().out.strip() == str(plan).strip()
+
+
+def test_compare_lists_every_named_strategy(tmp_path, capsys):
+    model = _small_llama_dir(tmp_path)
+    assert main(["compare", str(model), "--mesh", "dp=2,tp=2", "--batch", "4", "--seq", "32",
+                 "--hardware", "cpu", "--memory", "1GB"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == set(STRATEGIES)
+    assert all(row.rstrip().endswith(("yes", "no")) or " no: " in row for row in rows.values())
+
+
+def test_a_model_that_is_nowhere_is_one_line_and_exit_status_2(tmp_path):
+    env_home = {"HF_HOME": str(tmp_path / "empty-cache"), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "autopar", "plan", "no-such-org/no-such-model", "--mesh", "dp=2"],
+                         capture_output=True, text=True, env={**os.environ, **env_home}, timeout=120)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not a file, a directory with a config.json, or a model in the local" in lines[0]
+
+
+def test_bad_input_says_what(tmp_path, capsys):
+    assert main(["show", str(tmp_path / "missing.json")]) == 2
+    assert "no plan file" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["plan", str(tmp_path), "--mesh", "dp=2"]) == 2
+    assert "has no model_type" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:   # argparse: usage and exit status 2
+        main(["plan", str(LLAMA_8B), "--mesh", "dp"])
+    assert e.value.code == 2
