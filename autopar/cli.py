@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--pipeline", default=None, metavar="AXIS|auto",
                            help="pipeline over this mesh axis, or let the search decide (default: none)")
             s.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
+        s.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="also draw memory per device (and a pipeline's schedule, to FILE-schedule.png); "
+                            "needs matplotlib")
     s = sub.add_parser("show", help="print a plan saved with --json", description="print a plan saved with --json")
     s.set_defaults(run=_show)
     s.add_argument("path", metavar="PLAN_JSON")
@@ -188,7 +191,23 @@ def _plan(args) -> int:
     if args.json:
         pathlib.Path(args.json).write_text(p.to_json())
         print(f"plan written to {args.json} (autopar show {args.json})")
+    if args.plot:
+        _plot(p, args.plot, args.memory)
     return 0
+
+
+def _plot(plans, path: str, memory) -> None:
+    from .plots import memory_figure, schedule_figure
+    memory_figure(plans, memory).savefig(path)
+    print(f"memory per device drawn to {path}")
+    if isinstance(plans, Plan) and plans.pipeline is not None:
+        out = pathlib.Path(path)
+        schedule = out.with_name(f"{out.stem}-schedule{out.suffix}")
+        try:
+            schedule_figure(plans).savefig(schedule)
+            print(f"pipeline schedule drawn to {schedule}")
+        except AutoparError as e:
+            print(f"note: {e}", file=sys.stderr)
 
 
 def _largest_batch(p: Plan, memory) -> str:
@@ -207,6 +226,8 @@ def _compare(args) -> int:
     plans = _planned(compare, model, _inputs(config, args), args.mesh, **_options(args))
     _progress("planned", start)
     print(compare_table(plans, args.batch * args.seq, args.memory))
+    if args.plot:
+        _plot(plans, args.plot, args.memory)
     return 0
 
 

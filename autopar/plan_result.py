@@ -171,7 +171,11 @@ class Plan:
             key = f"{c.kind}@{c.axis}"
             d[key] = d.get(key, 0) + 1
         header = ("module", "parameters (storage)", "activations out", "collectives per step")
-        for mod, d in by_module.items():
+        first_op: dict = {}   # module -> its first op's place in the graph: rows in forward order
+        for i, node in enumerate(n for n in self.node_strategies if not n.startswith("p_")):
+            first_op.setdefault(self.module_paths.get(node), i)
+        order = sorted(by_module, key=lambda mod: first_op.get(mod, len(first_op)))
+        for mod, d in ((m, by_module[m]) for m in order):
             acts = d["acts"][-1] if d["acts"] else "-"
             colls = ", ".join(f"{k} x{n}" for k, n in d["colls"].items()) or "-"
             params = "; ".join(d["params"]) or "-"

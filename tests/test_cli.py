@@ -44,9 +44,12 @@ def test_plan_prints_the_plan_and_its_json_shows_again(tmp_path, capsys):
 
 def test_compare_lists_every_named_strategy(tmp_path, capsys):
     model = _small_llama_dir(tmp_path)
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / "memory.png"
     assert main(["compare", str(model), "--mesh", "dp=2,tp=2", "--batch", "4", "--seq", "32",
-                 "--hardware", "cpu", "--memory", "1GB"]) == 0
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[2:]}
+                 "--hardware", "cpu", "--memory", "1GB", "--plot", str(picture)]) == 0
+    assert picture.stat().st_size > 1000
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[2:-1]}
     assert set(rows) == set(STRATEGIES)
     assert all(row.rstrip().endswith(("yes", "no")) or " no: " in row for row in rows.values())
 

@@ -25,7 +25,7 @@ STAGES = [
     ("search", ("autopar.search",)),
     ("plan", ("autopar.plan_result", "autopar.planner")),
     ("runtime", ("autopar.runtime",)),
-    ("questions", ("autopar.whatif", "autopar.audit", "autopar.calibrate", "autopar.checkpoint")),   # of a finished plan or module
+    ("questions", ("autopar.whatif", "autopar.audit", "autopar.calibrate", "autopar.checkpoint", "autopar.plots")),   # of a finished plan or module
     ("api", ("autopar.api",)),
     ("cli", ("autopar.cli", "autopar.__main__")),          # the `autopar` command, over the api
     ("package", ("autopar",)),                            # autopar/__init__.py: the public names

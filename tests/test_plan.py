@@ -69,6 +69,15 @@ def test_text_table_shows_layout_collectives_and_predictions():
     assert "predicted per device: params" in text and "communication per step: dp" in text
 
 
+def test_text_table_rows_follow_forward_order():
+    """Modules without parameters (dropout, the attention wrapper) sit where forward runs them."""
+    plan = autopar.plan(GPT(GPTConfig(n_layer=1, dropout=0.1)), (torch.randint(0, 64, (4, 16)),), {"tp": 2},
+                        hardware="cpu", strategy="tp")
+    rows = [line.split()[0] for line in str(plan).splitlines()[3:] if line.strip()]
+    assert rows.index("wte") < rows.index("drop") < rows.index("h.0.ln_1") < rows.index("h.0.attn.resid_dropout") \
+        < rows.index("h.0.ln_2") < rows.index("h.0.dropout") < rows.index("ln_f") < rows.index("lm_head")
+
+
 def test_local_inputs_and_targets_cut_the_batch_over_batch_axes():
     plan = _mlp_plan("ddp", {"dp": 2, "tp": 2})
     assert set(plan.batch_axes) == {"dp", "tp"}
