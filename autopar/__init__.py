@@ -12,11 +12,12 @@ from .runtime.dcp_checkpoint import load_checkpoint
 from .runtime.hf_checkpoint import load_hf_checkpoint
 from .runtime.module import ParallelModule
 from .runtime.optim import ShardedOptimizer
+from .search.classics import STRATEGIES
 from .whatif import max_batch, min_axis_size, min_compute_bound_batch
 
 __all__ = ["plan", "compare", "parallelize", "checkpoint", "audit", "AuditReport", "calibrate", "Calibration", "Plan", "ParallelModule", "ShardedOptimizer", "clip_grad_norm_", "load_checkpoint",
            "load_hf_checkpoint",
            "Precision", "BF16_MIXED", "OptimizerSpec", "AutoparError", "CaptureError",
            "InfeasiblePlanError", "InputShapeError", "DivisibilityWarning", "MeshError", "PipelineError", "PlanError", "ShardingError", "UnsupportedOpWarning",
-           "max_batch", "min_compute_bound_batch", "min_axis_size"]
+           "max_batch", "min_compute_bound_batch", "min_axis_size", "STRATEGIES"]
 __version__ = "0.1.0"

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --strategy fsdp+tp --steps 5
 
 Every rank builds the same seeded GPT and the same global batch. autopar
-plans how to split the model over a 2 x 2 mesh ("dp" x "tp"), and each rank
+plans how to split the model over a 2 x 2 mesh (axes "x" and "y"), and each rank
 trains its own shard of the model on its own shard of the batch. Rank 0 also
 trains an unsharded copy of the model on the whole batch, in the same
 process, and prints both losses step by step: they agree to float32 rounding.
@@ -20,10 +20,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
+import cost_models as cm
 from autopar.testing import GPT, GPTConfig, gpt_loss
 
 WORLD_SIZE = 4
-MESH_SHAPE, AXIS_NAMES = (2, 2), ("dp", "tp")
+# neutral names: under "auto" the search decides what each axis does (and prints it), and a reader
+# must not find data parallelism on an axis called "tp"
+MESH_SHAPE, AXIS_NAMES = (2, 2), ("x", "y")
 BATCH = 32  # global batch (sequences); every rank builds all of it, plan.local_inputs cuts its shard
 
 # Why a memory limit: the cost model ("cpu" hardware: loopback TCP, ~20 us per
@@ -40,19 +43,20 @@ BATCH = 32  # global batch (sequences); every rank builds all of it, plan.local_
 # the first two, so "auto" has to split the batch and shard weights: it mixes
 # tensor parallelism on one axis with a batch split on the other. The search
 # does not read axis names, only their cost, and both axes of this mesh cost
-# the same, so it may well split the batch over the axis named "tp".
+# the same: the plan's first line says which axis splits the batch.
 DEFAULT_AUTO_MEMORY_LIMIT = "1MiB"
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--strategy", default="auto",
-                   help="auto (search), or a named classic: ddp, fsdp, tp, fsdp+tp (default: auto)")
+    p.add_argument("--strategy", default="auto", choices=autopar.STRATEGIES,
+                   help="auto (the search), or a named classic (default: auto)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (default: 10)")
     p.add_argument("--memory-limit", default=None,
                    help=f"per-rank memory limit for the plan, e.g. 1MiB or 1048576, or 'none' "
                         f"(default: {DEFAULT_AUTO_MEMORY_LIMIT} for --strategy auto, none for the classics)")
-    p.add_argument("--hardware", default="cpu", help="cost-model preset: cpu, h100, a100 (default: cpu)")
+    p.add_argument("--hardware", default="cpu", choices=sorted(cm.PRESETS),
+                   help="cost-model preset (default: cpu)")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default: 1e-2)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
