@@ -146,3 +146,36 @@ def test_selective_needs_an_attention_core():
     model = torch.nn.Sequential(MLP([8, 8]), MLP([8, 8]))
     with pytest.raises(autopar.AutoparError, match="checkpointing='selective'"):
         autopar.plan(model, (torch.randn(4, 8),), {"dp": 2}, checkpointing="selective")
+
+
+def _least_memory(model, x, monkeypatch, regather):
+    """The least memory any auto plan needs, with re-gathering as the search may choose it, or without."""
+    import autopar.planner as planner
+    with monkeypatch.context() as m:
+        if not regather:
+            m.setitem(planner.REGATHER, "auto", False)
+        with pytest.raises(autopar.InfeasiblePlanError) as err:
+            autopar.plan(model, (x,), {"tp": 2}, hardware="cpu", memory_limit=1, checkpointing="none")
+    return err.value.min_memory_bytes
+
+
+def test_auto_regathers_activations_only_under_a_limit_that_needs_it_and_trains_equal(monkeypatch):
+    model, x = _model(2, dropout=0.0)
+    y = torch.randn_like(x)
+    without, with_ = _least_memory(model, x, monkeypatch, False), _least_memory(model, x, monkeypatch, True)
+    assert with_ < without
+    free = autopar.plan(model, (x,), {"tp": 2}, hardware="cpu", checkpointing="none")
+    assert not free.regather_activations    # no limit: re-gathering only costs time
+    limit = int((with_ + without) / 2)
+    kwargs = {"strategy": "auto", "hardware": "cpu", "memory_limit": limit, "checkpointing": "none"}
+    ref = single_device_reference(lambda: copy.deepcopy(model), x, y, _mse, steps=3, lr=1e-2,
+                                  optimizer=torch.optim.SGD)
+    for rec in run_threaded(2, parallel_record, model, (2,), ("tp",), x, y, _mse, 3, 1e-2, kwargs, torch.optim.SGD):
+        plan = rec["plan"]
+        assert plan.regather_activations and plan.predicted.memory.total <= limit
+        assert any(c.kind == "all_gather" and c.phase == "backward" and c.tensor.startswith("layer_norm")
+                   for c in plan.collectives)
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, atol=1e-5, rtol=0, msg=name)
+        launched = Counter((k, axis, float(b), phase) for k, axis, b, phase in rec["comm"])
+        assert launched == Counter((c.kind, 0, c.bytes, c.phase) for c in plan.collectives)

@@ -87,6 +87,25 @@ def _returns_input(node: fx.Node) -> bool:
     return False
 
 
+# ops that return their input as it is when its shape and dtype do not change (a cast to the same dtype,
+# a view or reshape to the same shape, contiguous on a contiguous tensor); which ones did is read off the
+# storages (storage_owners) and the shapes, not off the fake tensors' symbolic sizes: comparing those
+# would run symbolic arithmetic, which another rank's export in this process may be tracing
+_PASS_THROUGH = {"aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "aten.type_as.default",
+                 "aten.alias.default", "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+                 "aten.contiguous.default", "aten.expand.default"}
+
+
+def _same_tensor(node: fx.Node, arg: fx.Node, cap: Captured, owner: dict) -> bool:
+    """Does `node` hand its input `arg` on as it is (the same storage, shape and dtype) at run time?"""
+    if _returns_input(node):
+        return True
+    if op_name(node) not in _PASS_THROUGH or owner.get((node.name, None)) != owner.get((arg.name, None)):
+        return False
+    out, src = first_of(cap.info[node.name].meta), first_of(cap.info[arg.name].meta)
+    return out is not None and src is not None and out.shape == src.shape and out.dtype == src.dtype
+
+
 def storage_owners(cap: Captured) -> dict[Value, Value]:
     """Each tensor value -> the value that first holds its storage (itself unless it is a view)."""
     first: dict = {}
@@ -301,22 +320,23 @@ class _Keeping:
         return m[value[1]] if isinstance(m, list) and value[1] is not None else first_of(m)
 
     def reads(self, keeper: fx.Node, keep, value: Value, root: Value) -> list:
-        """The (op, tensor input index) edges through which `keeper`'s kept input `value` reads `root`'s
-        output: the keeper's own input, then back along the chain of views and aliases that ends in
-        `value` to the op that reads `root` itself (a layout change on any of them gathers what is kept).
-        Empty for an op's own output or a piece of a tuple."""
+        """The (op, tensor input index) edges through which `keeper`'s kept input `value` is `root`'s
+        output itself: the keeper's own input, then back along ops that hand their input on unchanged
+        (dropout with p = 0, a cast to the same dtype) to the op that reads `root` (a layout change on
+        any of them gathers the very tensor autograd keeps). Empty for an op's own output, a piece of a
+        tuple, or a value reached through a view: what a kernel keeps of a view may be a copy (matmul
+        reshapes a transposed operand into a new tensor), so a gather before it is not what is kept."""
         if not isinstance(keep, Arg) or root[1] is not None or value[1] is not None:
             return []
         edges = [(keeper.name, keep.index)]
         cur = value[0]
         while cur != root[0]:
-            args = tensor_args(self.cap.node(cur))
-            onto = [(i, a) for i, a in enumerate(args) if a.name == root[0]] or \
-                [(i, a) for i, a in enumerate(args) if self.owner.get((a.name, None), (a.name, None)) == root]
-            if not onto:
+            node = self.cap.node(cur)
+            args = tensor_args(node) if node.op == "call_function" else []
+            if not args or not _same_tensor(node, args[0], self.cap, self.owner):
                 return []
-            edges.append((cur, onto[0][0]))
-            cur = onto[0][1].name
+            edges.append((cur, 0))
+            cur = args[0].name
         return edges
 
     def checkpoint_holds(self, region) -> None:

@@ -26,8 +26,10 @@ CPU, CUDA = "cpu", "cuda"
 
 
 def kernel_family(hardware) -> str:
-    """Whose kernels run: CPU for the "cpu" presets, CUDA for accelerators (h100, a100, ...)."""
-    return CPU if hardware.name.lower().startswith("cpu") else CUDA
+    """Whose kernels run: CPU for the "cpu" presets, CUDA for accelerators (h100, a100, ...).
+    `hardware`: a cost_models.Hardware, or its name (a plan's `hardware`)."""
+    name = hardware if isinstance(hardware, str) else hardware.name
+    return CPU if name.lower().startswith("cpu") else CUDA
 
 
 # --------------------------------------------------------------------------- what an op keeps

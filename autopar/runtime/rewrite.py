@@ -18,6 +18,7 @@ import torch.fx as fx
 from ..capture.export import PARAM, Captured
 from ..cost.buckets import deferred_axes
 from ..cost.layer_groups import group_key, groupable
+from ..cost.activations import activation_model
 from ..cost.checkpointing import checkpointable_stacks
 from ..cost.precision import precision_of
 from ..errors import PlanError
@@ -173,7 +174,9 @@ class _Rewriter:
         self._count = 0
         self.casts = weight_casts(cap, plan)
         self.pipelined = plan.pipeline is not None
-        self.regather_activations = plan.regather_activations
+        # (op, input index) -> tensors autograd keeps of that input: where a gather feeds one, the plan
+        # keeps the shard and gathers again in backward (regather.py), as the cost model prices it
+        self.saves = activation_model(cap, plan.hardware).saves_through if plan.regather_activations else {}
         self.groups: dict = {}   # cost/layer_groups.group_key -> LayerGroup
         self.deferred = deferred_axes(cap, plan.node_strategies, grad_nodes)
 
@@ -193,8 +196,9 @@ class _Rewriter:
         s = self.strategies.get(name)
         return s.output if s is not None else (R,) * len(self.sizes)
 
-    def redistribute(self, producer: fx.Node, dst, gp) -> fx.Node:
-        """`producer`'s local value in layout `dst`, with gradient reduction `gp` on the way back."""
+    def redistribute(self, producer: fx.Node, dst, gp, reader: tuple | None = None) -> fx.Node:
+        """`producer`'s local value in layout `dst`, with gradient reduction `gp` on the way back, for
+        `reader` ((op, tensor input index), if an op reads it)."""
         src = self.out_placement(producer.name)
         gp = tuple(gp) if producer.name in self.grad_nodes else ()
         # a ZeRO parameter's gradient stays unreduced on its axes: the optimizer reduce-scatters it
@@ -207,6 +211,10 @@ class _Rewriter:
         key = (producer.name, tuple(dst), gp)
         if key not in self._cache:
             self._cache[key] = self._call_redistribute(producer, tuple(src), tuple(dst), gp, keep)
+        if self.saves.get(reader) and producer.name in self.grad_nodes:
+            module = self.root.get_submodule(self._cache[key].target)
+            if module.gathered is None and gathers_again(module.steps, is_param=False):
+                module.gathered, module.activation = self.gathered, True
         return self._cache[key]
 
     def _call_redistribute(self, producer: fx.Node, src: tuple, dst: tuple, gp: tuple, keep: tuple) -> fx.Node:
@@ -219,15 +227,14 @@ class _Rewriter:
         cast = self.casts.get(producer.name)
         # an FSDP weight, or one cast for its op (mixed precision), is made again for backward, not kept;
         # so is an activation gathered whole for an op that keeps it (sequence parallelism, as Megatron)
-        regathered = (cast is not None or gathers_again(steps, is_param)) if is_param else \
-            self.regather_activations and producer.name in self.grad_nodes and gathers_again(steps, is_param)
+        # (an activation is gathered again where redistribute finds a reader that keeps it)
+        regathered = is_param and (cast is not None or gathers_again(steps, is_param))
         # a parameter's storage may split a dim unevenly (placement.py): its steps need the whole length
         wholes = [_step_whole(s, self.cap.info[producer.name].meta.hint, self.sizes) for s in steps] if is_param else None
         self._count += 1
         mod_name = f"redist_{self._count}_{producer.name}"
         label = f"{producer.name}: {_describe(steps, self.names)}" + (f"; cast to {cast[0]}" if cast else "")
         module = RedistributeModule(steps, self.comm, label, self.gathered if regathered else None, wholes, cast)
-        module.activation = regathered and not is_param
         if is_param and not self.pipelined and groupable(steps):   # a pipeline's stages hold only their own weights
             self._join_group(module, producer.name, steps, cast)
         self.root.add_module(mod_name, module)
@@ -258,7 +265,7 @@ class _Rewriter:
                     count[0] += 1
                     if s is None:
                         return self.env[a.name]
-                    return self.redistribute(a, s.inputs[i], s.grad_partial(i))
+                    return self.redistribute(a, s.inputs[i], s.grad_partial(i), reader=(node.name, i))
                 return self.env[a.name]
             if isinstance(a, (list, tuple)):
                 return type(a)(visit(x) for x in a)
