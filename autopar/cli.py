@@ -165,9 +165,8 @@ def _planned(fn, *args, **kwargs):
     if replicated:
         print(f"note: {len(replicated)} op kind(s) without a sharding rule run replicated: "
               f"{', '.join(replicated[:8])}{' ...' if len(replicated) > 8 else ''}", file=sys.stderr)
-    for w in caught:
-        if not issubclass(w.category, UnsupportedOpWarning):
-            print(f"warning: {w.message}", file=sys.stderr)
+    for message in dict.fromkeys(str(w.message) for w in caught if not issubclass(w.category, UnsupportedOpWarning)):
+        print(f"warning: {message}", file=sys.stderr)
     return out
 
 
