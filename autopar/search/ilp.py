@@ -283,6 +283,12 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
         kinds = [checkpointing]
     else:
         kinds = [NONE] + ([kind for kind in KINDS if any(st.kind == kind for st in prob.stacks)] if limited else [])
+    if limited and not minimize_memory and (len(kinds) > 1 or decide) and kinds[0] == NONE:
+        # recomputing and re-gathering only add time to a layout: where the fastest plan without either
+        # meets the limit anyway, no other is faster, and one solve answers for all of them
+        free = _solve(base, roles, None, time_limit, False, gap, NONE)
+        if free.status == OPTIMAL and free.memory <= memory_limit:   # (not a greedy plan: unmeasured)
+            return free
     sols = [_solve(base, roles, memory_limit, time_limit, minimize_memory, gap, kind) for kind in kinds]
     best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     if decide and limited:
@@ -346,9 +352,11 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     batch_axes = tuple(a for a, b in enumerate(bvars) if x[b] > 0.5)
     objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
     status = OPTIMAL if res.status == 0 else TIME_LIMIT
-    return Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
-                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, {st.path: st.kind for st in stacks},
-                    bool(prob.regather_activations))
+    sol = Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
+                   float(getattr(res, "mip_gap", 0.0) or 0.0), built, {st.path: st.kind for st in stacks},
+                   bool(prob.regather_activations))
+    sol.memory = float(np.dot(ilp.mem, x)) / MEM_SCALE + reserve   # the search's own measure of the plan
+    return sol
 
 
 def _fallback(prob: Problem, roles: Roles, memory_limit, res, ilp: _ILP, time_limit: float) -> Solution | None:
