@@ -172,14 +172,20 @@ def _planned(fn, *args, **kwargs):
 
 # ---------------------------------------------------------------- commands
 
-def _plan(args) -> int:
+def _model(args, what: str) -> tuple:
+    """(the model on meta, its example inputs, the start time), with a line saying what is planned."""
     start = time.perf_counter()
     config = load_config(args.model)
     model = build(config)
-    _progress(f"{_describe(config, model)}; planning batch {args.batch} x seq {args.seq} on "
+    _progress(f"{_describe(config, model)}; planning {what} for batch {args.batch} x seq {args.seq} on "
               f"{_mesh_text(args.mesh)} ({args.hardware})", start)
-    p = _planned(plan, model, _inputs(config, args), args.mesh, strategy=args.strategy,
-                 pipeline_axis=args.pipeline, **_options(args))
+    return model, _inputs(config, args), start
+
+
+def _plan(args) -> int:
+    model, inputs, start = _model(args, f"strategy {args.strategy}")
+    p = _planned(plan, model, inputs, args.mesh, strategy=args.strategy, pipeline_axis=args.pipeline,
+                 **_options(args))
     _progress("planned", start)
     print(p)
     tokens = args.batch * args.seq
@@ -217,12 +223,8 @@ def _largest_batch(p: Plan, memory) -> str:
 
 
 def _compare(args) -> int:
-    start = time.perf_counter()
-    config = load_config(args.model)
-    model = build(config)
-    _progress(f"{_describe(config, model)}; planning every strategy for batch {args.batch} x seq {args.seq} "
-              f"on {_mesh_text(args.mesh)} ({args.hardware})", start)
-    plans = _planned(compare, model, _inputs(config, args), args.mesh, **_options(args))
+    model, inputs, start = _model(args, "every strategy")
+    plans = _planned(compare, model, inputs, args.mesh, **_options(args))
     _progress("planned", start)
     print(compare_table(plans, args.batch * args.seq, args.memory))
     if args.plot:
