@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from .._compat import symint_expr, symint_hint, trace_lock
 from ..errors import CaptureError
-from .losses import split_mean_losses
+from .losses import split_losses
 
 PARAM, BUFFER, INPUT, CONSTANT, OP, OUTPUT = "param", "buffer", "input", "constant", "op", "output"
 
@@ -169,7 +169,7 @@ def _export(model, example_inputs: tuple, dynamic_shapes):
         with trace_lock:  # export keeps module-level state: one trace at a time per process
             ep = torch.export.export(model, example_inputs, strict=False, dynamic_shapes=dynamic_shapes)
             # under the lock too: it enters the export's fake mode, and mode stacks are per process
-            split_mean_losses(ep.graph)   # before anything reads the graph: plans see the split form
+            split_losses(ep.graph)   # before anything reads the graph: plans see the split form
     except Exception as e:  # export raises many types; the user needs cause + place
         raise CaptureError(_explain_export_failure(model, e)) from e
     return ep

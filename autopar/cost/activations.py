@@ -359,7 +359,7 @@ class _Keeping:
                     spec = spec or op_spec(node, cap)
                     cuts = input_cuts(spec, keep.follows, out.ndim, range(keep.dims))
                 self.charges.setdefault(node.name, []).append(
-                    Charge(keep.meta, cuts, f"{op_name(node)} kernel tensor", when=keep.when))
+                    Charge(keep.meta, cuts, f"{op_name(node)} kernel tensor", when=keep.when, unless=keep.unless))
                 self.keepers.add(node.name)
                 continue
             value = kept_value(node, keep, args, self.grad)

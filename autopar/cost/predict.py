@@ -21,8 +21,8 @@ from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import hidden_comm_time
 from .problem import charge_key, checkpoint_model, regather_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
-                    gathered_weight_bytes, is_saved, node_compute_time, output_bytes, param_memory, reduce_itemsize,
-                    regather_saving, regathers, zero_collectives)
+                    gathered_weight_bytes, is_saved, node_compute_time, op_collectives, output_bytes, param_memory,
+                    reduce_itemsize, regather_saving, regathers, zero_collectives)
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,8 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     groups = group_redistributions(prob, choice)
     acts = acts + sum(regather_saving(prob.cap, saved if prob.regather_activations else None, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
                                       prob.grad_nodes, symbolic) for r in groups for c, i in r.consumers)
-    colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic))
+    colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic)
+                     + _op_collectives(prob, choice, rerun, symbolic))
     colls = grouped(colls, layer_members(prob, groups), prob.mesh.axis_sizes)
     transient = _transient(prob, choice, groups, stacks, symbolic)
     comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
@@ -215,6 +216,16 @@ def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
     acts = 0 + sum(n * a for a, _, n, _ in op_terms.values())
     compute = 0 + sum(n * t for _, t, n, _ in op_terms.values())
     return acts, compute, times
+
+
+def _op_collectives(prob, choice, rerun: set, symbolic: bool) -> list[Collective]:
+    """The collectives ops launch inside themselves (terms.op_collectives), again where they recompute."""
+    colls = []
+    for name, ns in prob.strategies.items():
+        if prob.cap.info[name].kind == OP:
+            own = op_collectives(prob.cap.node(name), prob.cap, ns.strategies[choice[name]], prob.mesh, symbolic)
+            colls += own + ([replace(c, phase="recompute") for c in own] if name in rerun else [])
+    return colls
 
 
 def _redistributions(prob, groups, stacks, rerun: set, symbolic: bool) -> list[Collective]:

@@ -18,8 +18,8 @@ from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution
 from ..sharding.strategies import NodeStrategies
 from .buckets import DEFAULT_BUCKET_BYTES
 from .checkpointing import checkpointed_model
-from .terms import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time, param_memory,
-                    reduce_itemsize, regathers, zero_collectives)
+from .terms import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time,
+                    op_collectives, param_memory, reduce_itemsize, regathers, zero_collectives)
 
 
 @dataclass
@@ -118,14 +118,17 @@ def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_par
 
 
 def node_time(prob: Problem, name: str, s) -> float:
-    """Compute time of an op; for a ZeRO parameter, its reduce-scatter and all-gather."""
+    """Compute time of an op (and of the collectives it launches itself); for a ZeRO parameter, its
+    reduce-scatter and all-gather."""
     info = prob.cap.info[name]
     if info.kind == PARAM:
         if not s.zero or name not in prob.grad_nodes:
             return 0.0
         colls = zero_collectives(name, first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
         return float(collectives_time(colls, prob.mesh, prob.links))
-    return float(node_compute_time(prob.cap.node(name), prob.cap, s, prob.mesh, prob.hardware))
+    node = prob.cap.node(name)
+    return float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware)
+                 + collectives_time(op_collectives(node, prob.cap, s, prob.mesh), prob.mesh, prob.links))
 
 
 def node_memory(prob: Problem, name: str, s, saved=None) -> float:

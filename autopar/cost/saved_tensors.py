@@ -56,6 +56,7 @@ class New:
     follows: int | None = None
     dims: int = 0
     when: frozenset | None = None  # kept only when some axis has one of these output placements
+    unless: frozenset = frozenset()  # not kept when some axis has one of these output placements
 
 
 def _meta(shape, hint, dtype) -> TensorMeta:
@@ -149,7 +150,7 @@ def _dropout(node, ins, out, kernels):
 
 def _embedding(node, ins, out, kernels):
     # A whole table keeps the indices. A vocab-split table (partial-sum output) runs
-    # rewrite.vocab_parallel_embedding: it keeps the shifted indices and the bool mask of
+    # runtime/vocab_parallel.vocab_parallel_embedding: it keeps the shifted indices and the bool mask of
     # the tokens outside this rank's rows instead, both shaped like the indices.
     split = frozenset({P})
     return [Arg(1, unless=split),
@@ -158,8 +159,15 @@ def _embedding(node, ins, out, kernels):
 
 
 def _cross_entropy(node, ins, out, kernels):
-    # log_softmax's output (input shape and dtype), the targets and nll_loss's total weight
-    return [New(ins[0], follows=0, dims=ins[0].ndim), Arg(1), New(_meta((), (), ins[0].dtype))]
+    # aten's: log_softmax's output (input shape and dtype), the targets and nll_loss's total weight.
+    # Split classes (partial-sum output, reduction "none" only: rules.cross_entropy_rule) run
+    # runtime/vocab_parallel.py's op instead, which keeps only the gradient's factor, shaped
+    # and typed like its slice of the input.
+    if op_arg(node, 3, "reduction", 1) != 0:
+        return [New(ins[0], follows=0, dims=ins[0].ndim), Arg(1), New(_meta((), (), ins[0].dtype))]
+    split = frozenset({P})
+    return [New(ins[0], follows=0, dims=ins[0].ndim, unless=split), Arg(1, unless=split),
+            New(_meta((), (), ins[0].dtype), unless=split), New(ins[0], follows=0, dims=ins[0].ndim, when=split)]
 
 
 def _nll_loss(node, ins, out, kernels):

@@ -28,6 +28,7 @@ from ..sharding.op_spec import op_name, tensor_args
 from ..sharding.placement import P, Placements, R, S, ceil_div, local_shape, numel, shard_dim, uneven_dims
 from ..sharding.redistribute import (Collective, UnsupportedRedistribution, gathers_again, plan_steps,
                                      step_collectives)
+from ..sharding.rules import vocab_split_axes
 from .activations import ActivationModel, activation_model, node_activation_bytes
 from .precision import ParamBytes
 
@@ -97,6 +98,19 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
         return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw)
     touched = numel(out_local) * out.itemsize + sum(numel(l) * m.itemsize for l, m in zip(locals_, metas))
     return cm.memory_time(cm.TRAIN_FLOPS_FACTOR * touched, hw)
+
+
+def op_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, symbolic=False) -> list[Collective]:
+    """Collectives an op launches inside itself: a cross-entropy over classes split on some axes
+    all-reduces a max and then a sum of exponentials, one number per position (fp32 at least), over each
+    of them (runtime/vocab_parallel.py). Every other op launches none."""
+    axes = vocab_split_axes(node, strategy, mesh.axis_sizes)
+    if not axes:
+        return []
+    logits, target = (first_meta(cap.info[a.name].meta) for a in tensor_args(node)[:2])
+    itemsize = max(logits.itemsize, 4)   # the op computes in fp32 at least
+    nbytes = numel(local_shape(shape_of(target, symbolic), strategy.inputs[1], mesh.axis_sizes)) * itemsize
+    return [Collective(cm.ALL_REDUCE, a, nbytes, "forward", node.name, node.name) for _ in range(2) for a in axes]
 
 
 def activation_bytes(node_name: str, cap: Captured, output: Placements, mesh: MeshSpec,

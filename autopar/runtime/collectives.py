@@ -86,7 +86,7 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         return x if ax.coord == 0 else torch.zeros_like(x)
     if kind == ALL_REDUCE:
         y = x.contiguous().clone()
-        _log(comm, ALL_REDUCE, axis, _bytes(y), phase)
+        log_collective(comm, ALL_REDUCE, axis, _bytes(y), phase)
         t0 = comm.start()
         dist.all_reduce(y, group=g)
         comm.stop(axis, t0)
@@ -97,7 +97,7 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         piece = -(-size // n)
         xs = _pad_to(x.movedim(d, 0), piece).contiguous()
         out = xs.new_empty((n * piece,) + tuple(xs.shape[1:]))
-        _log(comm, ALL_GATHER, axis, _bytes(out), phase)
+        log_collective(comm, ALL_GATHER, axis, _bytes(out), phase)
         t0 = comm.start()
         _all_gather(out, xs, group=g)
         comm.stop(axis, t0)
@@ -109,7 +109,7 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         piece = -(-size // n)
         xs = _pad_to(x.movedim(d, 0), n * piece).contiguous()
         out = xs.new_empty((piece,) + tuple(xs.shape[1:]))
-        _log(comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
+        log_collective(comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
         t0 = comm.start()
         _reduce_scatter(out, xs, group=g)
         comm.stop(axis, t0)
@@ -119,7 +119,7 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         d_in, d_out = shard_dim(src), shard_dim(dst)
         send = torch.stack(x.chunk(n, dim=d_out)).contiguous()   # piece j goes to rank j
         recv = torch.empty_like(send)
-        _log(comm, ALL_TO_ALL, axis, _bytes(send) * n, phase)
+        log_collective(comm, ALL_TO_ALL, axis, _bytes(send) * n, phase)
         t0 = comm.start()
         dist.all_to_all_single(recv, send, group=g)
         comm.stop(axis, t0)
@@ -137,7 +137,7 @@ def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, p
     moved = [_pad_to(x.movedim(d, 0), -(-w // n)).contiguous() for x, d, w in zip(xs, dims, wholes)]
     send = torch.cat([t.reshape(-1) for t in moved])
     out = send.new_empty(n * send.numel())
-    _log(comm, ALL_GATHER, axis, _bytes(out), phase)
+    log_collective(comm, ALL_GATHER, axis, _bytes(out), phase)
     t0 = comm.start()   # a launch counts too: some backends (the threaded one) block in it
     work = _all_gather(out, send, group=ax.group, async_op=async_op)
     comm.stop(axis, t0)
@@ -166,7 +166,7 @@ def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):
     moved = [_pad_to(g.movedim(d, 0), n * -(-g.shape[d] // n)).contiguous() for g, d in zip(grads, dims)]
     send = torch.cat([t.reshape(n, -1) for t in moved], dim=1).reshape(-1)   # rank r's pieces together
     out = send.new_empty(send.numel() // n)
-    _log(comm, REDUCE_SCATTER, axis, _bytes(send), "backward")
+    log_collective(comm, REDUCE_SCATTER, axis, _bytes(send), "backward")
     t0 = comm.start()
     work = _reduce_scatter(out, send, group=ax.group, async_op=True)
     comm.stop(axis, t0)
@@ -190,7 +190,7 @@ def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((length - x.shape[0],) + tuple(x.shape[1:]))])
 
 
-def _log(comm: Comm, kind, axis, nbytes, phase):
+def log_collective(comm: Comm, kind, axis, nbytes, phase):
     if comm.log is not None:
         comm.log.add(kind, axis, nbytes, phase)
 

@@ -23,12 +23,14 @@ from ..cost.checkpointing import checkpointable_stacks
 from ..cost.precision import precision_of
 from ..errors import PlanError
 from ..sharding.op_spec import op_name, tensor_args
-from ..sharding.placement import R, chunk_index, dim_factor, gathered_size, is_shard
+from ..sharding.placement import R, dim_factor, gathered_size, is_shard
 from ..sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
+from ..sharding.rules import vocab_split_axes
 from .collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
 from .layer_groups import GroupGather, LayerGroup
 from .recompute import outline
 from .regather import GatheredParams
+from .vocab_parallel import local_target, vocab_parallel_loss
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                  "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
@@ -314,6 +316,14 @@ class _Rewriter:
         # transposed layout, so `.contiguous()` vanished from the trace): reshape copies only then
         if name in VIEW_OPS:
             target = torch.ops.aten.reshape.default
+        elif vocab_split_axes(node, s, self.sizes):   # a cross-entropy over this rank's classes
+            self._count += 1
+            mod_name = f"vocab_parallel_{self._count}_{node.name}"
+            self.root.add_module(mod_name, vocab_parallel_loss(node, s, self.comm, self.coords, self.sizes))
+            new = self.g.call_module(mod_name, (args[0], args[1]))
+            new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+            self.env[node.name] = new
+            return
         else:
             target, extra = local_target(node, s, self.coords, self.sizes)
             if extra:  # vocab_parallel_embedding(weight, indices, start, local padding_idx)
@@ -373,43 +383,6 @@ def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, checkpointed: dict, ma
             members.setdefault(block_of[origin], []).append(new)
     keys = sorted(members, key=lambda key: (paths.index(key[0]), key[1]))
     return outline(gm, [members[key] for key in keys], [f"{p}.{i}" for p, i in keys], comm)
-
-
-def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int,
-                             padding_idx: int = -1) -> torch.Tensor:
-    """Embedding over rows [start, start + len(weight)) of the vocab; zeros for other tokens.
-
-    The ranks' outputs sum to the whole lookup (a partial-sum layout), and
-    gradients reach only the rows this rank holds. `padding_idx` is the
-    padding row in this rank's slice (-1: none here), whose gradient stays 0
-    as on one device (BERT's row 0).
-    """
-    local = indices - start
-    outside = (local < 0) | (local >= weight.shape[0])
-    out = torch.ops.aten.embedding.default(weight, local.masked_fill(outside, 0), padding_idx)
-    return out.masked_fill(outside.unsqueeze(-1), 0.0)
-
-
-def local_target(node: fx.Node, strategy, coords, sizes):
-    """The callable and extra trailing args that run `node` on this rank's shards.
-
-    Almost always the op itself; an embedding whose table is split along the
-    vocab becomes a masked lookup of this rank's rows.
-    """
-    if op_name(node) == "aten.embedding.default" and strategy is not None:
-        weight_pl = strategy.inputs[0]
-        f = dim_factor(weight_pl, 0, sizes)
-        if f > 1:
-            vocab = node.args[0].meta["val"].shape[0]
-            rows = vocab // f
-            start = chunk_index(weight_pl, 0, coords, sizes) * rows
-            padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            # the padding row in this rank's slice, -1 where another rank holds it (or none is:
-            # F.embedding has already turned a negative padding_idx into a row, so aten's is -1)
-            local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
-            # scale_grad_by_freq and sparse never get here: embedding_rule keeps such a lookup whole
-            return vocab_parallel_embedding, (start, local_pad)
-    return node.target, ()
 
 
 def squeezed_dims(node: fx.Node, shape) -> list:

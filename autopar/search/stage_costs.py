@@ -19,7 +19,7 @@ from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
 from ..cost.predict import Memory, Predicted, group_redistributions, redistribution_collectives
 from ..cost.problem import regather_model
 from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, first_meta, node_compute_time,
-                          output_bytes, param_memory, regather_saving, zero_collectives)
+                          op_collectives, output_bytes, param_memory, regather_saving, zero_collectives)
 from ..sharding.placement import numel
 from .pipeline import PipelinePlan
 
@@ -71,6 +71,7 @@ def op_costs(prob, choice) -> OpCosts:
             i = pos[name]
             acts[i] = float(activation_bytes(name, cap, s.output, mesh, prob.saved))
             compute[i] = float(node_compute_time(cap.node(name), cap, s, mesh, prob.hardware))
+            charge(i, op_collectives(cap.node(name), cap, s, mesh))
         elif info.kind == INPUT:
             acts[0] += float(activation_bytes(name, cap, s.output, mesh, prob.saved)) if order else 0.0
     for r in group_redistributions(prob, choice):

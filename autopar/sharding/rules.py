@@ -13,6 +13,7 @@ from .layout_rules import (cat_rule, diff_rule, expand_rule, getitem_rule, index
                            select_rule, slice_rule, split_rule, squeeze_rule, t_rule, transpose_rule, unsqueeze_rule,
                            view_rule)
 from .op_spec import Letters, OpSpec, Rule, elementwise, op_name, wrap_dim
+from .placement import shard_dim
 
 # ---------------------------------------------------------------- rule builders
 
@@ -95,7 +96,7 @@ def addmm_rule(node, ins, out):
 
 def embedding_rule(node, ins, out):
     """A lookup is a one-hot matmul: splitting the vocab (v) leaves partial sums, as long as each
-    rank looks up only its own rows (rewrite.local_target swaps in vocab_parallel_embedding)."""
+    rank looks up only its own rows (runtime/vocab_parallel.local_target swaps in vocab_parallel_embedding)."""
     new = Letters()
     v, d = new(), new()
     batch = new(ins[1].ndim)
@@ -195,11 +196,15 @@ def last_two_whole(node, ins, out):
 
 
 def cross_entropy_rule(node, ins, out):
-    """cross_entropy(x[N, C, d...], t[N, d...], weight[C]?): classes whole (a softmax over them).
+    """cross_entropy(x[N, C, d...], t[N, d...], weight[C]?).
 
-    reduction "none" is elementwise over N and d...; "sum" contracts them, so a split leaves
-    partial sums. "mean" divides by a count no rank holds alone: it stays whole here, and
-    losses.split_mean_losses rewrites the unweighted mean as sum / count at capture.
+    reduction "none" is elementwise over N and d...; split classes (the vocabulary) leave
+    partial sums: each rank's share of every position's loss, from its own slice of the
+    logits and two all-reduces of a max and a sum per position inside the op
+    (runtime/vocab_parallel.py, Megatron's vocab-parallel cross-entropy). "sum" and "mean"
+    only reach here with class weights (capture/losses.py rewrites the unweighted ones as
+    sums of "none"): the classes stay whole there, and so do the positions under "mean",
+    which divides by a weighted count no rank holds alone.
     """
     x = ins[0]
     new = Letters()
@@ -209,12 +214,19 @@ def cross_entropy_rule(node, ins, out):
     positions = letters[:1] + letters[2:] if nd > 1 else ""
     reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
     inputs = [letters, positions] + [c for _ in ins[2:]]
-    no_shard = {c}
+    weighted = len(ins) > 2
     if reduction == 0:
-        return OpSpec(tuple(inputs), positions, frozenset(no_shard))
-    if reduction != 2:
-        no_shard |= set(positions)
+        return OpSpec(tuple(inputs), positions, frozenset({c}) if weighted or nd < 2 else frozenset())
+    no_shard = {c} | (set(positions) if reduction != 2 else set())
     return OpSpec(tuple(inputs), "", frozenset(no_shard))
+
+
+def vocab_split_axes(node, strategy, axis_sizes) -> tuple:
+    """The mesh axes that split the classes (dim 1) of a cross-entropy's logits under `strategy`: the
+    axes its local op all-reduces over (runtime/vocab_parallel.py); () for any other op or layout."""
+    if op_name(node) != "aten.cross_entropy_loss.default" or strategy is None:
+        return ()
+    return tuple(a for a, p in enumerate(strategy.inputs[0]) if shard_dim(p) == 1 and axis_sizes[a] > 1)
 
 
 def factory(node, ins, out):
