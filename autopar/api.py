@@ -1,6 +1,7 @@
 """The public entry points: autopar.plan and autopar.compare (offline), autopar.parallelize (on every rank)."""
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -21,6 +22,8 @@ from .runtime.module import ParallelModule
 from .runtime.rewrite import rewrite
 from .search.classics import STRATEGIES
 from .search.pipeline import check_request
+
+log = logging.getLogger("autopar")   # progress (INFO), as planner.py's
 
 
 def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_limit=None,
@@ -98,7 +101,9 @@ def compare(model: torch.nn.Module, example_inputs, mesh, *, strategies=None, dy
     optimizer_spec(options.get("optimizer", "adamw"))
     cap, t_capture, recapture = _capture(model, example_inputs, precision, dynamic_shapes, trace_every_layer)
     out = {}
-    for strategy in strategies or STRATEGIES:
+    strategies = strategies or STRATEGIES
+    for i, strategy in enumerate(strategies):
+        log.info("strategy %s (%d of %d)", strategy, i + 1, len(strategies))
         try:
             out[strategy] = plan_captured(cap, mesh, strategy=strategy, t_capture=t_capture, recapture=recapture,
                                           **options)
@@ -115,8 +120,10 @@ _PLAN_OPTIONS = {"hardware", "memory_limit", "precision", "optimizer", "checkpoi
 def _capture(model, example_inputs: tuple, precision, dynamic_shapes, trace_every_layer: bool):
     """(the captured model, seconds it took, the recapture a pipelined plan needs)."""
     t0 = time.perf_counter()
+    log.info("capturing %s with torch.export", type(model).__name__)
     capture_fn = _at_compute_dtype(capture if trace_every_layer else capture_repeated, model, precision)
     cap = capture_fn(model, example_inputs, dynamic_shapes)
+    log.info("captured %d nodes in %.1f s", len(cap.info), time.perf_counter() - t0)
     return cap, time.perf_counter() - t0, _recapture(capture_fn, model, example_inputs, dynamic_shapes)
 
 

@@ -14,7 +14,9 @@ Exit status: 0 done; 1 no plan fits (the message says what would); 2 bad input (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import pathlib
 import sys
 import time
@@ -154,6 +156,32 @@ def _progress(message: str, start: float) -> None:
     print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
+class _Progress(logging.Handler):
+    """The library's progress messages (logger "autopar", INFO) as _progress lines: a search that takes
+    seconds says what it is doing (capturing, each strategy, each solve) while it does it."""
+
+    def __init__(self, start: float):
+        super().__init__(logging.INFO)
+        self.start = start
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno < logging.WARNING:
+            _progress(record.getMessage(), self.start)
+
+
+@contextlib.contextmanager
+def _progress_shown(start: float):
+    logger = logging.getLogger("autopar")
+    handler, level = _Progress(start), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _planned(fn, *args, **kwargs):
     """fn(*args, **kwargs), its warnings summed up on stderr: an op without a sharding rule (it runs
     replicated) warns once per op, and a big model has dozens."""
@@ -184,8 +212,9 @@ def _model(args, what: str) -> tuple:
 
 def _plan(args) -> int:
     model, inputs, start = _model(args, f"strategy {args.strategy}")
-    p = _planned(plan, model, inputs, args.mesh, strategy=args.strategy, pipeline_axis=args.pipeline,
-                 **_options(args))
+    with _progress_shown(start):
+        p = _planned(plan, model, inputs, args.mesh, strategy=args.strategy, pipeline_axis=args.pipeline,
+                     **_options(args))
     _progress("planned", start)
     print(p)
     tokens = args.batch * args.seq
@@ -224,7 +253,8 @@ def _largest_batch(p: Plan, memory) -> str:
 
 def _compare(args) -> int:
     model, inputs, start = _model(args, "every strategy")
-    plans = _planned(compare, model, inputs, args.mesh, **_options(args))
+    with _progress_shown(start):
+        plans = _planned(compare, model, inputs, args.mesh, **_options(args))
     _progress("planned", start)
     print(compare_table(plans, args.batch * args.seq, args.memory))
     if args.plot:

@@ -9,7 +9,7 @@ arguments and calls plan_captured; plan_result.py holds what comes out.
 """
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -39,6 +39,10 @@ from .search.solution import INFEASIBLE, Solution
 from .search.stage_costs import device_prediction, op_costs
 from .search.stage_partition import partition
 from .sharding.strategies import all_strategies
+
+# progress of a search (INFO): the command line shows it; a script shows it with
+# logging.basicConfig(level=logging.INFO), or logging.getLogger("autopar").setLevel(logging.INFO) and a handler
+log = logging.getLogger("autopar")
 
 
 def _hardware(hardware, mesh):
@@ -250,6 +254,8 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
                         "op, in each block of an nn.ModuleList of 2+ layers); use checkpointing='full', 'auto' "
                         "or 'none'")
     t_rules = time.perf_counter() - t0
+    log.info("strategy %s: %d nodes, %d layouts to choose from; searching (ILP, at most %.0f s per solve)", strategy,
+             len(prob.strategies), sum(len(ns.strategies) for ns in prob.strategies.values()), time_limit)
     tiers = [[roles]]
     if strategy == "auto" and spec.num_axes >= AUTO_BY_ROLE_AXES:
         tiers = _role_tiers(spec, prob.links, hw)
@@ -260,6 +266,8 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     if not sol.choice:
         _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing)
     _check_named_strategy(prob, roles, strategy, sol.choice)
+    log.info("strategy %s: searched in %.1f s (%s); predicting", strategy, sol.solve_seconds + sol.build_seconds,
+             sol.status)
     t0 = time.perf_counter()
     prob = replace(prob, regather_activations=sol.regather_activations)   # as the solution was priced
     pred, colls = predict(prob, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
@@ -313,6 +321,7 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
     p = spec.axis_sizes[a]
     rest = MeshSpec(spec.axis_names[:a] + spec.axis_names[a + 1:], spec.axis_sizes[:a] + spec.axis_sizes[a + 1:]) \
         if spec.num_axes > 1 else None
+    log.info("strategy %s: pipelined over %s in %d microbatches (%s)", strategy, axis, m, schedule)
     t0 = time.perf_counter()
     prob, policy, opt, hw = _problem(cap, env, "none")
     prob.pipelined = True   # the runtime groups no FSDP layers across stages (cost/layer_groups.py)
@@ -356,7 +365,7 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
     total_seconds = build_seconds = 0.0
     for i, roles in enumerate(candidates):
         if len(candidates) > 1:
-            _progress(f"search {i + 1}/{len(candidates)}: " + ",".join(
+            log.info("search %d/%d: %s", i + 1, len(candidates), ",".join(
                 f"{a}={r or 'any'}" for a, r in zip(roles.axis_names, roles.roles)))
         try:
             sol = solve(prob, roles, limit, time_limit, minimize_memory=minimize_memory,
@@ -369,17 +378,8 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
         build_seconds += sol.build_seconds
         if sol.choice and (best is None or sol.objective < best[0].objective):
             best = (sol, roles)
-    if len(candidates) > 1:
-        _progress("")
     if best is None:
         return Solution({}, (), float("inf"), total_seconds, INFEASIBLE, build_seconds=build_seconds), candidates[0]
     sol, roles = best
     sol.solve_seconds, sol.build_seconds = total_seconds, build_seconds
     return sol, roles
-
-
-def _progress(text: str) -> None:
-    """One status line on a terminal (rewritten in place); nothing when stderr is a file or pipe."""
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r\033[Kautopar: {text}" if text else "\r\033[K")
-        sys.stderr.flush()

@@ -3,11 +3,12 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py
     torchrun --nproc-per-node 4 examples/train_gpt.py --strategy fsdp+tp --steps 5
 
-Every rank builds the same seeded GPT and the same global batch. autopar
-plans how to split the model over a 2 x 2 mesh (axes "x" and "y"), and each rank
-trains its own shard of the model on its own shard of the batch. Rank 0 also
-trains an unsharded copy of the model on the whole batch, in the same
-process, and prints both losses step by step: they agree to float32 rounding.
+Every rank builds the same seeded GPT. autopar plans how to split it over a
+2 x 2 mesh (axes "x" and "y"), and each rank trains its own shard of the model
+on its own share of every batch, which it reads itself: `plan.data_shard()`
+says which share, a `DistributedSampler` reads it. Rank 0 also trains an
+unsharded copy of the model on the whole batches, in the same process, and
+prints both losses step by step: they agree to float32 rounding.
 """
 import argparse
 import copy
@@ -18,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import autopar
 import cost_models as cm
@@ -27,7 +29,7 @@ WORLD_SIZE = 4
 # neutral names: under "auto" the search decides what each axis does (and prints it), and a reader
 # must not find data parallelism on an axis called "tp"
 MESH_SHAPE, AXIS_NAMES = (2, 2), ("x", "y")
-BATCH = 32  # global batch (sequences); every rank builds all of it, plan.local_inputs cuts its shard
+BATCH = 32  # global batch (sequences); each rank reads its share of it (plan.data_shard)
 
 # Why a memory limit: the cost model ("cpu" hardware: loopback TCP, ~20 us per
 # collective step) sees a model this small as latency-bound, so with no limit
@@ -86,18 +88,20 @@ def main():
     mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=AXIS_NAMES)
     t_start = time.perf_counter()
 
-    # the same model and the same global batch on every rank
+    # the same model on every rank, and a dataset every rank can read (token sequences,
+    # each target the next token); a real job reads files here
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
     torch.manual_seed(args.seed)
     model = GPT(config)
     data = torch.Generator().manual_seed(args.seed + 1)
-    tokens = torch.randint(0, config.vocab_size, (BATCH, config.block_size), generator=data)
-    targets = torch.randint(0, config.vocab_size, (BATCH, config.block_size), generator=data)
+    text = torch.randint(0, config.vocab_size, (BATCH * args.steps, config.block_size + 1), generator=data)
+    dataset = TensorDataset(text[:, :-1], text[:, 1:])
 
     reference = copy.deepcopy(model) if rank == 0 else None  # the single-device run, on rank 0 only
 
-    # plan (on rank 0, sent to the others) and keep only this rank's shards
-    pm = autopar.parallelize(copy.deepcopy(model), mesh, (tokens,), strategy=args.strategy,
+    # plan (on rank 0, sent to the others) for the global batch's shape; keep only this rank's shards
+    example = (dataset.tensors[0][:BATCH],)
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, example, strategy=args.strategy,
                              memory_limit=args.memory_limit, hardware=args.hardware)
     if rank == 0:
         print(pm.plan)
@@ -105,8 +109,14 @@ def main():
         print(f"\nplanned in {time.perf_counter() - t_start:.1f} s; memory limit {limit}, "
               f"predicted {pm.plan.predicted.memory.total / 2**20:.3f} MiB per rank\n")
 
-    local_tokens = pm.plan.local_inputs(tokens)      # this rank's shard of each input (a tuple)
-    (local_targets,) = pm.plan.local_targets(targets)   # split like the outputs: along the batch dim
+    # this rank reads share `index` of `count` of every batch (ranks that split the model, not
+    # the batch, read the same share); the module takes that local batch as it is
+    index, count = pm.plan.data_shard()
+    sampler = DistributedSampler(dataset, num_replicas=count, rank=index, shuffle=False)
+    loader = DataLoader(dataset, batch_size=BATCH // count, sampler=sampler)
+    whole = DataLoader(dataset, batch_size=BATCH) if rank == 0 else None   # the reference's batches
+    if rank == 0:
+        print(f"each rank reads {BATCH // count} of every {BATCH} sequences (share index of {count})\n")
     # the wrapper steps parameters the plan splits ZeRO-style on their slice; others as AdamW would
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr) if rank == 0 else None
@@ -114,21 +124,24 @@ def main():
     if rank == 0:
         print(f"{'step':>4}  {'parallel loss':>14}  {'1-device loss':>14}  {'abs diff':>9}")
     max_diff = 0.0
-    for step in range(1, args.steps + 1):
+    whole_batches = iter(whole) if rank == 0 else None
+    for step, (tokens, targets) in enumerate(loader, start=1):
         opt.zero_grad(set_to_none=True)
-        loss = gpt_loss(pm(*local_tokens), local_targets)  # mean over this rank's batch shard
-        loss.backward()   # gradients come back averaged over the batch shards: those of the global mean
+        loss = gpt_loss(pm(tokens), targets)  # mean over this rank's share of the batch
+        loss.backward()   # gradients come back averaged over the shares: those of the global mean
         opt.step()
 
-        # The global loss is the mean over the distinct batch shards. Every shard is held by
-        # the same number of ranks (world / shards), so the mean over all ranks is the same.
+        # The global loss is the mean over the distinct shares. Every share is read by the
+        # same number of ranks (world / count), so the mean over all ranks is the same.
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         global_loss /= dist.get_world_size()
 
         if rank == 0:
+            # the union of the ranks' shares of batch `step` (the sampler strides through it)
+            all_tokens, all_targets = next(whole_batches)
             ref_opt.zero_grad(set_to_none=True)
-            ref_loss = gpt_loss(reference(tokens), targets)
+            ref_loss = gpt_loss(reference(all_tokens), all_targets)
             ref_loss.backward()
             ref_opt.step()
             diff = abs(global_loss.item() - ref_loss.item())

@@ -1,5 +1,6 @@
-"""The `autopar` command (autopar/cli.py), run as a user runs it: on a Llama-3-8B-shaped config.json
-(tests/data, no weights), on a small config saved as `save_pretrained` would, and on bad input."""
+"""The `autopar` command (autopar/cli.py), run as a user runs it: on a small config saved as
+`save_pretrained` would, and on bad input. The README's own commands, on the Llama-3-8B-shaped
+config.json in tests/data, run in tests/test_examples.py."""
 from __future__ import annotations
 
 import os
@@ -28,16 +29,15 @@ def _small_llama_dir(tmp_path) -> pathlib.Path:
     return tmp_path
 
 
-def test_plan_prints_the_plan_and_its_json_shows_again(tmp_path, capsys):
-    out_json = tmp_path / "plan.json"
-    assert main(["plan", str(LLAMA_8B), "--mesh", "dp=8,tp=8", "--memory", "80GB", "--batch", "8",
-                 "--seq", "4096", "--json", str(out_json)]) == 0
+def test_plan_json_shows_again(tmp_path, capsys):
+    """(The README's `autopar plan` on the Llama-3-8B config runs in tests/test_examples.py, with its
+    progress lines and `autopar show` of its JSON.) A small model's plan, JSON and show agree."""
+    model, out_json = _small_llama_dir(tmp_path), tmp_path / "plan.json"
+    assert main(["plan", str(model), "--mesh", "dp=2,tp=2", "--batch", "4", "--seq", "32", "--hardware", "cpu",
+                 "--json", str(out_json)]) == 0
     printed = capsys.readouterr()
-    assert "LlamaForCausalLM (llama, 8.03B parameters, on meta)" in printed.err
     plan = autopar.Plan.from_json(out_json.read_text())
-    assert str(plan) in printed.out
-    assert "tokens/s" in printed.out and "largest batch that fits 80GB per device: " in printed.out
-    assert plan.predicted.memory.total <= 80e9
+    assert str(plan) in printed.out and "tokens/s" in printed.out
     assert main(["show", str(out_json)]) == 0
     assert capsys.readouterr().out.strip() == str(plan).strip()
 
@@ -49,7 +49,9 @@ def test_compare_lists_every_named_strategy(tmp_path, capsys):
     assert main(["compare", str(model), "--mesh", "dp=2,tp=2", "--batch", "4", "--seq", "32",
                  "--hardware", "cpu", "--memory", "1GB", "--plot", str(picture)]) == 0
     assert picture.stat().st_size > 1000
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[2:-1]}
+    printed = capsys.readouterr()
+    assert all(f"strategy {s} ({i + 1} of {len(STRATEGIES)})" in printed.err for i, s in enumerate(STRATEGIES))
+    rows = {line.split()[0]: line for line in printed.out.splitlines()[2:-1]}
     assert set(rows) == set(STRATEGIES)
     assert all(row.rstrip().endswith(("yes", "no")) or " no: " in row for row in rows.values())
 
