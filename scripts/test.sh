@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 # and the CI machine has a local CPU wheel of this version.
 python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet -e ".[test]"
-python -m pytest --durations=15 "$@"   # testpaths in pyproject.toml: tests/; the slowest 15 listed last
+# one worker per core (pytest-xdist), each test file on one worker: a file's tests share its module
+# fixtures (a gloo launch, the README's scratch directory) and run in order
+python -m pytest -n auto --dist loadfile --durations=15 "$@"   # testpaths in pyproject.toml: tests/; the slowest 15 listed last

@@ -1,8 +1,16 @@
 """Hypothesis profiles: "ci" (the default) draws a few cases per test; HYPOTHESIS_PROFILE=thorough
-draws many more (tests/test_drawn_models.py reads the profile's max_examples as its budget)."""
+draws many more (tests/test_drawn_models.py reads the profile's max_examples as its budget).
+
+Under pytest-xdist (scripts/test.sh runs one worker per core) each worker's torch takes its share of
+the cores, not all of them: two workers of two threads each on two cores would only contend."""
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 settings.register_profile("thorough", deadline=None, suppress_health_check=[HealthCheck.too_slow],
