@@ -218,3 +218,42 @@ def test_a_weight_whose_gradient_never_arrives_adds_nothing_to_its_bucket():
         assert num_buckets == 1   # head b shares the bucket of the weights whose gradients come
         for n, p in ref.named_parameters():
             torch.testing.assert_close(params[n], p.detach(), atol=ATOL, rtol=0, msg=lambda m: f"{n}: {m}")
+
+
+def _steps_keeping_grads(rank, model, x, y, steps, zero_grad_each_step):
+    """`steps` SGD steps of ddp on 2 ranks: where each bucketed gradient lives each step, and the weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="ddp")
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    (xi,), (yi,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+    where = []
+    for _ in range(steps):
+        if zero_grad_each_step:
+            opt.zero_grad(set_to_none=True)
+        gpt_loss(pm(xi), yi).backward()
+        opt.step()
+        where.append({n: p.grad.untyped_storage().data_ptr() for n, p in pm.named_parameters() if p.grad is not None})
+    return where, pm.state_dict(full=True)
+
+
+@pytest.mark.parametrize("zero_grad_each_step", [True, False])
+def test_bucket_buffers_are_kept_from_step_to_step_and_never_overwrite_a_kept_gradient(zero_grad_each_step):
+    """As DDP, a bucket's buffer is made once: after zero_grad the next backward reduces into the same
+    memory (a fresh tens-of-MB buffer each step cost ~5% of a CPU step). Without zero_grad, the .grad of
+    the last step still views that buffer and sums in the new gradient where it is: the bucket takes a new
+    buffer (reducing into the old one would overwrite the kept gradient), and three steps of summed
+    gradients equal one device's."""
+    model, x, y = _gpt()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for _ in range(3):
+        if zero_grad_each_step:
+            opt.zero_grad(set_to_none=True)
+        gpt_loss(ref(x), y).backward()
+        opt.step()
+    for where, params in run_threaded(2, _steps_keeping_grads, model, x, y, 3, zero_grad_each_step):
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), atol=ATOL, rtol=0, msg=n)
+        bucketed = "h.0.mlp.c_fc.weight" if "h.0.mlp.c_fc.weight" in where[0] else next(iter(where[0]))
+        assert all(w[bucketed] == where[0][bucketed] for w in where[1:])

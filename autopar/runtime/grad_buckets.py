@@ -53,7 +53,8 @@ class _Bucket:
     reduce_dtype: torch.dtype   # the dtype they travel in (a precision policy's reduce dtype)
     slots: list = field(default_factory=list)
     numel: int = 0
-    flat: torch.Tensor | None = None   # this backward's buffer, made at the first arrival
+    flat: torch.Tensor | None = None   # this backward's buffer, taken at the first arrival
+    buffer: torch.Tensor | None = None  # the buffer kept from step to step (the .grad views point into it)
     written: set = field(default_factory=set)   # slots whose piece of `flat` holds a gradient
     outstanding: int = 0               # its slots' forward uses whose gradient has not arrived
     work: object = None                # the launched all-reduce on axes[0]
@@ -191,13 +192,27 @@ class GradBuckets:
         whole bucket each step: _launch zeroes only the pieces no gradient reached)."""
         slot = self.slots[i]
         if b.flat is None:
-            b.flat = torch.empty(b.numel, dtype=b.reduce_dtype, device=slot.param.device)
+            b.flat = self._buffer(b, slot.param.device)
         piece = b.flat[slot.offset: slot.offset + slot.param.numel()]
         if i in b.written:
             piece.add_(grad.reshape(-1))
         else:
             piece.copy_(grad.reshape(-1))
             b.written.add(i)
+
+    def _buffer(self, b: _Bucket, device) -> torch.Tensor:
+        """The bucket's buffer for this backward: the last step's again, as DDP keeps its buckets (a fresh
+        one of tens of MB each step costs the allocator and page faults), unless a .grad still views it
+        (gradients kept across steps, no zero_grad): writing into it would change them."""
+        kept = b.buffer
+        if kept is None or kept.device != torch.device(device) or any(
+                self._views(self.slots[i].param.grad, kept) for i in b.slots):
+            kept = b.buffer = torch.empty(b.numel, dtype=b.reduce_dtype, device=device)
+        return kept
+
+    @staticmethod
+    def _views(grad, buffer: torch.Tensor) -> bool:
+        return grad is not None and grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._ready(self.buckets[self._next_launch]):

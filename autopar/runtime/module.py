@@ -315,8 +315,9 @@ class ParallelModule(torch.nn.Module):
         return out
 
     def full_grads(self) -> dict:
-        """Whole gradients by original parameter name (gathers split ones): for checks and debugging."""
-        return {fqn: self._export_tensor(p.grad.detach(), self.plan.param_placements[fqn], True,
+        """Whole gradients by original parameter name (gathers split ones): for checks and debugging.
+        Copies: a bucketed .grad views its bucket, which the next backward fills again."""
+        return {fqn: self._export_tensor(p.grad.detach().clone(), self.plan.param_placements[fqn], True,
                                          self._global_shapes[fqn])
                 for fqn, p in self.store.named_parameters() if p.grad is not None}
 
