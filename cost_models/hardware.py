@@ -53,6 +53,10 @@ class Hardware:
     intra_node_link: Link
     inter_node_link: Link
     devices_per_node: int = 8
+    # whether asynchronous collectives run beside compute: a GPU's copy engines and NCCL's own SMs, or
+    # CPU ranks with cores to spare; False where a CPU backend's reductions and copies take the cores
+    # the ranks compute on (autopar.calibrate decides), so no communication hides
+    comm_overlaps_compute: bool = True
 
     def __post_init__(self):
         # a dict is not hashable; store a sorted tuple so Hardware stays frozen and hashable
@@ -193,7 +197,7 @@ def axis_links(axes: Sequence[tuple[str, int]], hardware: Hardware,
 # readers ignore. Links are {"bandwidth": bytes/s, "latency": s}.
 
 _REQUIRED = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", "intra_node_link", "inter_node_link")
-_OPTIONAL = ("devices_per_node", "links", "measured")
+_OPTIONAL = ("devices_per_node", "comm_overlaps_compute", "links", "measured")
 
 
 def _link_dict(link: Link) -> dict:
@@ -208,6 +212,7 @@ def hardware_to_dict(hardware: Hardware, links: "Mapping[str, Link] | None" = No
     d = {"name": hardware.name, "peak_flops": dict(hardware.peak_flops), "memory_bytes": int(hardware.memory_bytes),
          "memory_bandwidth": hardware.memory_bandwidth, "intra_node_link": _link_dict(hardware.intra_node_link),
          "inter_node_link": _link_dict(hardware.inter_node_link), "devices_per_node": hardware.devices_per_node,
+         "comm_overlaps_compute": hardware.comm_overlaps_compute,
          "links": {axis: _link_dict(link) for axis, link in (links or {}).items()}}
     if measured is not None:
         d["measured"] = measured
@@ -218,6 +223,12 @@ def _number(value, field: str, source: str, kind=float):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CostModelError(f"{source}: field {field!r} must be a number, got {value!r}")
     return kind(value)
+
+
+def _flag(value, field: str, source: str) -> bool:
+    if not isinstance(value, bool):
+        raise CostModelError(f"{source}: field {field!r} must be true or false, got {value!r}")
+    return value
 
 
 def _link(value, field: str, source: str) -> Link:
@@ -271,7 +282,8 @@ def hardware_from_dict(d, source: str = "hardware spec") -> "tuple[Hardware, dic
         memory_bandwidth=_number(d["memory_bandwidth"], "memory_bandwidth", source),
         intra_node_link=_link(d["intra_node_link"], "intra_node_link", source),
         inter_node_link=_link(d["inter_node_link"], "inter_node_link", source),
-        devices_per_node=_number(d.get("devices_per_node", 8), "devices_per_node", source, int))
+        devices_per_node=_number(d.get("devices_per_node", 8), "devices_per_node", source, int),
+        comm_overlaps_compute=_flag(d.get("comm_overlaps_compute", True), "comm_overlaps_compute", source))
     try:
         hardware = Hardware(**fields)
     except CostModelError as e:

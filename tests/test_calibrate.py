@@ -13,7 +13,8 @@ import torch
 
 import autopar
 import cost_models as cm
-from autopar.calibrate import DEFAULT_SIZES, KINDS, MIN_LATENCY, Calibration, axis_link, calibrate, fit_link
+from autopar.calibrate import (DEFAULT_SIZES, KINDS, MIN_LATENCY, Calibration, axis_link, calibrate, comm_can_overlap,
+                               fit_link)
 from autopar.testing import MLP, run_threaded
 from cost_models.hardware import hardware_from_dict, hardware_to_dict, load_hardware, resolve_hardware, save_hardware
 
@@ -88,6 +89,27 @@ def test_spec_round_trip(tmp_path):
     assert load_hardware(path) == (_hardware(), {"dp": LINK, "tp": SLOW})
     assert resolve_hardware(str(path)) == resolve_hardware(json.loads(path.read_text())) == load_hardware(path)
     assert resolve_hardware("cpu") == (cm.PRESETS["cpu"], {})
+
+
+@pytest.mark.parametrize("device, ranks, threads, cores, overlaps", [
+    ("cpu", 2, 1, 2, False),    # this machine's benchmark: every core computes
+    ("cpu", 2, 1, 4, True),     # a core to spare for gloo's reductions
+    ("cpu", 4, 2, 8, False),
+    ("cuda", 8, 1, 2, True),    # NCCL runs on the GPU, whatever the host's cores
+])
+def test_communication_overlaps_compute_only_with_a_core_to_spare(device, ranks, threads, cores, overlaps):
+    assert comm_can_overlap(device, ranks, threads, cores) is overlaps
+
+
+def test_the_overlap_flag_round_trips_and_is_checked(tmp_path):
+    import dataclasses
+    busy = dataclasses.replace(_hardware(), comm_overlaps_compute=False)
+    save_hardware(tmp_path / "busy.json", busy, {})
+    assert load_hardware(tmp_path / "busy.json")[0] == busy
+    d = json.loads((tmp_path / "busy.json").read_text())
+    d["comm_overlaps_compute"] = "no"
+    with pytest.raises(cm.CostModelError, match="comm_overlaps_compute"):
+        resolve_hardware(d)
 
 
 def test_calibration_save_writes_what_the_planner_reads(tmp_path):

@@ -27,6 +27,21 @@ def test_buckets_hide_behind_the_backward_still_to_run():
     assert p.step_time == pytest.approx(p.compute_time + p.optimizer_time + p.exposed_comm_time["dp"])
 
 
+def test_nothing_hides_where_communication_takes_the_compute_cores():
+    """The same plan on hardware whose collectives run on the cores that compute (CPU ranks using every
+    core: calibrate.comm_can_overlap): every byte is exposed, and the step grows by what hid before."""
+    import dataclasses
+    hides = _gpt_plan(2**14).predicted
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=64, vocab_size=512, block_size=32))
+    busy = dataclasses.replace(cm.get_hardware("cpu"), comm_overlaps_compute=False)
+    p = autopar.plan(model, (torch.randint(0, 512, (8, 32)),), {"dp": 2}, strategy="ddp", hardware=busy,
+                     bucket_bytes=2**14).predicted
+    assert hides.hidden_comm_time["dp"] > 0 and p.hidden_comm_time["dp"] == 0
+    assert p.exposed_comm_time["dp"] == pytest.approx(p.comm_time["dp"]) == pytest.approx(hides.comm_time["dp"])
+    assert p.step_time == pytest.approx(hides.step_time + hides.hidden_comm_time["dp"])
+
+
 def test_nothing_hides_without_backward_left_to_run():
     """One linear layer: its gradients are made by the last op of backward, so its bucket waits for the end
     of backward and the whole all-reduce is exposed. One bucket for a GPT: nearly the same (the embedding's

@@ -20,6 +20,9 @@ and the peers' (Megatron's overlap, AutoParallel's) simple ones:
 
 A bucket summed over several axes reduces the first asynchronously and the
 others when backward ends (runtime/grad_buckets.py), so only the first hides.
+Nothing hides where the hardware says communication takes the compute's own
+resources (`Hardware.comm_overlaps_compute`: CPU ranks using every core, whose
+gloo reductions and copies then run on the cores backward needs).
 The search itself prices communication as exposed (it cannot know the
 buckets before it has chosen the layouts); this model prices the chosen plan.
 """
@@ -42,6 +45,8 @@ def hidden_comm_time(prob, colls: list, op_times: dict) -> dict:
     do not depend on the shapes, so this is a number; the symbolic prediction takes it as it is (exposed
     = comm - hidden), which is exact at the example's sizes and keeps sympy out of the ordering."""
     mesh = prob.mesh
+    if not prob.hardware.comm_overlaps_compute:   # the collectives take the cores backward runs on
+        return {a: 0.0 for a in mesh.axis_names}
     queues: dict = {}   # axis index -> [(weights, seconds)] of the collectives that hide on it
     seen_bucket = set()
     for c in colls:
