@@ -164,12 +164,13 @@ def _measuring(module: ParallelModule, local_inputs: tuple):
     log = module.comm.log
     module.comm.log = CommLog()
     gathered.pack = saved.pack
+    needed, gathered.needed = gathered.needed, True   # the hooks run even where nothing gathers again
     for region in regions:
         region.observer = saved.region_inputs
     try:
         yield saved, module.comm.log
     finally:
-        gathered.pack = inner_pack
+        gathered.pack, gathered.needed = inner_pack, needed
         module.comm.log = log
         for region in regions:
             region.observer = None

@@ -240,7 +240,7 @@ def _steps_keeping_grads(rank, model, x, y, steps, zero_grad_each_step):
 @pytest.mark.parametrize("zero_grad_each_step", [True, False])
 def test_bucket_buffers_are_kept_from_step_to_step_and_never_overwrite_a_kept_gradient(zero_grad_each_step):
     """As DDP, a bucket's buffer is made once: after zero_grad the next backward reduces into the same
-    memory (a fresh tens-of-MB buffer each step cost ~5% of a CPU step). Without zero_grad, the .grad of
+    memory (no allocation of tens of MB each step). Without zero_grad, the .grad of
     the last step still views that buffer and sums in the new gradient where it is: the bucket takes a new
     buffer (reducing into the old one would overwrite the kept gradient), and three steps of summed
     gradients equal one device's."""

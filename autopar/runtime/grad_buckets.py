@@ -201,9 +201,9 @@ class GradBuckets:
             b.written.add(i)
 
     def _buffer(self, b: _Bucket, device) -> torch.Tensor:
-        """The bucket's buffer for this backward: the last step's again, as DDP keeps its buckets (a fresh
-        one of tens of MB each step costs the allocator and page faults), unless a .grad still views it
-        (gradients kept across steps, no zero_grad): writing into it would change them."""
+        """The bucket's buffer for this backward: the last step's again, as DDP keeps its buckets (no
+        allocation of tens of MB each step), unless a .grad still views it (gradients kept across steps,
+        no zero_grad): writing into it would change them."""
         kept = b.buffer
         if kept is None or kept.device != torch.device(device) or any(
                 self._views(self.slots[i].param.grad, kept) for i in b.slots):

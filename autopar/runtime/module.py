@@ -276,7 +276,7 @@ class ParallelModule(torch.nn.Module):
             else:
                 args.append(next(it))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(gathered.pack, gathered.unpack):
+            with gathered.hooks():
                 flat = graph_module(*args)
         finally:
             gathered.clear()

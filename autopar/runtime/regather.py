@@ -15,6 +15,7 @@ when that is; layer_groups.py).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -31,6 +32,15 @@ class GatheredParams:
     def __init__(self):
         self._entries = {}
         self.groups: list = []   # the LayerGroups of this graph (layer_groups.py): they hold gathered weights too
+        # whether any layout change of the graph gathers again (rewrite sets it): without one, forward runs
+        # without the hooks, whose Python call per saved tensor costs a data-parallel step ~1%
+        self.needed = True
+
+    def hooks(self):
+        """The saved-tensor hooks forward runs under, or a context that does nothing when none is needed."""
+        if not self.needed:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def register(self, full: torch.Tensor, local: torch.Tensor, module):   # a rewrite.RedistributeModule
         full = _root(full)

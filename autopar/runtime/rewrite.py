@@ -145,6 +145,7 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
     gm.meta["origin"] = _origins(gm, made_for)
     if plan.checkpointed:
         gm = _checkpoint_blocks(gm, cap, plan.checkpointed, made_for, comm)
+    rw.gathered.needed = any(isinstance(m, RedistributeModule) and m.gathered is not None for m in gm.modules())
     return gm, rw.gathered
 
 

@@ -170,7 +170,7 @@ class StageModule(torch.nn.Module):
         # a weight read through the gradient buckets (grad_buckets.py) when its data-axis reduction is theirs
         args = inputs + [pm._grad_buckets.use(w[1], table[w]) if w[0] == PARAM else table[w] for w in self._weights]
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pm._gathered.pack, pm._gathered.unpack):
+            with pm._gathered.hooks():
                 flat = self.graph_module(*args)
         finally:
             pm._gathered.clear()
