@@ -8,7 +8,8 @@ multiset: the compiler may reorder them (inductor moves fsdp's first all-gathers
 
 What this does not hold yet: that the compiler sees the collectives. Dynamo breaks the graph at each
 redistribution while the CommLog records it, at the gradient buckets' and FSDP layer groups' autograd-engine
-callback and at the saved-tensor hooks, so the collectives run eagerly between compiled pieces
+callback and at the saved-tensor hooks (installed only where a plan gathers again: fsdp, tp+sp), so the
+collectives run eagerly between compiled pieces
 (ARCHITECTURE.md section 10 lists what it takes: logging as an op, the gathers as functional collectives).
 
 Backend: inductor (C++ code generation on CPU), on a one-layer GPT for ddp and a two-layer one for fsdp

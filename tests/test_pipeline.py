@@ -235,6 +235,70 @@ def test_a_loss_without_targets_matches_one_device():
     assert [r["then_with_targets"] for r in results] == pytest.approx([then] * 2, abs=ATOL)
 
 
+def _returned_loss(out):
+    """nanoGPT's (logits, loss): the loss the model computed (module level: spawned ranks unpickle it)."""
+    return out[1]
+
+
+def _gpt_with_loss():
+    from autopar.testing import GPTWithLoss
+    torch.manual_seed(0)
+    # a vocabulary large next to the hidden size, as in real models: the loss splits it over tp
+    model = GPTWithLoss(GPTConfig(vocab_size=1536, block_size=24, n_layer=4, n_head=6, n_embd=48))
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randint(0, 1536, (8, 24), generator=g), torch.randint(0, 1536, (8, 24), generator=g)
+
+
+def _train_loss_inside(rank):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    model, x, y = _gpt_with_loss()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    out = {}
+    for name, (opt_cls, lr) in OPTIMIZERS.items():
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x, y), strategy="tp", pipeline_axis="pp",
+                                 microbatches=2, hardware="cpu")
+        opt = autopar.ShardedOptimizer(pm, opt_cls, lr=lr)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            losses.append(pm.train_step(*pm.plan.local_inputs(x, y), loss_fn=_returned_loss).item())
+            opt.step()
+        out[name] = {"losses": losses, "params": {k: v.clone() for k, v in pm.state_dict(full=True).items()}}
+        out["plan"] = pm.plan.to_json()
+    return out
+
+
+def test_a_loss_inside_forward_trains_pipelined_with_the_vocabulary_split():
+    """nanoGPT's forward(idx, targets) on pp2 x tp2: the last stage returns the model's own loss (a 0-dim
+    tensor, which torch's merge of the microbatches' outputs cannot concatenate: the module does not merge
+    them) and computes it on each tp rank's slice of the vocabulary; SGD and AdamW train like one device."""
+    import copy
+    model, x, y = _gpt_with_loss()
+    results = run_gloo(4, _train_loss_inside)
+    plan = Plan.from_json(results[0]["plan"])
+    loss_op = next(n for n in plan.node_strategies if n.startswith("cross_entropy_loss_default"))
+    assert plan.pipeline is not None and "S(1)" in plan.node_strategies[loss_op].inputs[0]
+    for name, (opt_cls, lr) in OPTIMIZERS.items():
+        ref = copy.deepcopy(model)
+        opt = opt_cls(ref.parameters(), lr=lr)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            loss = ref(x, y)[1]
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        held = set()
+        for r in results:
+            assert r[name]["losses"] == pytest.approx(losses, abs=ATOL), name
+            for n, p in r[name]["params"].items():   # each stage's own weights
+                torch.testing.assert_close(p, dict(ref.named_parameters())[n].detach(), atol=ATOL, rtol=0, msg=n)
+            held |= set(r[name]["params"])
+        assert held == {n for n, _ in ref.named_parameters()}
+
+
 def test_pipelined_module_refuses_a_bare_forward_and_gives_its_stages_state():
     names = run_gloo(2, _refuse_forward)
     everything = set(_gpt().state_dict())

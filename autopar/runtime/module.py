@@ -240,8 +240,11 @@ class ParallelModule(torch.nn.Module):
         # every microbatch's data-axis gradient summed here, reduced once below
         summing = (self._grad_buckets.through_autograd() if pipe.schedule == ZERO_BUBBLE
                    else self._grad_buckets.accumulating())
+        # the outputs are not merged: only the losses are used, and a model that returns its loss (0-dim)
+        # would make torch's merge fail to concatenate the microbatches' scalars
         with summing:
-            schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses)
+            schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses,
+                          return_outputs=False)
         self._grad_buckets.flush()
         loss = (torch.stack([x.detach() for x in losses]).sum() if last
                 else torch.zeros((), dtype=torch.float32, device=mesh_device(self.device_mesh)))   # NCCL: on the GPU
