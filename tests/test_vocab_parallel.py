@@ -61,7 +61,7 @@ def _lookups(draw):
 @settings(max_examples=40, deadline=None)
 @given(case=_lookups())
 def test_vocab_split_lookup_keeps_every_argument(case):
-    """Each rank runs what rewrite.local_target gives for the captured embedding, with its arguments:
+    """Each rank runs what vocab_parallel.local_target gives for the captured embedding, with its arguments:
     outputs sum to the whole lookup, and the gradients of the slices are the whole table's, the
     padding row's exactly 0 (BERT's row 0 once got a gradient this way)."""
     vocab, shards, padding, idx = case

@@ -44,10 +44,10 @@ from torch import fx
 
 from .._compat import storage_id
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured, TensorMeta
-from ..sharding.op_spec import OpSpec, op_name, tensor_args
+from ..sharding.op_spec import OpSpec, op_arg, op_name, tensor_args
 from ..sharding.placement import P, R, S
 from ..sharding.rules import rule_for
-from .saved_tensors import Arg, New, Out, first_of, kernel_family, op_arg, op_keeps
+from .saved_tensors import Arg, New, Out, first_of, kernel_family, op_keeps
 
 # --------------------------------------------------------------------------- requires grad
 

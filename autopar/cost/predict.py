@@ -115,7 +115,8 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     optimizer_time = cm.memory_time(update, prob.hardware)
     acts, compute, op_times = _op_terms(prob, choice, symbolic, saved, rerun)
     groups = group_redistributions(prob, choice)
-    acts = acts + sum(regather_saving(prob.cap, saved if prob.regather_activations else None, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
+    kept = saved if prob.regather_activations else None   # the model the re-gather saving reads
+    acts = acts + sum(regather_saving(prob.cap, kept, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
                                       prob.grad_nodes, symbolic) for r in groups for c, i in r.consumers)
     colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic)
                      + _op_collectives(prob, choice, rerun, symbolic))

@@ -89,10 +89,9 @@ def edge_signature(prob: Problem, e: Edge) -> tuple:
 def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
     """Seconds, or the UnsupportedRedistribution error (cached too: asked again, it is raised again)."""
     try:
+        again = regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob))
         colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
-                                 e.producer in prob.grad_nodes,
-                                 regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob)), e.consumer,
-                                 keep_partial=keep_partial,
+                                 e.producer in prob.grad_nodes, again, e.consumer, keep_partial=keep_partial,
                                  reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
     except UnsupportedRedistribution as err:
         return err

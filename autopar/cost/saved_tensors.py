@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from ..capture.export import Captured, TensorMeta
-from ..sharding.op_spec import op_name, tensor_args
+from ..sharding.op_spec import op_arg, op_name, tensor_args
 from ..sharding.placement import P
 
 CPU, CUDA = "cpu", "cuda"
@@ -76,13 +76,6 @@ def _leading(m: TensorMeta, k: int, dtype, trailing_ones: int = 0) -> TensorMeta
 def _accumulate(dtype: torch.dtype) -> torch.dtype:
     """CUDA kernels accumulate half types (and fp32) in fp32, doubles in doubles."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def op_arg(node: fx.Node, pos: int, name: str, default):
-    """Argument `name` of an aten call, given by position or keyword, or its default."""
-    if len(node.args) > pos:
-        return node.args[pos]
-    return node.kwargs.get(name, default)
 
 
 # ops that keep their input: the derivative is a function of it

@@ -316,20 +316,17 @@ class _Rewriter:
         # a traced view may rely on strides the local tensor lacks (CPU SDPA returns a
         # transposed layout, so `.contiguous()` vanished from the trace): reshape copies only then
         if name in VIEW_OPS:
-            target = torch.ops.aten.reshape.default
+            new = self.g.call_function(torch.ops.aten.reshape.default, args, kwargs)
         elif vocab_split_axes(node, s, self.sizes):   # a cross-entropy over this rank's classes
             self._count += 1
             mod_name = f"vocab_parallel_{self._count}_{node.name}"
             self.root.add_module(mod_name, vocab_parallel_loss(node, s, self.comm, self.coords, self.sizes))
             new = self.g.call_module(mod_name, (args[0], args[1]))
-            new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-            self.env[node.name] = new
-            return
         else:
             target, extra = local_target(node, s, self.coords, self.sizes)
             if extra:  # vocab_parallel_embedding(weight, indices, start, local padding_idx)
                 args, kwargs = (args[0], args[1]) + extra, {}
-        new = self.g.call_function(target, args, kwargs)
+            new = self.g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.env[node.name] = new
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..sharding.op_spec import op_name
+from ..sharding.op_spec import op_arg, op_name
 from ..sharding.placement import chunk_index, dim_factor
 from ..sharding.rules import vocab_split_axes
 from ..sharding.redistribute import ALL_REDUCE
@@ -114,9 +114,7 @@ class VocabParallelCrossEntropy(torch.nn.Module):
 
 def vocab_parallel_loss(node: fx.Node, strategy, comm: Comm, coords, sizes) -> VocabParallelCrossEntropy:
     """The module that runs cross-entropy `node` on this rank's slice of the classes."""
-    args = list(node.args) + [None] * (6 - len(node.args))
-    ignore_index = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
-    smoothing = args[5] if args[5] is not None else node.kwargs.get("label_smoothing", 0.0)
+    ignore_index, smoothing = op_arg(node, 4, "ignore_index", -100), op_arg(node, 5, "label_smoothing", 0.0)
     num_classes = node.args[0].meta["val"].shape[1]
     pl = strategy.inputs[0]
     local = num_classes // dim_factor(pl, 1, sizes)   # the strategies keep only splits that divide
@@ -138,7 +136,7 @@ def local_target(node: fx.Node, strategy, coords, sizes):
             vocab = node.args[0].meta["val"].shape[0]
             rows = vocab // f
             start = chunk_index(weight_pl, 0, coords, sizes) * rows
-            padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            padding_idx = op_arg(node, 2, "padding_idx", -1)
             # the padding row in this rank's slice, -1 where another rank holds it (or none is:
             # F.embedding has already turned a negative padding_idx into a row, so aten's is -1)
             local_pad = padding_idx - start if start <= padding_idx < start + rows else -1

@@ -165,7 +165,8 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
         entry[2] += member.consumer in rerun
     alike = [(sig, member, n, m) for sig, (member, n, m) in alike.items()]
     # repeats whose op pays for the activation it gathers: the module keeps the shard (regather_saving)
-    keepers = [m for m in edges if prob.regather_activations and (m.consumer, m.index) in prob.saved.payers]
+    kept = regather_model(prob)   # None: gathered activations are kept whole, and nothing is saved
+    keepers = [m for m in edges if kept is not None and (m.consumer, m.index) in kept.payers]
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
         if var is not None:
@@ -192,7 +193,7 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
                 continue
             c += sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig)
                      for sig, member, _, m in alike if m)
-            saving = sum(regather_saving(cap, regather_model(prob), m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
+            saving = sum(regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
                                          prob.grad_nodes) for m in keepers if m.consumer not in rerun)
             y = ilp.var(c * TIME_SCALE, float(saving) * MEM_SCALE, integer=False)
             by_src[src_key][y] = by_dst[k][y] = 1.0

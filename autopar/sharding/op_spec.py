@@ -70,6 +70,13 @@ class Letters:
         return s
 
 
+def op_arg(node: fx.Node, pos: int, name: str, default):
+    """Argument `name` of an aten call, given by position or keyword, or its default."""
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
 def wrap_dim(d: int, ndim: int) -> int:
     """A dim argument as aten takes it (negative from the end) -> its index; 0 for a scalar."""
     return d % ndim if ndim else 0

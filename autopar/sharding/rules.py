@@ -12,7 +12,7 @@ import torch.fx as fx
 from .layout_rules import (cat_rule, diff_rule, expand_rule, getitem_rule, index_rule, pad_rule, permute_rule,
                            select_rule, slice_rule, split_rule, squeeze_rule, t_rule, transpose_rule, unsqueeze_rule,
                            view_rule)
-from .op_spec import Letters, OpSpec, Rule, elementwise, op_name, wrap_dim
+from .op_spec import Letters, OpSpec, Rule, elementwise, op_arg, op_name, wrap_dim
 from .placement import shard_dim
 
 # ---------------------------------------------------------------- rule builders
@@ -212,7 +212,7 @@ def cross_entropy_rule(node, ins, out):
     letters = new(nd)
     c = letters[1] if nd > 1 else letters[0]
     positions = letters[:1] + letters[2:] if nd > 1 else ""
-    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    reduction = op_arg(node, 3, "reduction", 1)
     inputs = [letters, positions] + [c for _ in ins[2:]]
     weighted = len(ins) > 2
     if reduction == 0:
