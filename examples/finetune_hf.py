@@ -103,8 +103,10 @@ def main():
         print(f"\n{len(sequences)} sequences of {args.seq} tokens; this rank reads share {index} of {count}, "
               f"{args.batch // count} sequences a step")
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=args.lr)
-    step = 0
+    step, epoch = 0, 0
     while step < args.steps:
+        sampler.set_epoch(epoch)   # another order each pass over the text, the same on every rank
+        epoch += 1
         for (x,) in loader:
             opt.zero_grad(set_to_none=True)
             loss = pm(x, x)   # labels = the inputs: HF shifts them inside
@@ -115,6 +117,9 @@ def main():
             step += 1
             if step == args.steps:
                 break
+    # every rank gets here before any tears gloo down: a rank that leaves while a peer still talks to it
+    # can abort the peer (as examples/train_gpt.py does)
+    dist.barrier()
     dist.destroy_process_group()
 
 
