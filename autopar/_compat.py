@@ -83,10 +83,16 @@ def destroy_process_group_if_initialized() -> None:
         dist.destroy_process_group()
 
 
-def unflatten_outputs(exported, flat_outputs):
-    """Rebuild the model's own output structure (tensor, tuple, dict...) from the graph's flat outputs."""
+def output_spec(exported):
+    """How the model's own output structure (tensor, tuple, dict...) is flattened into the graph's outputs.
+    Read once: torch.compile cannot trace ExportedProgram.call_spec and would break the graph there."""
+    return exported.call_spec.out_spec
+
+
+def unflatten_outputs(spec, flat_outputs):
+    """Rebuild the model's own output structure from the graph's flat outputs (`spec`: output_spec's)."""
     import torch.utils._pytree as pytree
-    return pytree.tree_unflatten(list(flat_outputs), exported.call_spec.out_spec)
+    return pytree.tree_unflatten(list(flat_outputs), spec)
 
 
 def fake_mode_of(t: torch.Tensor):

@@ -6,11 +6,12 @@ GPT 3 SGD steps; its losses and final parameters equal single-device eager train
 collectives it logs each step (record_comm=True) are those the same module logs run eagerly -- as a
 multiset: the compiler may reorder them (inductor moves fsdp's first all-gathers), that is what it is for.
 
-What this does not hold yet: that the compiler sees the collectives. Dynamo breaks the graph at each
-redistribution while the CommLog records it, at the gradient buckets' and FSDP layer groups' autograd-engine
-callback and at the saved-tensor hooks (installed only where a plan gathers again: fsdp, tp+sp), so the
-collectives run eagerly between compiled pieces
-(ARCHITECTURE.md section 10 lists what it takes: logging as an op, the gathers as functional collectives).
+For ddp and tp the compiler sees the collectives: the local graph compiles as one graph, in which each
+collective the plan issues inside it is a functional collective (`_c10d_functional.*`, which inductor may
+reorder) logged by the `autopar::logged_send` op; only ddp's gradient buckets run outside it, in autograd's
+engine, as DDP's do (test_ddp_and_tp_compile_to_one_graph_with_their_collectives_in_it). fsdp and tp+sp still
+break the graph: at the FSDP layer groups' asynchronous prefetch and end-of-backward callback, and at the
+saved-tensor hooks of the gathers backward repeats (ARCHITECTURE.md section 10).
 
 Backend: inductor (C++ code generation on CPU), on a one-layer GPT for ddp and a two-layer one for fsdp
 and tp (so the FSDP layer groups prefetch the next layer). Inductor's C++ compile is most of this file's
@@ -18,6 +19,7 @@ time: about a minute cold on 2 cores, half that with its cache warm.
 """
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -97,3 +99,41 @@ def test_compiled_module_trains_as_one_device(strategy, backend, n_layer):
     global_losses = ([sum(r["compiled"]["losses"][s] for r in res) / 2 for s in range(STEPS)]
                      if res[0]["batch_axes"] else res[0]["compiled"]["losses"])
     assert all(abs(a - b) <= ATOL for a, b in zip(global_losses, ref_losses)), (global_losses, ref_losses)
+
+
+def _graphs_rank(rank, model, x, y, strategy):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp" if strategy == "tp" else "dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy, record_comm=True)
+    dist.barrier()
+    graphs = []
+
+    def backend(gm, example_inputs):   # keeps what dynamo hands the compiler, runs it as it is
+        graphs.append(gm)
+        return gm.forward
+    (xi,), (yi,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+    gpt_loss(torch.compile(pm, backend=backend)(xi), yi).backward()
+    # every op of every graph, the forward and backward bodies of the autograd functions' included
+    ops = collections.Counter(str(n.target) for gm in graphs for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                              for n in m.graph.nodes if n.op == "call_function")
+    return {"graphs": len(graphs), "ops": ops, "logged": len(pm.comm.log.records),
+            "planned": len(pm.plan.collectives),
+            "bucketed": sum(1 for c in pm.plan.collectives if c.where.startswith("gradient bucket"))}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "tp"])
+def test_ddp_and_tp_compile_to_one_graph_with_their_collectives_in_it(strategy):
+    """Nothing breaks the graph (record_comm=True included), and every collective the plan issues inside the
+    local graph is in it as a functional collective, next to the op that logs it."""
+    torch._dynamo.reset()
+    model, x, y = _gpt(2)
+    for r in run_threaded(2, _graphs_rank, model, x, y, strategy, timeout=300):
+        assert r["graphs"] == 1, f"dynamo broke the local graph into {r['graphs']} graphs"
+        ops = r["ops"]
+        functional = sum(k for op, k in ops.items() if op.startswith("_c10d_functional.") and "wait" not in op)
+        in_graph = r["planned"] - r["bucketed"]   # the buckets reduce in autograd's engine, as DDP's do
+        assert in_graph > 0 if strategy == "tp" else in_graph == 0 < r["bucketed"]
+        assert functional == in_graph, (dict(ops), r["planned"], r["bucketed"])
+        assert sum(k for op, k in ops.items() if op.startswith("autopar.logged_send")) == in_graph, dict(ops)
+        assert r["logged"] == r["planned"]   # the ones in the graph and the buckets, each logged once

@@ -89,9 +89,9 @@ def test_ddp_reduces_in_buckets(bucket_bytes):
     for r in res:
         reduces = [rec for rec in r["records"] if rec[0] == "all_reduce"]
         assert len(reduces) == len(r["records"])
-        # + 1: the position embedding's output is whole on dp and read by the batch-split add, so its
-        # gradient (not a weight's) is summed where backward meets it (the wpe weight then needs none)
-        assert len(reduces) == r["num_buckets"] + 1
+        # no more: the position embedding's output is whole on dp and read by the batch-split add, and its
+        # partial gradient flows on to wpe.weight, reduced in its bucket (cost/buckets.partial_gradients)
+        assert len(reduces) == r["num_buckets"]
         assert all(rec[2] <= max(bucket_bytes, biggest) for rec in reduces)
     if bucket_bytes == 4096:
         assert res[0]["num_buckets"] > 1
@@ -110,8 +110,7 @@ def test_accumulation_over_microbatches(use_no_sync):
     _check(res, grads, params)
     for r in res:
         reduces = [rec for rec in r["records"] if rec[0] == "all_reduce"]
-        # + 4: the position embedding's output gradient, summed in each microbatch's backward (see above)
-        assert len(reduces) == r["num_buckets"] * (1 if use_no_sync else 4) + 4
+        assert len(reduces) == r["num_buckets"] * (1 if use_no_sync else 4)
 
 
 def test_hybrid_mesh_buckets_the_data_axis():
@@ -257,3 +256,66 @@ def test_bucket_buffers_are_kept_from_step_to_step_and_never_overwrite_a_kept_gr
             torch.testing.assert_close(params[n], p.detach(), atol=ATOL, rtol=0, msg=n)
         bucketed = "h.0.mlp.c_fc.weight" if "h.0.mlp.c_fc.weight" in where[0] else next(iter(where[0]))
         assert all(w[bucketed] == where[0][bucketed] for w in where[1:])
+
+
+class _Positions(torch.nn.Module):
+    """Learned positions through a norm (two replicated ops: wpe, then ln), added to a batch-split input;
+    `return_positions` also returns them, so their gradient comes whole from the caller."""
+
+    def __init__(self, return_positions: bool):
+        super().__init__()
+        self.wpe = torch.nn.Embedding(8, 16)
+        self.ln = torch.nn.LayerNorm(16)
+        self.lin = torch.nn.Linear(16, 16)
+        self.return_positions = return_positions
+
+    def forward(self, x):
+        pos = self.ln(self.wpe(torch.arange(x.shape[1], device=x.device)))
+        h = self.lin(x + pos)
+        return (h, pos) if self.return_positions else h
+
+
+def _positions_rank(rank, model, x):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="ddp", record_comm=True)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    (xi,) = pm.plan.local_inputs(x)
+    out = pm(xi)
+    # the means of this rank's halves (outputs are split along dim 0): the module scales them to the whole's
+    sum(o.pow(2).mean() for o in (out if isinstance(out, tuple) else (out,))).backward()
+    grads = pm.full_grads()
+    opt.step()
+    return {"records": list(pm.comm.log.records), "planned": [(c.kind, c.where, c.tensor) for c in pm.plan.collectives],
+            "grads": grads, "params": pm.state_dict(full=True)}
+
+
+@pytest.mark.parametrize("return_positions", [False, True])
+def test_a_partial_gradient_flows_through_replicated_ops_to_the_bucket(return_positions):
+    """ddp: positions computed alike on every rank (an embedding, then a layer norm) and added to the
+    batch-split input get a partial gradient over dp. It flows on, partial, through both ops to wpe and
+    ln's weights, reduced in their bucket: one all-reduce a step, none in the middle of backward. When the
+    positions are also returned, their gradient may come whole from the caller and must not be summed
+    again: they are all-reduced where backward meets them, as before. Gradients and SGD step equal one
+    device either way (the loss reads every output)."""
+    torch.manual_seed(0)
+    model, x = _Positions(return_positions), torch.randn(4, 8, 16)
+    m = copy.deepcopy(model)
+    out = m(x)
+    sum(o.pow(2).mean() for o in (out if return_positions else (out,))).backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    with torch.no_grad():
+        for p in m.parameters():
+            p -= LR * p.grad
+    params = {n: p.detach().clone() for n, p in m.named_parameters()}
+    res = run_threaded(2, _positions_rank, model, x)
+    _check(res, grads, params)
+    for r in res:
+        assert r["records"] == [(k, 0, b, "backward") for k, _, b, _ in r["records"]]   # all backward, on dp
+        buckets = [c for c in r["planned"] if c[1].startswith("gradient bucket")]
+        positions = {"p_wpe_weight", "p_ln_weight", "p_ln_bias"}
+        assert len(buckets) == 1 and bool(positions & set(buckets[0][2].split(","))) != return_positions
+        edge = [c for c in r["planned"] if not c[1].startswith("gradient bucket")]
+        reduced_in_backward = [c for c in edge if c[0] == "all_reduce"]
+        assert len(reduced_in_backward) == (1 if return_positions else 0), r["planned"]
+        assert len(r["records"]) == len(r["planned"])

@@ -20,29 +20,85 @@ def deferred_axes(cap: Captured, strategies: dict, grad_nodes: set) -> dict:
     """Parameter node -> the mesh axes whose gradient all-reduce the buckets do, ordered by first use.
 
     An axis qualifies when every use of the weight reads it whole there and gets back a partial sum (a
-    data axis: the batch is split): only then is the reduction there one all-reduce of the summed uses,
-    which nothing in backward waits for. ZeRO weights are left to their optimizer wrapper, and weights a
-    use gathers (FSDP) to the reduction of that gather.
+    data axis: the batch is split), directly or through ops that left their gradient partial too
+    (`partial_gradients`): only then is the reduction there one all-reduce of the summed uses, which
+    nothing in backward waits for. ZeRO weights are left to their optimizer wrapper, and weights a use
+    gathers (FSDP) to the reduction of that gather.
+    """
+    return {n: axes for n, axes in partial_gradients(cap, strategies, grad_nodes).items()
+            if cap.info[n].kind == PARAM}
+
+
+def partial_gradients(cap: Captured, strategies: dict, grad_nodes: set) -> dict:
+    """Node -> the mesh axes on which its gradient is left a partial sum, for the buckets to reduce: the
+    weights of `deferred_axes` (first, in order of first use), then the activations between such weights
+    and the ops whose split makes the gradient partial.
+
+    Such an activation is computed alike on every rank of the axis (its op reads every input whole and
+    replicated there), every use hands its gradient back partial there, and every input that needs a
+    gradient is such a weight or activation. GPT-2's position embedding is the case: `wpe(arange(T))`
+    is added to the batch-split tokens, so its [T, C] gradient is partial over the data axes. Reducing it
+    there would be one blocking all-reduce in the middle of backward; but backward is linear in the
+    gradient, so its partial sum can flow on to `wpe.weight` and be reduced in the weight's bucket, with
+    the other gradients, where nothing waits for it.
     """
     params = {n for n, info in cap.info.items() if info.kind == PARAM and n in grad_nodes
               and strategies.get(n) is not None and not strategies[n].zero_axes}
-    found: dict = {}
+    uses: dict = {}
+    for node in cap.graph.nodes:
+        if node.op in ("output", "call_function"):
+            for i, a in enumerate(tensor_args(node)):
+                uses.setdefault(a.name, []).append((node, i))
+    nodes = {node.name: node for node in cap.graph.nodes}
+    sunk = {}   # candidates, then (after the loop) the activations that qualify
     for node in cap.graph.nodes:
         s = strategies.get(node.name)
-        if node.op not in ("output", "call_function"):
-            continue
-        for i, a in enumerate(tensor_args(node)):
-            if a.name not in params:
-                continue
-            ok = set()
-            if s is not None and node.op == "call_function":
-                src, dst = strategies[a.name].output, s.inputs[i]
-                # a weight gathered for its use (FSDP storage) reduce-scatters its gradient in the graph or
-                # with its layer (layer_groups.py), which then owns the gradient: its other axes stay there too
-                if not any(is_shard(p) and q == R for p, q in zip(src, dst)):
-                    ok = {x for x in s.grad_partial(i) if src[x] == R and dst[x] == R}
-            found[a.name] = found[a.name] & ok if a.name in found else ok
+        if node.op == "call_function" and node.name in grad_nodes and s is not None:
+            axes = {x for x, p in enumerate(s.output) if p == R and all(q[x] == R for q in s.inputs)}
+            if axes:
+                sunk[node.name] = axes
+    while True:   # drop what fails until nothing does: each pass only removes
+        weights = {n: _partial_uses(uses.get(n, ()), strategies[n].output, strategies, sunk) for n in params}
+        changed = False
+        for name in list(sunk):
+            ok = sunk[name] & _partial_uses(uses.get(name, ()), strategies[name].output, strategies, sunk)
+            for a in tensor_args(nodes[name]):
+                if a.name in grad_nodes:
+                    ok &= weights.get(a.name, sunk.get(a.name, set()))
+            if ok != sunk[name]:
+                changed = True
+                if ok:
+                    sunk[name] = ok
+                else:
+                    del sunk[name]
+        if not changed:
+            break
+    found: dict = {}   # weights in order of first use
+    for node in cap.graph.nodes:
+        if node.op in ("output", "call_function"):
+            for a in tensor_args(node):
+                if a.name in params and a.name not in found:
+                    found[a.name] = weights[a.name]
+    found.update(sunk)
     return {n: tuple(sorted(axes)) for n, axes in found.items() if axes}
+
+
+def _partial_uses(uses, src, strategies: dict, sunk: dict) -> set:
+    """The axes on which every one of `uses` ((consumer, input index); the tensor's layout `src`) reads the
+    tensor whole and replicated and hands its gradient back partial: the consumer splits the axis, or
+    is itself in `sunk` there."""
+    found = None
+    for c, i in uses:
+        s = strategies.get(c.name)
+        ok = set()
+        if s is not None and c.op == "call_function":
+            dst = s.inputs[i]
+            # a weight gathered for its use (FSDP storage) reduce-scatters its gradient in the graph or
+            # with its layer (layer_groups.py), which then owns the gradient: its other axes stay there too
+            if not any(is_shard(p) and q == R for p, q in zip(src, dst)):
+                ok = {x for x in set(s.grad_partial(i)) | sunk.get(c.name, set()) if src[x] == R and dst[x] == R}
+        found = ok if found is None else found & ok
+    return found or set()
 
 
 def assign_buckets(entries: list, bucket_bytes: int) -> list:

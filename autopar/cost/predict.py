@@ -15,7 +15,7 @@ import cost_models as cm
 from ..capture.export import BUFFER, INPUT, OP, PARAM
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective, gathers_again, plan_steps
-from .buckets import assign_buckets, deferred_axes
+from .buckets import assign_buckets, partial_gradients
 from .checkpointing import recomputed_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import hidden_comm_time
@@ -154,12 +154,14 @@ def bucketed(prob, choice, colls: list) -> list:
     """`colls` with each weight's data-axis gradient all-reduces replaced by the buckets that carry them
     (buckets.py): one all-reduce per bucket and axis, of the bucket's bytes, as the module launches them."""
     strategies = {n: ns.strategies[choice[n]] for n, ns in prob.strategies.items()}
-    deferred = deferred_axes(prob.cap, strategies, prob.grad_nodes)
+    # the weights the buckets reduce, and the activations whose partial gradients flow on to them
+    deferred = partial_gradients(prob.cap, strategies, prob.grad_nodes)
     if not deferred:
         return colls
     out = [c for c in colls if not (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in deferred.get(c.tensor, ()))]
+    weights = {n: axes for n, axes in deferred.items() if prob.cap.info[n].kind == PARAM}
     entries, sizes = [], {}
-    for name, axes in reversed(deferred.items()):   # backward makes the gradients in reverse order of use
+    for name, axes in reversed(weights.items()):   # backward makes the gradients in reverse order of use
         meta = first_meta(prob.cap.info[name].meta)
         itemsize = reduce_itemsize(prob.param_bytes, name) or meta.itemsize
         sizes[name] = numel(local_shape(meta.hint, strategies[name].output, prob.mesh.axis_sizes)) * itemsize

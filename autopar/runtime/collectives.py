@@ -9,13 +9,16 @@ all-to-all <-> all-to-all.
 """
 from __future__ import annotations
 
+import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..sharding.placement import chunk_span, shard_dim
+from ..sharding.placement import chunk_span
+from ..sharding.placement import shard_dim as _cached_shard_dim
 from ..sharding.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHUNK, NONE, REDUCE_SCATTER, ZERO, Step,
                                      transition)
 
@@ -28,13 +31,39 @@ class AxisGroup:
     coord: int      # this rank's index along the axis
 
 
-@dataclass
+_log_keys = itertools.count()
+# key -> CommLog, for the logging op a compiled graph runs (an op's arguments are tensors and numbers, not
+# Python objects); weak, so a log nothing else holds goes away
+_LOGS: "weakref.WeakValueDictionary[int, CommLog]" = weakref.WeakValueDictionary()
+
+
+@dataclass(eq=False)
 class CommLog:
     """Every collective this rank launched: (kind, axis, whole-tensor bytes, phase)."""
     records: list = field(default_factory=list)
+    key: int = field(default_factory=lambda: next(_log_keys))
+
+    def __post_init__(self):
+        _LOGS[self.key] = self
 
     def add(self, kind: str, axis: int, full_bytes: int, phase: str):
         self.records.append((kind, axis, full_bytes, phase))
+
+
+@torch.library.custom_op("autopar::logged_send", mutates_args=())
+def _logged_send(x: torch.Tensor, log: int, kind: str, axis: int, nbytes: int, phase: str) -> torch.Tensor:
+    """A copy of `x`, the tensor a collective sends next, with the launch appended to CommLog `log`.
+
+    This is how a compiled graph logs: torch.compile cannot put a Python list's append inside an
+    autograd function's graph (it breaks the graph there), but it runs this op where the graph has it,
+    each time, before the collective that sends its result."""
+    _LOGS[log].add(kind, axis, nbytes, phase)
+    return x.clone()
+
+
+@_logged_send.register_fake
+def _(x, log, kind, axis, nbytes, phase):
+    return torch.empty_like(x)
 
 
 @dataclass
@@ -61,6 +90,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# uncached here: torch.compile traces transform, and warns at each functools.cache it meets
+shard_dim = _cached_shard_dim.__wrapped__
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -85,8 +118,7 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
     if kind == ZERO:  # R -> P: one rank keeps the value so the pending sum counts it once
         return x if ax.coord == 0 else torch.zeros_like(x)
     if kind == ALL_REDUCE:
-        y = x.contiguous().clone()
-        log_collective(comm, ALL_REDUCE, axis, _bytes(y), phase)
+        y = logged(x.contiguous().clone(), comm, ALL_REDUCE, axis, _bytes(x), phase)
         t0 = comm.start()
         dist.all_reduce(y, group=g)
         comm.stop(axis, t0)
@@ -96,8 +128,8 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         size = n * x.shape[d] if whole is None else whole
         piece = -(-size // n)
         xs = _pad_to(x.movedim(d, 0), piece).contiguous()
+        xs = logged(xs, comm, ALL_GATHER, axis, n * _bytes(xs), phase)
         out = xs.new_empty((n * piece,) + tuple(xs.shape[1:]))
-        log_collective(comm, ALL_GATHER, axis, _bytes(out), phase)
         t0 = comm.start()
         _all_gather(out, xs, group=g)
         comm.stop(axis, t0)
@@ -108,8 +140,8 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         size = x.shape[d]
         piece = -(-size // n)
         xs = _pad_to(x.movedim(d, 0), n * piece).contiguous()
+        xs = logged(xs, comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
         out = xs.new_empty((piece,) + tuple(xs.shape[1:]))
-        log_collective(comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
         t0 = comm.start()
         _reduce_scatter(out, xs, group=g)
         comm.stop(axis, t0)
@@ -118,8 +150,8 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
     if kind == ALL_TO_ALL:
         d_in, d_out = shard_dim(src), shard_dim(dst)
         send = torch.stack(x.chunk(n, dim=d_out)).contiguous()   # piece j goes to rank j
+        send = logged(send, comm, ALL_TO_ALL, axis, _bytes(send) * n, phase)
         recv = torch.empty_like(send)
-        log_collective(comm, ALL_TO_ALL, axis, _bytes(send) * n, phase)
         t0 = comm.start()
         dist.all_to_all_single(recv, send, group=g)
         comm.stop(axis, t0)
@@ -193,6 +225,17 @@ def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
 def log_collective(comm: Comm, kind, axis, nbytes, phase):
     if comm.log is not None:
         comm.log.add(kind, axis, nbytes, phase)
+
+
+def logged(x: torch.Tensor, comm: Comm, kind, axis, nbytes, phase) -> torch.Tensor:
+    """`x`, which a collective sends next, with the launch logged (when comm logs): eagerly an append to the
+    log; while torch.compile traces, the logging op above, which the compiled graph runs each step."""
+    if comm.log is None:
+        return x
+    if torch.compiler.is_dynamo_compiling():
+        return torch.ops.autopar.logged_send(x, comm.log.key, kind, axis, nbytes, phase)
+    comm.log.add(kind, axis, nbytes, phase)
+    return x
 
 
 class Redistribute(torch.autograd.Function):

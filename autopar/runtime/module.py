@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 import torch.fx as fx
 
-from .._compat import unflatten_outputs
+from .._compat import output_spec, unflatten_outputs
 from ..capture.compute_dtype import cast_inputs
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
 from ..cost.buckets import deferred_axes
@@ -67,7 +67,7 @@ class ParallelModule(torch.nn.Module):
         self._captured_training = model.training
         self._other_mode = other_mode
         self._input_shapes = input_shape_specs(cap, plan)
-        self._exported = cap.exported
+        self._output_spec = output_spec(cap.exported)
         self._coords = tuple(a.coord for a in comm.axes)
         self.store = _Store()
         # a meta-built model's module tree, for init_weights (held outside nn.Module's registry, so its
@@ -255,6 +255,22 @@ class ParallelModule(torch.nn.Module):
         return loss
 
     def forward(self, *local_inputs):
+        graph_module, gathered, args = self._graph_args(local_inputs)
+        try:
+            with gathered.hooks():
+                flat = graph_module(*args)
+        finally:
+            gathered.clear()
+        return unflatten_outputs(self._output_spec, flat)
+
+    @torch.compiler.disable
+    def _graph_args(self, local_inputs) -> tuple:
+        """The graph of this mode, its GatheredParams, and its arguments: the weights (through the gradient
+        buckets where those reduce them) and this rank's inputs, cast as the plan computes.
+
+        Run eagerly under torch.compile: the buckets' autograd functions hand gradients to Python
+        bookkeeping that the compiler cannot trace, and breaking the graph once here, before any tensor
+        op, leaves the whole local graph to compile as one."""
         if self.plan.pipeline is not None:
             raise PlanError(f"this plan pipelines over axis {self.plan.pipeline.axis!r}: a forward alone cannot run "
                             "its stages; train with model.train_step(*local_inputs, loss_fn=..., targets=...), "
@@ -278,12 +294,7 @@ class ParallelModule(torch.nn.Module):
                 args.append(self._constants[fqn])
             else:
                 args.append(next(it))
-        try:
-            with gathered.hooks():
-                flat = graph_module(*args)
-        finally:
-            gathered.clear()
-        return unflatten_outputs(self._exported, flat)
+        return graph_module, gathered, args
 
     def _graph_for_mode(self):
         """The local graph for the current mode: dropout and the like were traced in one mode."""

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.export import PARAM, Captured
-from ..cost.buckets import deferred_axes
+from ..cost.buckets import partial_gradients
 from ..cost.layer_groups import group_key, groupable
 from ..cost.activations import activation_model
 from ..cost.checkpointing import checkpointable_stacks
@@ -181,7 +181,9 @@ class _Rewriter:
         # keeps the shard and gathers again in backward (regather.py), as the cost model prices it
         self.saves = activation_model(cap, plan.hardware).saves_through if plan.regather_activations else {}
         self.groups: dict = {}   # cost/layer_groups.group_key -> LayerGroup
-        self.deferred = deferred_axes(cap, plan.node_strategies, grad_nodes)
+        # weights whose data-axis gradient the buckets reduce, and activations whose gradient flows on to them
+        # partial (cost/buckets.partial_gradients)
+        self.deferred = partial_gradients(cap, plan.node_strategies, grad_nodes)
 
     def emit(self, node: fx.Node) -> None:
         """Add the local counterpart of captured `node` (nothing for an op that is dropped)."""
@@ -204,10 +206,14 @@ class _Rewriter:
         `reader` ((op, tensor input index), if an op reads it)."""
         src = self.out_placement(producer.name)
         gp = tuple(gp) if producer.name in self.grad_nodes else ()
+        if reader is not None and producer.name in self.grad_nodes:
+            # an op whose gradient is left partial hands its inputs partial gradients on those axes
+            gp = tuple(sorted(set(gp) | set(self.deferred.get(reader[0], ()))))
         # a ZeRO parameter's gradient stays unreduced on its axes: the optimizer reduce-scatters it
         zero = self.strategies.get(producer.name)
         keep = tuple(zero.zero_axes) if zero is not None and producer.name in self.grad_nodes else ()
-        # a weight's data-axis gradient all-reduce is left to the buckets (grad_buckets.py)
+        # a weight's data-axis gradient all-reduce is left to the buckets (grad_buckets.py), as is that of an
+        # activation whose partial gradient flows on to such weights
         keep += self.deferred.get(producer.name, ())
         if tuple(src) == tuple(dst) and set(gp) == set(keep) and producer.name not in self.casts:
             return self.env[producer.name]

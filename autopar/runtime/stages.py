@@ -175,7 +175,7 @@ class StageModule(torch.nn.Module):
         finally:
             pm._gathered.clear()
         if self._is_last:
-            return unflatten_outputs(pm._exported, flat)
+            return unflatten_outputs(pm._output_spec, flat)
         # torch makes the next stage's receive buffers with these tensors' strides, and gloo and NCCL send and
         # receive only contiguous tensors: a view the graph made (attention's transposed output) is copied
         return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in flat)
