@@ -2,7 +2,7 @@
 
 Run on every rank after init_device_mesh. Per named mesh axis it times all-reduce, all-gather,
 reduce-scatter and all-to-all over a few message sizes (every slice of the axis at once, as a
-training step runs them), takes each point's median over repeats after a warm-up and the
+training step runs them), takes each point's mean over repeats after a warm-up and the
 maximum over ranks (one MAX all-reduce, so every rank returns the same figures), and fits one
 `Link(bandwidth, latency)` per axis and collective kind by least squares to the cost model's own
 formula (cost_models.comm.collective_time: `latency * (n-1) + bytes_moved(kind, B, n) / bandwidth`),
@@ -33,7 +33,8 @@ KiB, MiB = 2**10, 2**20
 # (a 16 MiB ring step takes ~1 ms even on NVLink, far above its ~3 us latency), in 7 points.
 DEFAULT_SIZES = tuple(4 * KiB * 4**k for k in range(7))
 QUICK_SIZES = (4 * KiB, 64 * KiB, 1 * MiB)
-# Ten repeats make the median robust to one or two hiccups (a page fault, a scheduler tick)
+# Ten repeats make a compute median robust to one or two hiccups (a page fault, a scheduler tick),
+# and a collective's mean count them about as often as a step meets them,
 # at a few seconds for the whole sweep on loopback gloo; quick mode keeps three.
 DEFAULT_REPEATS, QUICK_REPEATS = 10, 3
 # Two untimed calls before each point: the first collective of a shape sets up buffers. And
@@ -149,8 +150,13 @@ def _whole_bytes(nbytes: int, n: int) -> int:
 
 
 def _time_collective(kind: str, whole_bytes: int, group, n: int, device_type: str, repeats: int) -> float:
-    """Median seconds of one collective on `whole_bytes` (cost_models' convention: the all-gather output,
-    the reduce-scatter input, the all-reduce tensor; for all-to-all, n times each rank's buffer)."""
+    """Mean seconds of one collective on `whole_bytes` (cost_models' convention: the all-gather output,
+    the reduce-scatter input, the all-reduce tensor; for all-to-all, n times each rank's buffer).
+
+    The mean, not the median: a step pays the sum of its collectives, whose expectation is their
+    number times the mean, and the times are skewed to the right (a rank late now and then, which
+    the other waits for). On 2 gloo ranks here the median priced a tensor-parallel step's exposed
+    communication 25-30 ms against ~75 ms measured, the mean 40-47 ms."""
     whole = torch.ones(whole_bytes // 4, device=device_type)
     piece = torch.ones(whole_bytes // 4 // n, device=device_type)
     out = torch.empty_like(piece)
@@ -158,7 +164,7 @@ def _time_collective(kind: str, whole_bytes: int, group, n: int, device_type: st
            cm.ALL_GATHER: lambda: _all_gather(whole, piece, group=group),
            cm.REDUCE_SCATTER: lambda: _reduce_scatter(out, whole, group=group),
            cm.ALL_TO_ALL: lambda: dist.all_to_all_single(out, piece, group=group)}[kind]
-    return _median_time(run, repeats, device_type, before=_compute_burst(device_type))
+    return _typical_time(run, repeats, device_type, before=_compute_burst(device_type), statistic=statistics.mean)
 
 
 def _warm_up(group, device_type: str) -> None:
@@ -183,10 +189,10 @@ def _compute_burst(device_type: str):
     return lambda: [torch.mm(a, a) for _ in range(BURST_MATMULS)]
 
 
-def _median_time(fn, repeats: int, device_type: str, before=None) -> float:
-    """Median seconds of fn() after WARMUP untimed calls (each after `before()`, untimed, if given): the
-    median, not the mean or the minimum, is the typical call, unmoved by the odd scheduler hiccup and
-    not the luckiest call either."""
+def _typical_time(fn, repeats: int, device_type: str, before=None, statistic=statistics.median) -> float:
+    """Seconds of fn(), `statistic` over `repeats` timed calls after WARMUP untimed ones (each after
+    `before()`, untimed, if given). The median by default: for a rate (a matmul's FLOP/s, a copy's
+    bytes/s) it is the typical call, unmoved by the odd scheduler hiccup and not the luckiest call either."""
     for _ in range(WARMUP):
         fn()
     _sync(device_type)
@@ -199,7 +205,7 @@ def _median_time(fn, repeats: int, device_type: str, before=None) -> float:
         fn()
         _sync(device_type)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistic(times)
 
 
 def _sync(device_type: str) -> None:
@@ -212,7 +218,7 @@ def _matmul_time(dtype, side: int, device_type: str, repeats: int) -> float:
     """Median seconds of a side^3 matmul in `dtype`; inf if this device cannot run it (then dropped)."""
     try:
         a = torch.randn(side, side, device=device_type).to(dtype)
-        return _median_time(lambda: torch.mm(a, a), repeats, device_type)
+        return _typical_time(lambda: torch.mm(a, a), repeats, device_type)
     except (RuntimeError, TypeError):
         return float("inf")
 
@@ -221,7 +227,7 @@ def _copy_time(nbytes: int, device_type: str, repeats: int) -> float:
     """Median seconds to copy nbytes (it reads and writes them: 2 * nbytes through memory)."""
     src = torch.ones(nbytes // 4, device=device_type)
     dst = torch.empty_like(src)
-    return _median_time(lambda: dst.copy_(src), repeats, device_type)
+    return _typical_time(lambda: dst.copy_(src), repeats, device_type)
 
 
 def _world_max(values: list, device_type: str) -> list:
