@@ -95,23 +95,22 @@ def linear_weight_placements(plan, model):
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_ddp_all_reduces_every_gradient_once_per_axis_and_nothing_else(kind, shape):
     """Under ddp the gradients go out in buckets (runtime/grad_buckets.py): tiny models fit one 25 MiB bucket,
-    so one all-reduce per axis carries every weight's gradient, once. The GPT adds one: its position
-    embedding's output is whole on the data axes and read by the batch-split add, so that output's
-    gradient is summed where backward meets it, and the wpe weight then needs no reduction of its own."""
+    so one all-reduce per axis carries every weight's gradient, once. The GPT's position embedding output is
+    whole on the data axes and read by the batch-split add: its partial gradient flows on to the wpe weight
+    and is reduced in the bucket with the others (cost/buckets.partial_gradients), not where backward
+    meets it."""
     model, res = one_step(kind, "ddp", shape)
     names = AXIS_NAMES[shape]
     plan = res[0]["plan"]
     assert set(plan.batch_axes) == set(names), f"ddp must split the batch over every axis, got {plan.batch_axes}"
     assert all(p == "R" for pl in plan.param_placements.values() for p in pl), plan.param_placements
-    extra = 1 if kind == "gpt" else 0
     for rank, r in enumerate(res):
         counts = per_axis(r["comm"], names)
         for axis in names:
-            assert counts[axis] == Counter({("all_reduce", "backward"): 1 + extra}), (
+            assert counts[axis] == Counter({("all_reduce", "backward"): 1}), (
                 f"rank {rank}, axis {axis}: {dict(counts[axis])}; DDP launches one bucket's all-reduce in "
                 f"backward and nothing in forward")
-            # every gradient is reduced once: the bucket's bytes are the weights' bytes (the position
-            # embedding's output gradient standing in for the wpe weight's)
+            # every gradient is reduced once: the bucket's bytes are the weights' bytes
             assert sum(bytes_by(r["comm"], names, "all_reduce", "backward", axis).elements()) == \
                 sum(param_bytes(model).elements()), f"rank {rank}, axis {axis}: all-reduced bytes differ"
 
