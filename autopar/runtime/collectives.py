@@ -126,27 +126,14 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
     if kind == ALL_GATHER:
         d = shard_dim(src)
         size = n * x.shape[d] if whole is None else whole
-        piece = -(-size // n)
-        xs = _pad_to(x.movedim(d, 0), piece).contiguous()
-        xs = logged(xs, comm, ALL_GATHER, axis, n * _bytes(xs), phase)
-        out = xs.new_empty((n * piece,) + tuple(xs.shape[1:]))
-        t0 = comm.start()
-        _all_gather(out, xs, group=g)
-        comm.stop(axis, t0)
-        out = out[:size]   # the padding off (a prefix: still contiguous)
-        return out if d == 0 else out.movedim(0, d).contiguous()
+        if d != 0 and size == n * x.shape[d]:
+            return _all_gather_inner(x, d, comm, axis, phase)
+        return _all_gather_padded(x, d, size, comm, axis, phase)
     if kind == REDUCE_SCATTER:
         d = shard_dim(dst)
-        size = x.shape[d]
-        piece = -(-size // n)
-        xs = _pad_to(x.movedim(d, 0), n * piece).contiguous()
-        xs = logged(xs, comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
-        out = xs.new_empty((piece,) + tuple(xs.shape[1:]))
-        t0 = comm.start()
-        _reduce_scatter(out, xs, group=g)
-        comm.stop(axis, t0)
-        out = out[:chunk_span(size, n, ax.coord)[1]]
-        return out if d == 0 else out.movedim(0, d).contiguous()
+        if d != 0 and x.shape[d] % n == 0:
+            return _reduce_scatter_inner(x, d, comm, axis, phase)
+        return _reduce_scatter_padded(x, d, comm, axis, phase)
     if kind == ALL_TO_ALL:
         d_in, d_out = shard_dim(src), shard_dim(dst)
         send = torch.stack(x.chunk(n, dim=d_out)).contiguous()   # piece j goes to rank j
@@ -157,6 +144,76 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
         comm.stop(axis, t0)
         return torch.cat(recv.unbind(0), dim=d_in).contiguous()  # pieces from ranks 0..n-1 along d_in
     raise AssertionError(kind)
+
+
+def _all_gather_padded(x: torch.Tensor, d: int, size: int, comm: Comm, axis: int, phase: str) -> torch.Tensor:
+    """`x` split along dim d (torch.chunk's pieces of a dim of length `size`) gathered whole: the split dim
+    moved to the front and padded to equal pieces, gathered, the padding cut off and the dim moved back."""
+    ax = comm.axes[axis]
+    n = ax.size
+    piece = -(-size // n)
+    xs = _pad_to(x.movedim(d, 0), piece).contiguous()
+    xs = logged(xs, comm, ALL_GATHER, axis, n * _bytes(xs), phase)
+    out = xs.new_empty((n * piece,) + tuple(xs.shape[1:]))
+    t0 = comm.start()
+    _all_gather(out, xs, group=ax.group)
+    comm.stop(axis, t0)
+    out = out[:size]   # the padding off (a prefix: still contiguous)
+    return out if d == 0 else out.movedim(0, d).contiguous()
+
+
+def _reduce_scatter_padded(x: torch.Tensor, d: int, comm: Comm, axis: int, phase: str) -> torch.Tensor:
+    """`x` summed over `axis` and split along dim d as torch.chunk splits it: the dim moved to the front
+    and padded to n equal pieces, reduce-scattered, this rank's piece cut to its length and moved back."""
+    ax = comm.axes[axis]
+    n = ax.size
+    size = x.shape[d]
+    piece = -(-size // n)
+    xs = _pad_to(x.movedim(d, 0), n * piece).contiguous()
+    xs = logged(xs, comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
+    out = xs.new_empty((piece,) + tuple(xs.shape[1:]))
+    t0 = comm.start()
+    _reduce_scatter(out, xs, group=ax.group)
+    comm.stop(axis, t0)
+    out = out[:chunk_span(size, n, ax.coord)[1]]
+    return out if d == 0 else out.movedim(0, d).contiguous()
+
+
+def _all_gather_inner(x: torch.Tensor, d: int, comm: Comm, axis: int, phase: str) -> torch.Tensor:
+    """`x` split evenly along dim d > 0, gathered whole. The collective stacks the ranks' pieces along a new
+    leading dim, so each piece is sent as it is (no copy when contiguous), and one copy puts them side by
+    side along d, moving contiguous runs of the dims from d on. Moving d to the front instead costs a
+    transposing copy on each side (for the vocabulary dim of logits, runs of one element)."""
+    ax = comm.axes[axis]
+    n = ax.size
+    xs = logged(x.contiguous(), comm, ALL_GATHER, axis, n * _bytes(x), phase)
+    out = xs.new_empty((n * xs.shape[0],) + tuple(xs.shape[1:]))
+    t0 = comm.start()
+    _all_gather(out, xs, group=ax.group)
+    comm.stop(axis, t0)
+    shape = list(xs.shape)
+    shape[d] *= n
+    return out.view((n,) + tuple(xs.shape)).movedim(0, d).reshape(shape)
+
+
+def _reduce_scatter_inner(x: torch.Tensor, d: int, comm: Comm, axis: int, phase: str) -> torch.Tensor:
+    """`x` summed over `axis` and split evenly along dim d > 0: one copy lays the ranks' pieces out one
+    after another (contiguous runs of the dims from d on), and the collective's output is this rank's
+    piece as it is (see _all_gather_inner)."""
+    ax = comm.axes[axis]
+    n = ax.size
+    shape = tuple(x.shape)
+    piece = shape[d] // n
+    # rank r's piece is rows r*shape[0] .. (r+1)*shape[0] - 1 of a tensor split along dim 0, as the
+    # collective cuts its input
+    xs = x.reshape(shape[:d] + (n, piece) + shape[d + 1:]).movedim(d, 0).reshape((n * shape[0],) + shape[1:d]
+                                                                                 + (piece,) + shape[d + 1:])
+    xs = logged(xs, comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
+    out = xs.new_empty(shape[:d] + (piece,) + shape[d + 1:])
+    t0 = comm.start()
+    _reduce_scatter(out, xs, group=ax.group)
+    comm.stop(axis, t0)
+    return out
 
 
 def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, phase: str,
