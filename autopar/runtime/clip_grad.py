@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..errors import PlanError
 from ..sharding.placement import R
 from ..sharding.redistribute import ALL_REDUCE
+from .collectives import log_collective
 
 
 @torch.no_grad()
@@ -93,7 +94,6 @@ def _global_norm(pm, grads, norm_type, device) -> torch.Tensor:
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     for a, ax in enumerate(pm.comm.axes):
         if ax.size > 1:
-            if pm.comm.log is not None:
-                pm.comm.log.add(ALL_REDUCE, a, total.numel() * total.element_size(), "clip")
+            log_collective(pm.comm, ALL_REDUCE, a, total.numel() * total.element_size(), "clip")
             dist.all_reduce(total, op=op, group=ax.group)
     return total if inf else total.pow(1.0 / norm_type)

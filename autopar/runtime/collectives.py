@@ -280,6 +280,8 @@ def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def log_collective(comm: Comm, kind, axis, nbytes, phase):
+    """A launch logged (when comm logs), by code that runs eagerly: the buckets, layer groups and clipping.
+    Inside a graph torch.compile may trace, use `logged`."""
     if comm.log is not None:
         comm.log.add(kind, axis, nbytes, phase)
 

@@ -35,7 +35,7 @@ from .._compat import at_backward_end
 from ..cost.buckets import assign_buckets
 from ..errors import PlanError
 from ..sharding.redistribute import ALL_REDUCE
-from .collectives import Comm
+from .collectives import Comm, log_collective
 
 
 @dataclass
@@ -289,8 +289,7 @@ class GradBuckets:
             self.slots[i].outstanding = 0
 
     def _log(self, axis: int, flat: torch.Tensor) -> None:
-        if self.comm.log is not None:
-            self.comm.log.add(ALL_REDUCE, axis, flat.numel() * flat.element_size(), "backward")
+        log_collective(self.comm, ALL_REDUCE, axis, flat.numel() * flat.element_size(), "backward")
 
     def num_buckets(self) -> int:
         return len(self.buckets)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .._compat import at_backward_end
 from ..sharding.redistribute import ALL_REDUCE
 from ..sharding.placement import shard_dim
-from .collectives import Comm, all_gather_flat, reduce_scatter_flat
+from .collectives import Comm, all_gather_flat, log_collective, reduce_scatter_flat
 
 
 class _Member:
@@ -166,8 +166,7 @@ class LayerGroup:
         work.wait()
         self.comm.stop(self.axis, t0)
         for a in self.sum_axes:   # 1/n of the bytes summing the whole gradients first would move
-            if self.comm.log is not None:
-                self.comm.log.add(ALL_REDUCE, a, out.numel() * out.element_size(), "backward")
+            log_collective(self.comm, ALL_REDUCE, a, out.numel() * out.element_size(), "backward")
             t0 = self.comm.start()
             dist.all_reduce(out, group=self.comm.axes[a].group)
             self.comm.stop(a, t0)
