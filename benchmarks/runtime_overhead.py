@@ -6,6 +6,7 @@
     python benchmarks/runtime_overhead.py --hardware h100                  # price the plan for another device
     python benchmarks/runtime_overhead.py --hardware my_host.json          # a JSON spec (autopar.calibrate writes one)
     python benchmarks/runtime_overhead.py --calibrate                      # calibrate on the ranks, then plan
+    python benchmarks/runtime_overhead.py --strategies ddp --bucket-mb 4   # both sides with 4 MiB gradient buckets
 
 For each strategy, `world` real processes (torch.multiprocessing, spawn) join a gloo process group,
 each with `--threads` intra-op threads (default 1: the ranks share the machine's cores). Every rank
@@ -37,8 +38,9 @@ warns past 1e-4 relative, which would mean a wrong native version), one step und
 (collectives per step), then `--rounds` rounds of `--steps` timed steps of each side, the side going
 first swapping every round, a barrier before each step. "ms" is the median over steps of the step's
 time on its slowest rank; the quartiles printed below the table show how much other load on the
-machine moved it. Collectives are counted the same way on both sides: the gloo work items
-("gloo:*" profiler events) one step launches, by kind from the c10d op that launched each (gloo
+machine moved it, and the ratio per round (each round's median of one side over the other's, the two
+run back to back) how far one run's ratio can be trusted. Collectives are counted the same way on
+both sides: the gloo work items ("gloo:*" profiler events) one step launches, by kind from the c10d op that launched each (gloo
 itself runs a reduce-scatter as an all-reduce of the whole buffer: twice a ring reduce-scatter's bytes).
 "predicted ms" is the plan's `predicted.step_time` on the hardware it was planned for (printed
 below the table; the planner's default for a CPU mesh is the "cpu" preset, rough figures for
@@ -192,12 +194,12 @@ def grads_as_params(module):
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def native_module(strategy: str, model, mesh):
+def native_module(strategy: str, model, mesh, bucket_mb: float | None = None):
     """(module, loss context, data axis or None): `strategy` applied by hand to `model` (changed in place)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     if strategy == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model), contextlib.nullcontext, "dp"
+        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb), contextlib.nullcontext, "dp"
     if strategy == "fsdp":
         for block in model.h:
             fully_shard(block, mesh=mesh)
@@ -276,7 +278,8 @@ def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
         t0 = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pm = autopar.parallelize(copy.deepcopy(model), mesh, (idx,), strategy=strategy, hardware=hardware)
+            pm = autopar.parallelize(copy.deepcopy(model), mesh, (idx,), strategy=strategy, hardware=hardware,
+                                     **({} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * 2**20)}))
         exposed = pm.plan.predicted.exposed_comm_time
         info.update(build_s=time.perf_counter() - t0, predicted=pm.plan.predicted.step_time,
                     predicted_compute=pm.plan.predicted.compute_time, predicted_exposed=sum(exposed.values()),
@@ -287,7 +290,7 @@ def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
     except Exception as e:   # every rank fails alike (rank 0 plans and broadcasts the plan or its error)
         info["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ours = None
-    module, loss_context, data_axis = native_module(strategy, copy.deepcopy(model), mesh)
+    module, loss_context, data_axis = native_module(strategy, copy.deepcopy(model), mesh, args.bucket_mb)
     inputs, tgt = (idx, targets) if data_axis is None else (batch_shard(idx, mesh, data_axis),
                                                             batch_shard(targets, mesh, data_axis))
     native = Side(module, torch.optim.AdamW(module.parameters(), lr=args.lr), (inputs,), tgt, loss_context,
@@ -416,11 +419,21 @@ def step_ms(results: list, side: str) -> tuple:
     return statistics.median(slowest), q1, q3
 
 
+def round_ratios(results: list, steps: int) -> list:
+    """autopar / native per round: each round's median step (slowest rank) of one side over the other's in
+    the same round. The two sides of a round ran back to back, so a ratio per round cancels the machine's
+    drift between rounds, and their spread shows how far one run's ratio can be trusted."""
+    def per_round(side):
+        slowest = [max(ts) for ts in zip(*(r["times"][side] for r in results))]
+        return [statistics.median(slowest[i:i + steps]) for i in range(0, len(slowest), steps)]
+    return [a / n for a, n in zip(per_round("autopar"), per_round("native"))]
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def summarize(strategy: str, results: list) -> dict:
+def summarize(strategy: str, results: list, steps: int) -> dict:
     """One table row (and its details) from every rank's results."""
     r0, world = results[0], len(results)
     info = r0["autopar"]
@@ -435,7 +448,8 @@ def summarize(strategy: str, results: list) -> dict:
     diffs = [rel(first["native"], r0["reference"])]
     if "autopar" in first:
         autopar_ms, *autopar_iqr = step_ms(results, "autopar")
-        row.update(autopar_ms=autopar_ms, autopar_iqr=autopar_iqr, autopar_coll=r0["collectives"]["autopar"])
+        row.update(autopar_ms=autopar_ms, autopar_iqr=autopar_iqr, autopar_coll=r0["collectives"]["autopar"],
+                   round_ratios=round_ratios(results, steps))
         diffs += [rel(first["autopar"], first["native"]), rel(first["autopar"], r0["reference"])]
     row["loss_diff"] = max(diffs)
     return row
@@ -491,6 +505,10 @@ def print_details(rows: list, args):
             continue
         print(f"{row['strategy']}: step ms, quartiles over steps: native {_iqr(row['native_iqr'])}"
               + (f", autopar {_iqr(row['autopar_iqr'])}" if "autopar_iqr" in row else ""))
+        if "round_ratios" in row:
+            rr = row["round_ratios"]
+            print(f"{row['strategy']}: ratio per round (the sides' rounds ran back to back): median "
+                  f"{statistics.median(rr):.2f}, range {min(rr):.2f}-{max(rr):.2f} over {len(rr)} rounds")
         print(f"{row['strategy']}: native collectives {_kinds(row['native_coll'])}")
         if "autopar_coll" not in row:
             continue
@@ -531,6 +549,9 @@ def parse_args(argv=None):
     p.add_argument("--calibrate", action="store_true",
                    help="plan with autopar.calibrate(mesh), run on each strategy's ranks before they are timed "
                         "(adds ~10 s per mesh axis)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="gradient bucket size in MiB for both sides (autopar's bucket_bytes, DDP's bucket_cap_mb); "
+                        "default: each side's own (25 MiB; DDP also caps its first bucket at 1 MiB)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=300,
@@ -560,7 +581,7 @@ def main():
         t0 = time.perf_counter()
         print(f"{strategy}: running ...", file=sys.stderr, flush=True)
         try:
-            rows.append(summarize(strategy, spawn(strategy, args)))
+            rows.append(summarize(strategy, spawn(strategy, args), args.steps))
         except RuntimeError as e:
             rows.append({"strategy": strategy, "ranks": world_size(strategy), "failed": str(e)})
         print(f"{strategy}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
