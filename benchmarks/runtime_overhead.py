@@ -53,6 +53,7 @@ import contextlib
 import copy
 import datetime
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -224,7 +225,7 @@ class Side:
     def __init__(self, module, opt, inputs, targets, loss_context=contextlib.nullcontext, after_backward=None):
         self.module, self.opt, self.inputs, self.targets = module, opt, inputs, targets
         self.loss_context, self.after_backward = loss_context, after_backward
-        self.times, self.losses = [], []
+        self.times, self.losses, self.faults = [], [], []
 
     def step(self) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
@@ -238,10 +239,18 @@ class Side:
 
     def timed_step(self):
         dist.barrier()   # every rank starts the step together: the step's time is its slowest rank's
-        t0 = time.perf_counter()
+        f0, t0 = _minor_faults(), time.perf_counter()
         loss = self.step()
         self.times.append(time.perf_counter() - t0)
+        self.faults.append(_minor_faults() - f0)
         self.losses.append(loss)
+
+
+def _minor_faults() -> int:
+    """Page faults this process took so far that the OS served without I/O: a step that takes many is
+    touching memory the allocator got fresh from the OS (its heap returned it, or a large tensor was
+    mapped anew), which costs 2-10 us a page on a virtual machine."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def loss_value(loss: torch.Tensor) -> float:
@@ -324,6 +333,7 @@ def measure(rank: int, args, strategy: str) -> dict:
         PHASE[0] = f"{name} step under the profiler"
         collectives[name] = count_collectives(side)
         side.times.clear()
+        side.faults.clear()
     for r in range(args.rounds):
         order = list(sides.items()) if r % 2 == 0 else list(reversed(sides.items()))
         for name, side in order:
@@ -331,7 +341,8 @@ def measure(rank: int, args, strategy: str) -> dict:
             for _ in range(args.steps):
                 side.timed_step()
     PHASE[0] = "done"
-    return {"times": {n: s.times for n, s in sides.items()}, "first_loss": first,
+    return {"times": {n: s.times for n, s in sides.items()}, "faults": {n: s.faults for n, s in sides.items()},
+            "first_loss": first,
             "last_loss": {n: loss_value(s.losses[-1]) for n, s in sides.items()},
             "collectives": collectives, "reference": reference, "autopar": info}
 
@@ -444,7 +455,8 @@ def summarize(strategy: str, results: list, steps: int) -> dict:
     native_ms, *native_iqr = step_ms(results, "native")
     row = {"strategy": strategy, "ranks": world, "native_ms": native_ms, "native_iqr": native_iqr,
            "native_coll": r0["collectives"]["native"], "info": info, "first": first, "last": last,
-           "reference": r0["reference"]}
+           "reference": r0["reference"],
+           "faults": {side: [max(f) for f in zip(*(r["faults"][side] for r in results))] for side in r0["faults"]}}
     diffs = [rel(first["native"], r0["reference"])]
     if "autopar" in first:
         autopar_ms, *autopar_iqr = step_ms(results, "autopar")
@@ -509,6 +521,9 @@ def print_details(rows: list, args):
             rr = row["round_ratios"]
             print(f"{row['strategy']}: ratio per round (the sides' rounds ran back to back): median "
                   f"{statistics.median(rr):.2f}, range {min(rr):.2f}-{max(rr):.2f} over {len(rr)} rounds")
+            faults = {side: statistics.median(row["faults"][side]) for side in ("native", "autopar")}
+            print(f"{row['strategy']}: minor page faults per step (median over timed steps, most of any rank): "
+                  f"native {faults['native']:.0f}, autopar {faults['autopar']:.0f}")
         print(f"{row['strategy']}: native collectives {_kinds(row['native_coll'])}")
         if "autopar_coll" not in row:
             continue

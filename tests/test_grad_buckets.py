@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.testing import GPT, GPTConfig, gpt_loss, run_threaded
+from autopar.testing import GPT, MLP, GPTConfig, gpt_loss, run_threaded
 
 # pipelined plans reduce their data axis once per step too: tests/test_pipeline.py counts it
 
@@ -319,3 +319,58 @@ def test_a_partial_gradient_flows_through_replicated_ops_to_the_bucket(return_po
         reduced_in_backward = [c for c in edge if c[0] == "all_reduce"]
         assert len(reduced_in_backward) == (1 if return_positions else 0), r["planned"]
         assert len(r["records"]) == len(r["planned"])
+
+
+def _scaled_where(rank, model, x, y, n, strategy, loss_fn, x_needs_grad, checkpointing):
+    """One SGD step of `model` on n ranks: where the outputs' 1/n went (the buckets' factor, ScaleGrad in
+    the graph or not), this rank's input gradient, and the full gradients and parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.runtime.collectives import scale_grad
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy, checkpointing=checkpointing)
+    assert bool(pm.plan.checkpointed) == (checkpointing == "full")
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    (xi,) = pm.plan.local_inputs(x)
+    (yi,) = pm.plan.local_targets(y)
+    xi = xi.clone().requires_grad_(x_needs_grad)
+    loss_fn(pm(xi), yi).backward()
+    grads = pm.full_grads()
+    opt.step()
+    return {"bucket_scale": pm._grad_buckets.grad_scale, "x_grad": xi.grad,
+            "scale_grad_nodes": sum(nd.target is scale_grad for nd in pm.graph_module.graph.nodes),
+            "grads": grads, "params": pm.state_dict(full=True)}
+
+
+def _mse(out, y):
+    return torch.nn.functional.mse_loss(out, y)
+
+
+@pytest.mark.parametrize("case", ["gpt-ddp", "gpt-ddp-checkpointed", "gpt-fsdp", "mlp-ddp"])
+def test_the_buckets_take_the_outputs_gradient_scale_only_where_no_other_gradient_shows(case):
+    """On 3 ranks (a factor 1/3 no float hits exactly): a GPT under ddp (integer tokens in, every weight
+    bucketed) scales its gradients in the buckets, with no ScaleGrad on the logits; under fsdp its weights
+    are gathered, not bucketed, and a float-input MLP's input gradient is the user's to read, so both keep
+    the ScaleGrad. Every way, the SGD step and the input gradient equal one device's. Checkpointed blocks
+    (their graph outlined into regions) must not lose the factor on the way to the buckets."""
+    n = 3
+    if case.startswith("gpt"):
+        model, x, y = _gpt(batch=6)
+        loss_fn, x_needs_grad = gpt_loss, False
+    else:
+        torch.manual_seed(0)
+        model, x, y = MLP([8, 16, 4]), torch.randn(6, 8), torch.randn(6, 4)
+        loss_fn, x_needs_grad = _mse, True
+    ref, xr = copy.deepcopy(model), x.clone().requires_grad_(x_needs_grad)
+    loss_fn(ref(xr), y).backward()
+    grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
+    with torch.no_grad():
+        params = {k: p - LR * p.grad for k, p in ref.named_parameters()}
+    checkpointing = "full" if case.endswith("checkpointed") else "none"
+    res = run_threaded(n, _scaled_where, model, x, y, n, case.split("-")[1], loss_fn, x_needs_grad, checkpointing)
+    _check(res, grads, params)
+    folded = case.startswith("gpt-ddp")
+    for rank, r in enumerate(res):
+        if x_needs_grad:   # this rank's rows of the whole batch's input gradient
+            torch.testing.assert_close(r["x_grad"], xr.grad.chunk(n)[rank], atol=ATOL, rtol=0)
+        assert r["bucket_scale"] == pytest.approx(1 / n if folded else 1.0)
+        assert r["scale_grad_nodes"] == (0 if folded else 1)

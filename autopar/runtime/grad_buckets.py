@@ -86,8 +86,10 @@ class GradBuckets:
     `entries`: (name, parameter, axes, reduce dtype) per weight, in the order backward makes their
     gradients (reverse forward order)."""
 
-    def __init__(self, entries: list, comm: Comm, bucket_bytes: int):
+    def __init__(self, entries: list, comm: Comm, bucket_bytes: int, grad_scale: float = 1.0):
         self.comm = comm
+        # the outputs' gradient factor, applied here as each gradient comes in (cost/buckets.bucket_grad_scale)
+        self.grad_scale = grad_scale
         self.slots: list[_Slot] = []
         self.buckets: list[_Bucket] = []
         self._slot_of: dict[str, int] = {}
@@ -193,12 +195,16 @@ class GradBuckets:
         slot = self.slots[i]
         if b.flat is None:
             b.flat = self._buffer(b, slot.param.device)
-        piece = b.flat[slot.offset: slot.offset + slot.param.numel()]
+        piece, grad, scale = b.flat[slot.offset: slot.offset + slot.param.numel()], grad.reshape(-1), self.grad_scale
         if i in b.written:
-            piece.add_(grad.reshape(-1))
-        else:
-            piece.copy_(grad.reshape(-1))
-            b.written.add(i)
+            piece.add_(grad, alpha=scale)
+        elif scale == 1.0:
+            piece.copy_(grad)
+        elif grad.dtype == piece.dtype:
+            torch.mul(grad, scale, out=piece)   # the copy and the scale in one pass
+        else:   # multiplied in the bucket's dtype, not in a narrower one the gradient may come in
+            piece.copy_(grad).mul_(scale)
+        b.written.add(i)
 
     def _buffer(self, b: _Bucket, device) -> torch.Tensor:
         """The bucket's buffer for this backward: the last step's again, as DDP keeps its buckets (no

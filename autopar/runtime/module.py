@@ -120,7 +120,10 @@ class ParallelModule(torch.nn.Module):
         for fqn, p in params.items():
             if fqn in self.plan.param_zero and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._check_zero_optimizer)
-        return _grad_buckets(cap, self.plan, self.comm, grad_nodes, params)
+        scale = self.graph_module.meta.get("bucket_grad_scale", 1.0)
+        if isinstance(self._other_mode, tuple) and self._other_mode[0].meta.get("bucket_grad_scale", 1.0) != scale:
+            raise PlanError("the two modes' graphs scale the outputs' gradient in different places; report this")
+        return _grad_buckets(cap, self.plan, self.comm, grad_nodes, params, scale)
 
     def no_sync(self):
         """A context whose forwards' gradients are summed on this rank, not reduced over the data axes (their
@@ -358,7 +361,7 @@ def _serve_layer_groups(pm: "ParallelModule", registries: list) -> None:
             group.params = lambda name: ref().store.get_parameter(name)
 
 
-def _grad_buckets(cap: Captured, plan, comm: Comm, grad_nodes, params: dict) -> GradBuckets:
+def _grad_buckets(cap: Captured, plan, comm: Comm, grad_nodes, params: dict, grad_scale: float) -> GradBuckets:
     """The buckets of the weights whose gradient the graph leaves partial (grad_buckets.deferred_axes), in the
     order backward makes those gradients: the reverse of their first use."""
     policy = precision_of(plan.precision)
@@ -368,7 +371,7 @@ def _grad_buckets(cap: Captured, plan, comm: Comm, grad_nodes, params: dict) -> 
         if fqn in params:   # a pipeline stage holds only its own weights
             own = cap.param_dtypes.get(fqn, params[fqn].dtype)
             entries.append((fqn, params[fqn], axes, policy.resolve(own).reduce))
-    return GradBuckets(entries, comm, plan.bucket_bytes)
+    return GradBuckets(entries, comm, plan.bucket_bytes, grad_scale)
 
 
 def mesh_device(device_mesh) -> torch.device | None:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.export import PARAM, Captured
-from ..cost.buckets import partial_gradients
+from ..cost.buckets import bucket_grad_scale, output_grad_scale, partial_gradients
 from ..cost.layer_groups import group_key, groupable
 from ..cost.activations import activation_model
 from ..cost.checkpointing import checkpointable_stacks
@@ -146,6 +146,9 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
     if plan.checkpointed:
         gm = _checkpoint_blocks(gm, cap, plan.checkpointed, made_for, comm)
     rw.gathered.needed = any(isinstance(m, RedistributeModule) and m.gathered is not None for m in gm.modules())
+    # the outputs' gradient factor the graph left out, for the module's GradBuckets to apply: on the final
+    # graph module (checkpointing may have made another), which the module reads it from
+    gm.meta["bucket_grad_scale"] = rw.bucket_grad_scale
     return gm, rw.gathered
 
 
@@ -184,6 +187,7 @@ class _Rewriter:
         # weights whose data-axis gradient the buckets reduce, and activations whose gradient flows on to them
         # partial (cost/buckets.partial_gradients)
         self.deferred = partial_gradients(cap, plan.node_strategies, grad_nodes)
+        self.bucket_grad_scale = bucket_grad_scale(cap, plan, grad_nodes)
 
     def emit(self, node: fx.Node) -> None:
         """Add the local counterpart of captured `node` (nothing for an op that is dropped)."""
@@ -293,13 +297,14 @@ class _Rewriter:
         self.env[node.name] = self.g.get_attr(node.target)
 
     def _emit_output(self, node: fx.Node) -> None:
-        """The outputs in the plan's output layouts, each gradient scaled as output_grad_scale says."""
+        """The outputs in the plan's output layouts, each gradient scaled as output_grad_scale says (by the
+        gradient buckets instead, where bucket_grad_scale says they can)."""
         s = self.strategies["output"]
         outs = []
         for i, a in enumerate(tensor_args(node)):
             x = self.redistribute(a, s.inputs[i], ())
             scale = output_grad_scale(s.inputs[i], self.sizes)
-            if scale != 1.0 and a.name in self.grad_nodes:
+            if scale != 1.0 and a.name in self.grad_nodes and self.bucket_grad_scale == 1.0:
                 x = self.g.call_function(scale_grad, (x, scale))
             outs.append(x)
         self.g.output(tuple(outs))
@@ -349,23 +354,6 @@ class _Rewriter:
         whole = whole[0] if isinstance(whole, list) else whole
         dims = squeezed_dims(node, whole.hint)
         return self.g.call_function(torch.ops.aten.squeeze.dims, (args[0], dims))
-
-
-def output_grad_scale(placements, axis_sizes) -> float:
-    """The factor on the gradient of an output laid out as `placements`.
-
-    An output split along the batch over n ranks gives each rank a loss that
-    is the mean of its own shard; the gradient reduction then sums n such
-    gradients, so each is scaled by 1/n. An output whole on an axis (a loss
-    the model computed itself, already reduced over the batch) is the same
-    number on every rank of that axis: its gradient is already that of the
-    global loss, and scaling it would make the step 1/n too small.
-    """
-    scale = 1.0
-    for p, n in zip(placements, axis_sizes):
-        if is_shard(p):
-            scale /= n
-    return scale
 
 
 def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, checkpointed: dict, made_for: list,
