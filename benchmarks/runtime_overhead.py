@@ -39,9 +39,11 @@ warns past 1e-4 relative, which would mean a wrong native version), one step und
 first swapping every round, a barrier before each step. "ms" is the median over steps of the step's
 time on its slowest rank; the quartiles printed below the table show how much other load on the
 machine moved it, and the ratio per round (each round's median of one side over the other's, the two
-run back to back) how far one run's ratio can be trusted. Collectives are counted the same way on
-both sides: the gloo work items ("gloo:*" profiler events) one step launches, by kind from the c10d op that launched each (gloo
-itself runs a reduce-scatter as an all-reduce of the whole buffer: twice a ring reduce-scatter's bytes).
+run back to back) how far one run's ratio can be trusted; and the minor page faults a step takes on each
+side, which move the ratio (docs/ARCHITECTURE.md section 5e). Collectives are counted the same way on
+both sides: the gloo work items ("gloo:*" profiler events) one step launches, by kind from the c10d
+op that launched each (gloo itself runs a reduce-scatter as an all-reduce of the whole buffer: twice
+a ring reduce-scatter's bytes).
 "predicted ms" is the plan's `predicted.step_time` on the hardware it was planned for (printed
 below the table; the planner's default for a CPU mesh is the "cpu" preset, rough figures for
 loopback gloo; `--calibrate` measures the ranks first with autopar.calibrate and plans with that),
@@ -247,9 +249,9 @@ class Side:
 
 
 def _minor_faults() -> int:
-    """Page faults this process took so far that the OS served without I/O: a step that takes many is
-    touching memory the allocator got fresh from the OS (its heap returned it, or a large tensor was
-    mapped anew), which costs 2-10 us a page on a virtual machine."""
+    """Page faults this process took so far that the OS served without I/O. A step that takes many touches
+    pages the process had not touched before or had given back, ~5-10 us a page on the VM this was
+    measured on: 1024 of them (4 MiB) a step moved the ddp ratio by ~0.05."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -287,8 +289,9 @@ def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
         t0 = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            buckets = {} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * 2**20)}
             pm = autopar.parallelize(copy.deepcopy(model), mesh, (idx,), strategy=strategy, hardware=hardware,
-                                     **({} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * 2**20)}))
+                                     **buckets)
         exposed = pm.plan.predicted.exposed_comm_time
         info.update(build_s=time.perf_counter() - t0, predicted=pm.plan.predicted.step_time,
                     predicted_compute=pm.plan.predicted.compute_time, predicted_exposed=sum(exposed.values()),
