@@ -121,7 +121,7 @@ def assign_buckets(entries: list, bucket_bytes: int) -> list:
     return buckets
 
 
-def bucket_grad_scale(cap: Captured, plan, grad_nodes: set) -> float:
+def bucket_grad_scale(cap: Captured, plan, grad_nodes: set, deferred: dict) -> float:
     """The outputs' gradient factor (output_grad_scale) when the gradient buckets can apply it instead, as
     they take each weight's gradient in (as DDP divides its buckets); 1.0 where the outputs keep it.
 
@@ -132,7 +132,8 @@ def bucket_grad_scale(cap: Captured, plan, grad_nodes: set) -> float:
     only where every gradient a user can see is a bucketed weight's: every weight that gets a gradient is
     bucketed (none gathered by FSDP or sharded by ZeRO), no input is floating-point (an integer one cannot
     ask for a gradient), every output with a gradient has the same factor, and there is no pipeline (a
-    stage's outputs are activations the next stage's gradient comes back to)."""
+    stage's outputs are activations the next stage's gradient comes back to). `deferred`: what
+    partial_gradients found for this plan (the bucketed weights among it)."""
     if plan.pipeline is not None:
         return 1.0
     out = next(n for n in cap.graph.nodes if n.op == "output")
@@ -141,7 +142,6 @@ def bucket_grad_scale(cap: Captured, plan, grad_nodes: set) -> float:
               for i, a in enumerate(tensor_args(out)) if a.name in grad_nodes}
     if len(scales) != 1 or scales == {1.0}:
         return 1.0
-    bucketed = deferred_axes(cap, plan.node_strategies, grad_nodes)
     for node in cap.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -149,7 +149,7 @@ def bucket_grad_scale(cap: Captured, plan, grad_nodes: set) -> float:
         metas = info.meta if isinstance(info.meta, list) else [info.meta]
         if info.kind == INPUT and any(m is not None and m.dtype.is_floating_point for m in metas):
             return 1.0
-        if info.kind == PARAM and node.name in grad_nodes and node.name not in bucketed:
+        if info.kind == PARAM and node.name in grad_nodes and node.name not in deferred:
             return 1.0
     return scales.pop()
 

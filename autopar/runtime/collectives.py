@@ -118,7 +118,8 @@ def transform(x: torch.Tensor, src: str, dst: str, axis: int, comm: Comm, phase:
     if kind == ZERO:  # R -> P: one rank keeps the value so the pending sum counts it once
         return x if ax.coord == 0 else torch.zeros_like(x)
     if kind == ALL_REDUCE:
-        y = logged(x.contiguous().clone(), comm, ALL_REDUCE, axis, _bytes(x), phase)
+        # reduced in a copy (x may be saved or read elsewhere); one copy, contiguous as gloo and NCCL need
+        y = logged(x.clone(memory_format=torch.contiguous_format), comm, ALL_REDUCE, axis, _bytes(x), phase)
         t0 = comm.start()
         dist.all_reduce(y, group=g)
         comm.stop(axis, t0)

@@ -120,8 +120,8 @@ class ParallelModule(torch.nn.Module):
         for fqn, p in params.items():
             if fqn in self.plan.param_zero and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._check_zero_optimizer)
-        scale = self.graph_module.meta.get("bucket_grad_scale", 1.0)
-        if isinstance(self._other_mode, tuple) and self._other_mode[0].meta.get("bucket_grad_scale", 1.0) != scale:
+        scale = self.graph_module.meta["bucket_grad_scale"]   # rewrite() sets it on every graph it makes
+        if isinstance(self._other_mode, tuple) and self._other_mode[0].meta["bucket_grad_scale"] != scale:
             raise PlanError("the two modes' graphs scale the outputs' gradient in different places; report this")
         return _grad_buckets(cap, self.plan, self.comm, grad_nodes, params, scale)
 

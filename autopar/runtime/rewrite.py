@@ -187,7 +187,7 @@ class _Rewriter:
         # weights whose data-axis gradient the buckets reduce, and activations whose gradient flows on to them
         # partial (cost/buckets.partial_gradients)
         self.deferred = partial_gradients(cap, plan.node_strategies, grad_nodes)
-        self.bucket_grad_scale = bucket_grad_scale(cap, plan, grad_nodes)
+        self.bucket_grad_scale = bucket_grad_scale(cap, plan, grad_nodes, self.deferred)
 
     def emit(self, node: fx.Node) -> None:
         """Add the local counterpart of captured `node` (nothing for an op that is dropped)."""
