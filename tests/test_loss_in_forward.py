@@ -7,7 +7,8 @@ averaged over the batch shards again (that made every gradient 1/world too
 small), and the mean over a split batch must count each rank's targets (some are
 ignored: -1 for nanoGPT, -100 for HF), not average the ranks' means.
 
-Real gloo processes, 2 ranks (every named strategy on one axis, and auto) and 4
+Real gloo processes, 2 ranks (every named strategy on one axis, and auto; the HF
+model skips ZeRO-1/2, see SKIPPED) and 4
 ranks (2 x 2: fsdp+tp, tp+sp, ddp, auto). Each case trains 3 steps with SGD
 (atol 1e-5: a wrong gradient scale moves parameters by ~lr x gradient, far
 more) and, from the same start, 3 steps with AdamW (atol 1e-3 at lr 1e-3; Adam's
@@ -31,6 +32,9 @@ ADAM_LR, ADAM_ATOL = 1e-3, 1e-3
 BATCH, SEQ = 8, 16
 ONE_AXIS = ("ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "auto")
 TWO_AXES = ("fsdp+tp", "tp+sp", "ddp", "auto")
+# ZeRO-1/2 differ from ddp only in how the gradients are reduced, which the GPT checks; the HF model
+# (capture takes ~3x the GPT's) runs the strategies that change where its loss's inputs live
+SKIPPED = {"llama": ("zero1", "zero2")}
 
 
 def _models():
@@ -78,7 +82,7 @@ def _parallel(rank, shape, strategies):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("a", "b")[:len(shape)])
     results = {}
     for kind, (model, inputs) in _models().items():
-        for strategy in strategies:
+        for strategy in (s for s in strategies if s not in SKIPPED.get(kind, ())):
             plan = None
             for name, opt_cls, lr in (("sgd", torch.optim.SGD, SGD_LR), ("adamw", torch.optim.AdamW, ADAM_LR)):
                 # a module per optimizer (ZeRO's wrapper hooks the module's parameters); planned once
@@ -96,7 +100,7 @@ def _parallel(rank, shape, strategies):
 
 def _check(results, reference, strategies):
     for kind, ref in reference.items():
-        for strategy in strategies:
+        for strategy in (s for s in strategies if s not in SKIPPED.get(kind, ())):
             for name, atol in (("sgd", SGD_ATOL), ("adamw", ADAM_ATOL)):
                 losses, params, _ = results[(kind, strategy, name)]
                 ref_losses, ref_params = ref[name]
