@@ -38,7 +38,7 @@ from .search.pipeline import (AUTO, STAGES_PER_DEVICE, check_depth, check_reques
 from .search.solution import INFEASIBLE, Solution
 from .search.stage_costs import device_prediction, op_costs
 from .search.stage_partition import partition
-from .sharding.strategies import all_strategies
+from .sharding.strategies import all_strategies, batch_outputs
 
 # progress of a search (INFO): the command line shows it; a script shows it with
 # logging.basicConfig(level=logging.INFO), or logging.getLogger("autopar").setLevel(logging.INFO) and a handler
@@ -294,13 +294,26 @@ def _role_tiers(spec: MeshSpec, axis_links, hw) -> list:
     return [role_assignments(spec, intra), role_assignments(spec, intra, num_free=1)]
 
 
+def _whole_outputs_hint(cap: Captured) -> str:
+    """Outputs computed from the batch that do not carry it (a mean over the batch, say) must come back
+    whole, which a strategy that splits the batch and never gathers activations cannot do."""
+    out = next(n for n in cap.graph.nodes if n.op == "output")
+    _, whole = batch_outputs(out, cap)
+    if not whole:
+        return ""
+    shapes = ", ".join(f"{name} {tuple(first_meta(cap.info[name].meta).hint)}" for name in sorted(whole))
+    return (f", or some output is computed from the batch but is not split by it ({shapes}: dim 0 is not the "
+            "batch), so it must come back whole, which needs the batch gathered: return it per sample, or "
+            "compute it in the loss")
+
+
 def _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing):
     free, _ = _best(prob, candidates, None, time_limit) if limit is not None else (Solution({}, (), 0, 0, ""), None)
     if limit is None or not free.choice:
         raise ShardingError(
             f"strategy {strategy!r} cannot be laid out on mesh {spec}: some tensor dim does not divide by "
-            "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree); "
-            "use strategy='auto', another mesh, or sizes divisible by the axis sizes")
+            "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree)"
+            f"{_whole_outputs_hint(prob.cap)}; use strategy='auto', another mesh, or sizes divisible by the axis sizes")
     least, _ = _best(prob, candidates, None, time_limit, minimize_memory=True, checkpointing=checkpointing)
     raise InfeasiblePlanError(
         f"no {strategy!r} plan on mesh {spec} fits memory_limit={cm.format_bytes(limit)} per device: "

@@ -103,6 +103,10 @@ def _metas(meta) -> list:
     return meta if isinstance(meta, list) else [meta]
 
 
+def _first_meta(meta):
+    return _metas(meta)[0] if meta is not None else None
+
+
 def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategies:
     info = cap.info[node.name]
     args = tensor_args(node)
@@ -133,6 +137,35 @@ def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategie
             continue
         strategies.append(s)
     return NodeStrategies(node.name, OP, strategies, fallback)
+
+
+def batch_outputs(node: fx.Node, cap: Captured, batch_dim: int = 0) -> tuple[set, set]:
+    """(names of the outputs that carry the batch along `batch_dim`, names of the other outputs computed
+    from the batch). An output carries the batch when it is computed from a user input with a batch dim
+    and is as long as the batch there. Any other output -- a function of the weights alone (a
+    regularizer), a statistic over the batch (a mean over dim 0), a scalar loss -- is one value for the
+    whole batch: split along its dim 0 it would be cut where no batch is, and its gradient scaled as a
+    shard's."""
+    sizes, from_batch = set(), set()
+    for n in cap.graph.nodes:
+        info = cap.info.get(n.name)
+        if n.op == "placeholder":
+            meta = _first_meta(info.meta) if info is not None else None
+            if info is not None and info.kind == INPUT and meta is not None and meta.ndim > batch_dim:
+                sizes.add(meta.hint[batch_dim])
+                from_batch.add(n.name)
+        elif any(a.name in from_batch for a in n.all_input_nodes):
+            from_batch.add(n.name)
+    carry, other = set(), set()
+    for a in tensor_args(node):
+        if a.name not in from_batch:
+            continue
+        meta = _first_meta(cap.info[a.name].meta)
+        if meta is not None and meta.ndim > batch_dim and meta.hint[batch_dim] in sizes:
+            carry.add(a.name)
+        else:
+            other.add(a.name)
+    return carry, other
 
 
 def placeholder_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_dim: int = 0) -> NodeStrategies:
@@ -182,8 +215,10 @@ def zero_variants(storage: Placements, meta: TensorMeta, mesh: MeshSpec) -> list
 
 
 def output_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_dim: int = 0) -> NodeStrategies:
-    """What the module returns: split along the batch dim over the batch axes, whole otherwise."""
+    """What the module returns: each output that carries the batch (batch_outputs) split along the batch dim
+    over the batch axes; the others whole on every rank."""
     args = tensor_args(node)
+    batched, _ = batch_outputs(node, cap, batch_dim)
     n = mesh.num_axes
     out = []
     for combo in itertools.product([R, S(batch_dim)], repeat=n):
@@ -191,7 +226,7 @@ def output_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_dim: i
         ok = True
         for a in args:
             m = _metas(cap.info[a.name].meta)[0]
-            pl = tuple(p if m.ndim > 0 else R for p in combo)
+            pl = tuple(p if a.name in batched else R for p in combo)
             if not _divides(m, pl, mesh.axis_sizes):
                 ok = False
             ins.append(pl)
