@@ -44,6 +44,7 @@ benchmark, not a test.
 """
 import argparse
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -428,7 +429,13 @@ def _shown(results: list, i: int, per_rank: bool):
     return [min(range(len(results)), key=lambda r: results[r]["rows"][i]["bound"] - results[r]["rows"][i]["peak"])]
 
 
+# torch's own round trip: its filesystem reader holds two whole tensors at once (the docstring's "dcp.load");
+# every other phase's bound is a promise autopar makes, and the exit status says whether it held
+UNPROMISED = ("load: dcp.load",)
+
+
 def print_table(results: list, sizes: dict, per_rank: bool) -> bool:
+    """The table; whether every phase autopar promises a bound for stayed within it."""
     header = (f"{'phase':<15} {'rank':>4} {'peak':>8} {'RSS rise':>9} {'whole':>7} {'shard':>7} {'layer':>6} "
               f"{'bound':>8} {'bound is':<17} {'margin':>7} {'within':>6}")
     print("MiB per rank" + ("" if per_rank else "; the rank closest to its bound") + "\n" + header)
@@ -443,7 +450,7 @@ def print_table(results: list, sizes: dict, per_rank: bool) -> bool:
     print("\nprediction per rank (plan.predicted.memory, MiB): " + ", ".join(
         f"{k} {_mib(p[k])}" for k in ("params", "master", "grads", "optimizer", "activations", "transient", "total")
         if k != "master" or p[k]))
-    return all(row["peak"] <= row["bound"] for res in results for row in res["rows"])
+    return all(row["peak"] <= row["bound"] for res in results for row in res["rows"] if row["phase"] not in UNPROMISED)
 
 
 def print_peaks(results: list, per_rank: bool):
@@ -518,8 +525,10 @@ def main():
           + ", ".join(f"{row['phase']} {row['seconds']:.1f}" for row in results[0]["rows"]) + ")")
     on_meta = all(r["on_meta_after_build"] for r in results)
     print(f"parameters still on the meta device after parallelize, on every rank: {'yes' if on_meta else 'NO'}")
-    print("every phase within its bound" if ok else "SOME PHASE EXCEEDS ITS BOUND (see 'within')")
+    print("every phase autopar bounds is within its bound" if ok else
+          "A PHASE AUTOPAR BOUNDS EXCEEDS ITS BOUND (see 'within')")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

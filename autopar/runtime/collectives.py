@@ -10,6 +10,7 @@ all-to-all <-> all-to-all.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -250,11 +251,14 @@ def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, p
 def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):
     """Whole gradients summed over `axis` and split along dims[i], in one asynchronous reduce-scatter.
     Returns (work, out, pieces): after work.wait(), `out` holds this rank's flat result (padded pieces)
-    and pieces(coord) lists this rank's piece of each (torch.chunk's), read from `out`."""
+    and pieces(coord) lists this rank's piece of each (torch.chunk's), read from `out`. Only the send
+    buffer (held by `work` until it completes) keeps the gradients' bytes: `pieces` holds their shapes."""
     ax = comm.axes[axis]
     n = ax.size
     moved = [_pad_to(g.movedim(d, 0), n * -(-g.shape[d] // n)).contiguous() for g, d in zip(grads, dims)]
     send = torch.cat([t.reshape(n, -1) for t in moved], dim=1).reshape(-1)   # rank r's pieces together
+    layout = [(tuple(t.shape), d, g.shape[d]) for t, d, g in zip(moved, dims, grads)]
+    del moved
     out = send.new_empty(send.numel() // n)
     log_collective(comm, REDUCE_SCATTER, axis, _bytes(send), "backward")
     t0 = comm.start()
@@ -263,10 +267,10 @@ def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):
 
     def pieces(coord: int) -> list:
         res, off = [], 0
-        for t, d, g in zip(moved, dims, grads):
-            k = t.numel() // n
-            piece = out[off: off + k].view((t.shape[0] // n,) + tuple(t.shape[1:]))
-            piece = piece[: chunk_span(g.shape[d], n, coord)[1]]
+        for shape, d, whole in layout:
+            k = math.prod(shape) // n
+            piece = out[off: off + k].view((shape[0] // n,) + shape[1:])
+            piece = piece[: chunk_span(whole, n, coord)[1]]
             off += k
             res.append(piece if d == 0 else piece.movedim(0, d).contiguous())
         return res

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._compat import at_backward_end
+from ..errors import PlanError
 from ..sharding.redistribute import ALL_REDUCE
 from ..sharding.placement import shard_dim
 from .collectives import Comm, all_gather_flat, log_collective, reduce_scatter_flat
@@ -43,16 +44,17 @@ class _Member:
 class LayerGroup:
     """The FSDP weights of one layer on one axis; `params()` maps a weight's name to its local shard."""
 
-    def __init__(self, axis: int, comm: Comm, sum_axes: tuple = ()):
+    def __init__(self, axis: int, comm: Comm, sum_axes: tuple = (), in_flight: "InFlight | None" = None):
         self.axis, self.comm, self.sum_axes = axis, comm, sum_axes
+        self.in_flight = in_flight if in_flight is not None else InFlight()
         self.params = None          # name -> this rank's shard; set by the ParallelModule that holds them
         self.next = self.prev = None   # the groups forward gathers after and before this one
         self._prefetched = None     # finish() of this group's gather launched ahead of its first use
         self.members: list[_Member] = []
         self._served: dict = {}     # member index -> gathered weight, handed out once
-        self._grads = None          # this backward's flat gradient buffer
+        self._grads = None          # this backward's whole gradients, until the reduce-scatter takes them
         self._arrived: set = set()
-        self._work = None           # the launched reduce-scatter: (work, output)
+        self._work = None           # the launched reduce-scatter: (work or None once waited on, output, pieces)
         self._callback_queued = False
 
     def add(self, module, param_name: str) -> int:
@@ -124,6 +126,9 @@ class LayerGroup:
     def arrive(self, i: int, grad: torch.Tensor) -> None:
         """Member i's whole gradient (of all its uses in this forward) reached backward."""
         m = self.members[i]
+        if self._work is not None:
+            raise PlanError(f"the gradient of {m.param_name!r} arrived after its layer's reduce-scatter was "
+                            "launched in this backward (a use forward did not count); report this with the model")
         m.expected = max(0, m.expected - 1)
         self._queue_end()
         if self._grads is None:
@@ -135,7 +140,20 @@ class LayerGroup:
 
     def _launch(self) -> None:
         grads = [g if g is not None else self._zeros(k) for k, g in enumerate(self._grads)]
+        self._grads = None   # the send buffer holds them from here on
+        self.in_flight.make_room()
         self._work = reduce_scatter_flat(grads, [self._dim(m) for m in self.members], self.comm, self.axis)
+        self.in_flight.groups.append(self)
+
+    def _wait(self) -> None:
+        """Wait for this group's reduce-scatter and drop the work, and with it the send buffer."""
+        if self._work is None or self._work[0] is None:
+            return
+        work, out, pieces = self._work
+        t0 = self.comm.start()
+        work.wait()
+        self.comm.stop(self.axis, t0)
+        self._work = (None, out, pieces)
 
     def _zeros(self, k: int) -> torch.Tensor:
         m = self.members[k]
@@ -157,14 +175,13 @@ class LayerGroup:
         for m in self.members:
             m.pending_unpacks = 0
             m.expected = 0
-        if self._grads is None:
-            return
         if self._work is None:
+            if self._grads is None:   # no gradient came this backward
+                return
             self._launch()
-        work, out, pieces = self._work
-        t0 = self.comm.start()
-        work.wait()
-        self.comm.stop(self.axis, t0)
+        self._wait()
+        self.in_flight.discard(self)
+        _, out, pieces = self._work
         for a in self.sum_axes:   # 1/n of the bytes summing the whole gradients first would move
             log_collective(self.comm, ALL_REDUCE, a, out.numel() * out.element_size(), "backward")
             t0 = self.comm.start()
@@ -180,6 +197,27 @@ class LayerGroup:
                 p.grad.add_(g)
         self._grads, self._work = None, None
 
+
+class InFlight:
+    """One module's launched layer reduce-scatters, oldest first.
+
+    Each one's send buffer holds its layer's whole gradients until it completes. Launching the next
+    first waits for the one before, as FSDP2 frees a reduce-scatter's input before it issues the next
+    layer's: backward then holds one layer's whole gradients in flight beside the layer it is making,
+    not every layer's until it ends (which made a 16-layer model's step peak 1.4x the predicted memory).
+    The reduce-scatter still runs while the next layer's backward computes."""
+
+    def __init__(self, limit: int = 1):
+        self.limit = limit
+        self.groups: list = []
+
+    def make_room(self) -> None:
+        while len(self.groups) >= self.limit:
+            self.groups.pop(0)._wait()
+
+    def discard(self, group: LayerGroup) -> None:
+        if group in self.groups:
+            self.groups.remove(group)
 
 
 class GroupGather(torch.autograd.Function):

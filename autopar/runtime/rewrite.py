@@ -27,7 +27,7 @@ from ..sharding.placement import R, dim_factor, gathered_size, is_shard
 from ..sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
 from ..sharding.rules import vocab_split_axes
 from .collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
-from .layer_groups import GroupGather, LayerGroup
+from .layer_groups import GroupGather, InFlight, LayerGroup
 from .recompute import outline
 from .regather import GatheredParams
 from .vocab_parallel import local_target, vocab_parallel_loss
@@ -184,6 +184,7 @@ class _Rewriter:
         # keeps the shard and gathers again in backward (regather.py), as the cost model prices it
         self.saves = activation_model(cap, plan.hardware).saves_through if plan.regather_activations else {}
         self.groups: dict = {}   # cost/layer_groups.group_key -> LayerGroup
+        self.in_flight = InFlight()   # the groups' reduce-scatters, one in flight at a time
         # weights whose data-axis gradient the buckets reduce, and activations whose gradient flows on to them
         # partial (cost/buckets.partial_gradients)
         self.deferred = partial_gradients(cap, plan.node_strategies, grad_nodes)
@@ -260,7 +261,7 @@ class _Rewriter:
                             f"{self.deferred[producer]}; report this (cost/buckets.deferred_axes excludes it)")
         key = group_key(info.target_name, steps, cast[0] if cast else info.meta.dtype)
         if key not in self.groups:
-            group = self.groups[key] = LayerGroup(steps[0].axis, self.comm, key[3])
+            group = self.groups[key] = LayerGroup(steps[0].axis, self.comm, key[3], self.in_flight)
             if self.gathered.groups:   # forward gathers the groups in the order it first needs them
                 group.prev, self.gathered.groups[-1].next = self.gathered.groups[-1], group
             self.gathered.groups.append(group)
