@@ -301,7 +301,8 @@ def _whole_outputs_hint(cap: Captured) -> str:
     _, whole = batch_outputs(out, cap)
     if not whole:
         return ""
-    shapes = ", ".join(f"{name} {tuple(first_meta(cap.info[name].meta).hint)}" for name in sorted(whole))
+    metas = {name: first_meta(cap.info[name].meta) for name in sorted(whole)}
+    shapes = ", ".join(f"{name} {tuple(m.hint) if m is not None else '(shape unknown)'}" for name, m in metas.items())
     return (f", or some output is computed from the batch but is not split by it ({shapes}: dim 0 is not the "
             "batch), so it must come back whole, which needs the batch gathered: return it per sample, or "
             "compute it in the loss")

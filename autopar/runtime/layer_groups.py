@@ -29,8 +29,8 @@ import torch.distributed as dist
 from .._compat import at_backward_end
 from ..errors import PlanError
 from ..sharding.redistribute import ALL_REDUCE
-from ..sharding.placement import shard_dim
-from .collectives import Comm, all_gather_flat, log_collective, reduce_scatter_flat
+# collectives' shard_dim: uncached, as torch.compile traces these calls (it warns at a functools cache)
+from .collectives import Comm, all_gather_flat, log_collective, reduce_scatter_flat, shard_dim
 
 
 class _Member:
@@ -53,7 +53,6 @@ class LayerGroup:
         self.members: list[_Member] = []
         self._served: dict = {}     # member index -> gathered weight, handed out once
         self._grads = None          # this backward's whole gradients, until the reduce-scatter takes them
-        self._arrived: set = set()
         self._work = None           # the launched reduce-scatter: (work or None once waited on, output, pieces)
         self._callback_queued = False
 
