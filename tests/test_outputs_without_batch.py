@@ -4,9 +4,11 @@ A model may return, beside its per-sample predictions, values that are one for t
 regularizer computed from the weights (a vector here, so that it has a dim 0 to be mis-split along) and
 a statistic over the batch (a mean over dim 0, as a batch-norm-like auxiliary loss reads it). autopar
 splits only the outputs that carry the batch (sharding/strategies.batch_outputs); a weight's function
-is the same on every rank, a batch statistic is all-reduced, and neither's gradient is scaled as a
-shard's. Each strategy trains 3 steps on 3 ranks (1/3 is inexact in floating point) with SGD (a wrong
-gradient scale moves the weights by ~lr x gradient) and with AdamW, against one device.
+comes back whole on every rank, a batch statistic is all-reduced or gathered, and neither's gradient is
+scaled as a shard's. Under tp the regularizer is computed on the weight's shard (a tp axis may split
+dim 0 of an op on weights alone: it is no batch). Each strategy trains 3 steps on 3 ranks (1/3 is
+inexact in floating point) with SGD (a wrong gradient scale moves the weights by ~lr x gradient) and
+with AdamW, against one device.
 """
 from __future__ import annotations
 
@@ -70,10 +72,10 @@ def _rank(rank, model, x, y, strategy, optimizer):
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "auto"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "tp", "auto"])
 def test_outputs_that_do_not_carry_the_batch_come_back_whole(strategy, optimizer):
     torch.manual_seed(0)
-    model, x, y = WithAux(batch_statistic=strategy == "auto"), torch.randn(6, 8), torch.randn(6, 6)
+    model, x, y = WithAux(batch_statistic=strategy in ("tp", "auto")), torch.randn(6, 8), torch.randn(6, 6)
     ref = copy.deepcopy(model)
     cls, lr, atol = OPTIMIZERS[optimizer]
     want = _train(ref, x, y, cls(ref.parameters(), lr=lr))[0]

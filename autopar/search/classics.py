@@ -21,6 +21,7 @@ from ..mesh import MeshSpec
 from ..sharding.op_spec import tensor_args
 from ..sharding.placement import P, R, is_shard, local_shape, numel, shard_dim, uneven_dims
 from ..sharding.redistribute import UnsupportedRedistribution, plan_steps
+from ..sharding.strategies import batch_derived
 
 DP, FSDP, TP, ZERO1, ZERO2 = "dp", "fsdp", "tp", "zero1", "zero2"
 # auto on a mesh of many axes (role_assignments): the axis splits the batch, and each parameter is
@@ -163,8 +164,10 @@ def _even_split(info: NodeInfo, strategy, a: int, axis_sizes) -> bool:
     return is_shard(p) and shard_dim(p) not in uneven_dims(info.meta.hint, strategy.output, axis_sizes)
 
 
-def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False) -> list[bool]:
-    """Ops split only the batch (dim 0) on data-parallel axes, and never the batch on tp axes.
+def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False, on_batch: bool = True) -> list[bool]:
+    """Ops split only the batch (dim 0) on data-parallel axes, and never the batch on tp axes. (`on_batch`:
+    the op computes on activations; dim 0 of an op on the weights alone, a regularizer, is no batch, and a
+    tp axis may split it as it splits the weight.)
 
     With sequence parallelism an op on a tp axis may not run replicated if it
     can run split at all: norms, dropout and residual adds then split along
@@ -183,7 +186,7 @@ def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False) -
             # P: a reduction over the batch (a loss), pending its all-reduce
             if role in DATA_ROLES and any(pl[a] not in (R, "S(0)", P) for pl in pls):
                 return False
-            if role == TP and strategy.output[a] == "S(0)":
+            if role == TP and on_batch and strategy.output[a] == "S(0)":
                 return False
         return True
 
@@ -415,6 +418,14 @@ def _kv_heads(cap, k_node) -> int:
         node = node.args[0]
 
 
+def _batch_derived(prob: Problem) -> set:
+    """sharding.strategies.batch_derived of the problem's graph, worked out once per problem."""
+    key = ("batch_derived",)
+    if key not in prob.node_cost_cache:
+        prob.node_cost_cache[key] = batch_derived(prob.cap)
+    return prob.node_cost_cache[key]
+
+
 def allowed_flags(prob: Problem, roles: Roles, name: str) -> list[bool]:
     """Per strategy of node `name`, whether the roles allow it."""
     info, strategies = prob.cap.info[name], prob.strategies[name].strategies
@@ -422,5 +433,5 @@ def allowed_flags(prob: Problem, roles: Roles, name: str) -> list[bool]:
         return allowed_param_storage(roles, info, strategies)
     if info.kind == OP:
         takes_tuple = any(isinstance(prob.cap.info[a.name].meta, list) for a in tensor_args(prob.cap.node(name)))
-        return allowed_op_strategies(roles, strategies, takes_tuple)
+        return allowed_op_strategies(roles, strategies, takes_tuple, name in _batch_derived(prob))
     return [True] * len(strategies)

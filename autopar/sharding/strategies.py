@@ -139,6 +139,21 @@ def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategie
     return NodeStrategies(node.name, OP, strategies, fallback)
 
 
+def batch_derived(cap: Captured, batch_dim: int = 0) -> set:
+    """Names of the nodes computed from a user input with a batch dim (and those inputs): the activations.
+    The rest are computed from the weights (and constants) alone, whose dim 0 is no batch."""
+    out = set()
+    for n in cap.graph.nodes:
+        info = cap.info.get(n.name)
+        if n.op == "placeholder":
+            meta = _first_meta(info.meta) if info is not None else None
+            if info is not None and info.kind == INPUT and meta is not None and meta.ndim > batch_dim:
+                out.add(n.name)
+        elif any(a.name in out for a in n.all_input_nodes):
+            out.add(n.name)
+    return out
+
+
 def batch_outputs(node: fx.Node, cap: Captured, batch_dim: int = 0) -> tuple[set, set]:
     """(names of the outputs that carry the batch along `batch_dim`, names of the other outputs computed
     from the batch). An output carries the batch when it is computed from a user input with a batch dim
@@ -146,16 +161,8 @@ def batch_outputs(node: fx.Node, cap: Captured, batch_dim: int = 0) -> tuple[set
     regularizer), a statistic over the batch (a mean over dim 0), a scalar loss -- is one value for the
     whole batch: split along its dim 0 it would be cut where no batch is, and its gradient scaled as a
     shard's."""
-    sizes, from_batch = set(), set()
-    for n in cap.graph.nodes:
-        info = cap.info.get(n.name)
-        if n.op == "placeholder":
-            meta = _first_meta(info.meta) if info is not None else None
-            if info is not None and info.kind == INPUT and meta is not None and meta.ndim > batch_dim:
-                sizes.add(meta.hint[batch_dim])
-                from_batch.add(n.name)
-        elif any(a.name in from_batch for a in n.all_input_nodes):
-            from_batch.add(n.name)
+    from_batch = batch_derived(cap, batch_dim)
+    sizes = {_first_meta(cap.info[n].meta).hint[batch_dim] for n in from_batch if cap.info[n].kind == INPUT}
     carry, other = set(), set()
     for a in tensor_args(node):
         if a.name not in from_batch:
