@@ -374,3 +374,56 @@ def test_the_buckets_take_the_outputs_gradient_scale_only_where_no_other_gradien
             torch.testing.assert_close(r["x_grad"], xr.grad.chunk(n)[rank], atol=ATOL, rtol=0)
         assert r["bucket_scale"] == pytest.approx(1 / n if folded else 1.0)
         assert r["scale_grad_nodes"] == (0 if folded else 1)
+
+
+def _launch_order(rank, model, x, y, strategy, names):
+    """The autograd nodes backward runs, in order, with "LAUNCH" where a gradient bucket is all-reduced."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar.runtime.grad_buckets as gb
+    mesh = init_device_mesh("cpu", (2,) * len(names), mesh_dim_names=names)
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy, bucket_bytes=4096)
+    (xi,), (yi,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+    loss = gpt_loss(pm(xi), yi)
+    order, seen, todo = [], set(), [loss.grad_fn]
+    while todo:   # every node of the graph, a hook each that notes when backward runs it
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        node.register_prehook(lambda grads, node=node: order.append(node.name()))
+        todo += [f for f, _ in node.next_functions]
+    buckets = pm._grad_buckets
+    launch = buckets._launch
+
+    def noted(b):
+        order.append("LAUNCH")
+        return launch(b)
+    buckets._launch = noted
+    loss.backward()
+    return order
+
+
+@pytest.mark.parametrize("strategy, names", [("ddp", ("dp",)), ("tp+sp", ("tp",))])
+def test_buckets_launch_while_backward_computes_where_nothing_else_communicates(strategy, names):
+    """A DeferredReduce applied before the graph runs is the oldest node there, and autograd, running the
+    newest ready node first, would run it last: every bucket would wait for the end of backward, and every
+    weight's gradient with it. ddp's weights go through the buckets where they are first used
+    (grad_buckets.BucketedUse), so its first bucket launches while most of backward is still to run. Under
+    tp+sp the norm weights' buckets reduce over the tensor-parallel axis, which backward's own
+    collectives use too: those launch after all of backward, where every rank launches them in the same order."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16))
+    x, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    for order in run_threaded(2, _launch_order, model, x, y, strategy, names):
+        assert "LAUNCH" in order
+        first = order.index("LAUNCH")
+        # what runs after the first launch, but the buckets' own nodes and the accumulation of gradients
+        def compute(nodes):
+            return [n for n in nodes if n != "LAUNCH" and "DeferredReduce" not in n and "AccumulateGrad" not in n]
+        rest = compute(order[first:])
+        if strategy == "ddp":
+            total = len(compute(order))
+            assert len(rest) > total / 2, f"the first bucket launched with {len(rest)} of {total} nodes to run"
+        else:
+            assert not rest, f"a tp-axis bucket launched with {len(rest)} nodes of backward still to run"

@@ -126,6 +126,14 @@ class GradBuckets:
         self.buckets[self.slots[i].bucket].outstanding += 1
         return DeferredReduce.apply(param, self, i)
 
+    def routable(self, busy_axes: set) -> set:
+        """Names of the weights whose bucket may launch while backward runs: those on axes where nothing else
+        communicates in backward. On an axis that also carries backward's own collectives (a tensor-parallel
+        axis reducing norm weights under sequence parallelism, a data axis FSDP reduce-scatters on) a
+        launch between two of those could come in another order on another rank; there the buckets
+        launch when backward ends, after all of them."""
+        return {s.name for s in self.slots if not set(self.buckets[s.bucket].axes) & busy_axes}
+
     @contextlib.contextmanager
     def accumulating(self):
         """Gradients computed inside are summed on this rank, not reduced: the next synced backward (or
@@ -299,3 +307,42 @@ class GradBuckets:
 
     def num_buckets(self) -> int:
         return len(self.buckets)
+
+
+class BucketedUse(torch.nn.Module):
+    """A weight as the graph reads it where it first uses it: through GradBuckets.use.
+
+    Autograd runs a backward node in the reverse order of creation among those ready. A DeferredReduce
+    applied before the graph runs is the oldest node there, so it would run, and its bucket launch, only
+    once all of backward had (every weight's gradient held until then, nothing reduced while backward
+    computes). Applied at the weight's first use, it runs as soon as the weight's gradient is made.
+    Under torch.compile the module applies them before the graph instead (ParallelModule._graph_args) and
+    this is the identity: the compiled graph is one autograd node, whose gradients all come at its end."""
+
+    def __init__(self):
+        super().__init__()
+        self.buckets: GradBuckets | None = None   # set by the ParallelModule that owns the buckets
+
+    def forward(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        if self.buckets is None or torch.compiler.is_compiling():
+            return param
+        return self.buckets.use(name, param)
+
+
+def route_through_buckets(gm, placeholder_names: dict) -> BucketedUse:
+    """Insert a BucketedUse before the first op that reads each bucketed weight's placeholder in `gm`
+    (`placeholder_names`: placeholder -> the weight's name); returns the module, to be given the buckets."""
+    route = BucketedUse()
+    gm.add_module("bucketed_use", route)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        name = placeholder_names.get(node.name) if node.op == "placeholder" else None
+        if name is None or not node.users:
+            continue
+        first = min(node.users, key=order.get)
+        with gm.graph.inserting_before(first):
+            used = gm.graph.call_module("bucketed_use", (node, name))
+        node.replace_all_uses_with(used, delete_user_cb=lambda user: user is not used)
+    gm.graph.lint()
+    gm.recompile()
+    return route

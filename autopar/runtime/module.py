@@ -17,12 +17,13 @@ from .._compat import output_spec, unflatten_outputs
 from ..capture.compute_dtype import cast_inputs
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
 from ..cost.buckets import deferred_axes
+from ..cost.overlap import BUCKET
 from ..cost.precision import precision_of
 from ..errors import PlanError
 from ..search.pipeline import ZERO_BUBBLE
 from ..sharding.placement import R, shard_full_tensor
 from .collectives import Comm
-from .grad_buckets import GradBuckets
+from .grad_buckets import GradBuckets, route_through_buckets
 from .initialization import init_shards
 from .input_shapes import check_input_shapes, input_shape_specs
 from .regather import GatheredParams
@@ -113,6 +114,14 @@ class ParallelModule(torch.nn.Module):
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
         _serve_layer_groups(self, [gathered] + ([other_mode[1]] if isinstance(other_mode, tuple) else []))
         self._grad_buckets = self._gradient_reductions(cap, grad_nodes)
+        # weights whose bucket reduces when backward has made their gradients (grad_buckets.BucketedUse); the
+        # others' buckets reduce when backward ends
+        self._routed = set() if plan.pipeline is not None else self._grad_buckets.routable(_backward_axes(plan))
+        for graph_module in [gm] + ([other_mode[0]] if isinstance(other_mode, tuple) else []):
+            placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
+            routed = {ph: fqn for ph, (kind, fqn) in zip(placeholders, self._placeholder_sources)
+                      if kind == PARAM and fqn in self._routed}
+            route_through_buckets(graph_module, routed).buckets = self._grad_buckets
 
     def _gradient_reductions(self, cap: Captured, grad_nodes) -> GradBuckets:
         """The buckets that reduce the gradients the graph leaves partial; ZeRO ones are the optimizer's."""
@@ -258,7 +267,8 @@ class ParallelModule(torch.nn.Module):
         return loss
 
     def forward(self, *local_inputs):
-        graph_module, gathered, args = self._graph_args(local_inputs)
+        # compiled, the weights go through the buckets before the graph (grad_buckets.BucketedUse)
+        graph_module, gathered, args = self._graph_args(local_inputs, torch.compiler.is_compiling())
         try:
             with gathered.hooks():
                 flat = graph_module(*args)
@@ -267,9 +277,10 @@ class ParallelModule(torch.nn.Module):
         return unflatten_outputs(self._output_spec, flat)
 
     @torch.compiler.disable
-    def _graph_args(self, local_inputs) -> tuple:
-        """The graph of this mode, its GatheredParams, and its arguments: the weights (through the gradient
-        buckets where those reduce them) and this rank's inputs, cast as the plan computes.
+    def _graph_args(self, local_inputs, through_buckets: bool = False) -> tuple:
+        """The graph of this mode, its GatheredParams, and its arguments: the weights (with
+        `through_buckets`, through the gradient buckets where those reduce them; else the graph routes them
+        at their first use) and this rank's inputs, cast as the plan computes.
 
         Run eagerly under torch.compile: the buckets' autograd functions hand gradients to Python
         bookkeeping that the compiler cannot trace, and breaking the graph once here, before any tensor
@@ -290,7 +301,8 @@ class ParallelModule(torch.nn.Module):
         args = []
         for kind, fqn in self._placeholder_sources:
             if kind == PARAM:
-                args.append(self._grad_buckets.use(fqn, params[fqn]))
+                routed = fqn in self._routed and not through_buckets   # the graph routes it at its first use
+                args.append(params[fqn] if routed else self._grad_buckets.use(fqn, params[fqn]))
             elif kind == BUFFER:
                 args.append(buffers[fqn])
             elif kind == CONSTANT:
@@ -349,6 +361,12 @@ class ParallelModule(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         """Accepts DTensors or whole tensors, in any layout; keeps this module's layout."""
         return load_module_state(self, state_dict, strict)
+
+
+def _backward_axes(plan) -> set:
+    """Mesh axes (indices) on which some collective other than a gradient bucket's runs during backward."""
+    return {plan.mesh.axis_names.index(c.axis) for c in plan.collectives
+            if c.phase not in ("forward", "optimizer") and not c.where.startswith(BUCKET)}
 
 
 def _serve_layer_groups(pm: "ParallelModule", registries: list) -> None:
