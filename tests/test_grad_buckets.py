@@ -379,8 +379,6 @@ def test_the_buckets_take_the_outputs_gradient_scale_only_where_no_other_gradien
 def _launch_order(rank, model, x, y, strategy, names):
     """The autograd nodes backward runs, in order, with "LAUNCH" where a gradient bucket is all-reduced."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    import autopar.runtime.grad_buckets as gb
     mesh = init_device_mesh("cpu", (2,) * len(names), mesh_dim_names=names)
     pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy, bucket_bytes=4096)
     (xi,), (yi,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)

@@ -113,18 +113,11 @@ class ParallelModule(torch.nn.Module):
         self._num_inputs = sum(1 for k, _ in self._placeholder_sources if k == INPUT)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
         _serve_layer_groups(self, [gathered] + ([other_mode[1]] if isinstance(other_mode, tuple) else []))
-        self._grad_buckets = self._gradient_reductions(cap, grad_nodes)
-        # weights whose bucket reduces when backward has made their gradients (grad_buckets.BucketedUse); the
-        # others' buckets reduce when backward ends
-        self._routed = set() if plan.pipeline is not None else self._grad_buckets.routable(_backward_axes(plan))
-        for graph_module in [gm] + ([other_mode[0]] if isinstance(other_mode, tuple) else []):
-            placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
-            routed = {ph: fqn for ph, (kind, fqn) in zip(placeholders, self._placeholder_sources)
-                      if kind == PARAM and fqn in self._routed}
-            route_through_buckets(graph_module, routed).buckets = self._grad_buckets
+        self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
 
-    def _gradient_reductions(self, cap: Captured, grad_nodes) -> GradBuckets:
-        """The buckets that reduce the gradients the graph leaves partial; ZeRO ones are the optimizer's."""
+    def _gradient_reductions(self, cap: Captured, grad_nodes) -> tuple:
+        """The buckets that reduce the gradients the graph leaves partial (ZeRO ones are the optimizer's), and
+        the weights the graphs route through them at their first use (_route_to_buckets)."""
         params = dict(self.store.named_parameters())
         for fqn, p in params.items():
             if fqn in self.plan.param_zero and p.requires_grad:
@@ -132,7 +125,22 @@ class ParallelModule(torch.nn.Module):
         scale = self.graph_module.meta["bucket_grad_scale"]   # rewrite() sets it on every graph it makes
         if isinstance(self._other_mode, tuple) and self._other_mode[0].meta["bucket_grad_scale"] != scale:
             raise PlanError("the two modes' graphs scale the outputs' gradient in different places; report this")
-        return _grad_buckets(cap, self.plan, self.comm, grad_nodes, params, scale)
+        buckets = _grad_buckets(cap, self.plan, self.comm, grad_nodes, params, scale)
+        other = [self._other_mode[0]] if isinstance(self._other_mode, tuple) else []
+        return buckets, self._route_to_buckets(buckets, [self.graph_module] + other)
+
+    def _route_to_buckets(self, buckets: GradBuckets, graph_modules: list) -> set:
+        """The weights whose bucket reduces as soon as backward has made their gradients, each routed through
+        the buckets at its first use in the graphs (grad_buckets.BucketedUse); the others' buckets reduce
+        when backward ends."""
+        plan = self.plan
+        routed = set() if plan.pipeline is not None else buckets.routable(_backward_axes(plan))
+        for graph_module in graph_modules:
+            placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
+            names = {ph: fqn for ph, (kind, fqn) in zip(placeholders, self._placeholder_sources)
+                     if kind == PARAM and fqn in routed}
+            route_through_buckets(graph_module, names).buckets = buckets
+        return routed
 
     def no_sync(self):
         """A context whose forwards' gradients are summed on this rank, not reduced over the data axes (their
