@@ -286,9 +286,10 @@ class ParallelModule(torch.nn.Module):
 
     @torch.compiler.disable
     def _graph_args(self, local_inputs, through_buckets: bool = False) -> tuple:
-        """The graph of this mode, its GatheredParams, and its arguments: the weights (with
-        `through_buckets`, through the gradient buckets where those reduce them; else the graph routes them
-        at their first use) and this rank's inputs, cast as the plan computes.
+        """The graph of this mode, its GatheredParams, and its arguments: the weights (through the gradient
+        buckets where those reduce them, here -- or, for the weights the graph routes (_route_to_buckets),
+        at their first use in the graph, unless `through_buckets`) and this rank's inputs, cast as the plan
+        computes.
 
         Run eagerly under torch.compile: the buckets' autograd functions hand gradients to Python
         bookkeeping that the compiler cannot trace, and breaking the graph once here, before any tensor
