@@ -46,7 +46,7 @@ class Problem:
     stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
                                                      # (a stack's path twice: whole blocks, and their cores)
     checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
-    node_cost_cache: dict = field(default_factory=dict, repr=False)    # see repeat_memory
+    node_cost_cache: dict = field(default_factory=dict, repr=False)    # see repeat_memory, classics._batch_derived
     bucket_bytes: int = DEFAULT_BUCKET_BYTES          # gradient buckets' size (buckets.py)
     # an activation gathered whole for an op that keeps it: kept as its shard and gathered again in backward
     # (True; Megatron's sequence parallelism), kept whole (False), or whichever is faster within a memory

@@ -44,9 +44,9 @@ class _Member:
 class LayerGroup:
     """The FSDP weights of one layer on one axis; `params()` maps a weight's name to its local shard."""
 
-    def __init__(self, axis: int, comm: Comm, sum_axes: tuple = (), in_flight: "InFlight | None" = None):
+    def __init__(self, axis: int, comm: Comm, sum_axes: tuple, in_flight: "InFlight"):
         self.axis, self.comm, self.sum_axes = axis, comm, sum_axes
-        self.in_flight = in_flight if in_flight is not None else InFlight()
+        self.in_flight = in_flight   # the module's launched reduce-scatters, shared by its groups
         self.params = None          # name -> this rank's shard; set by the ParallelModule that holds them
         self.next = self.prev = None   # the groups forward gathers after and before this one
         self._prefetched = None     # finish() of this group's gather launched ahead of its first use
