@@ -7,9 +7,13 @@
     python benchmarks/runtime_overhead.py --hardware my_host.json          # a JSON spec (autopar.calibrate writes one)
     python benchmarks/runtime_overhead.py --calibrate                      # calibrate on the ranks, then plan
     python benchmarks/runtime_overhead.py --strategies ddp --bucket-mb 4   # both sides with 4 MiB gradient buckets
+    python benchmarks/runtime_overhead.py --model 1b                       # on GPUs: NCCL, bf16-mixed, a ~1B GPT
+    python benchmarks/runtime_overhead.py --precision bf16-mixed           # bf16 compute on CPU ranks too
 
 For each strategy, `world` real processes (torch.multiprocessing, spawn) join a gloo process group,
-each with `--threads` intra-op threads (default 1: the ranks share the machine's cores). Every rank
+each with `--threads` intra-op threads (default 1: the ranks share the machine's cores); with
+`--device cuda` (the default where there is a GPU per rank) an NCCL one, a GPU each, and bf16-mixed
+precision unless `--precision` says otherwise. Every rank
 builds the same seeded GPT (autopar.testing.GPT) and the same global batch (idx and targets, int64
 [batch, seq]), and deep-copies the model twice:
 
@@ -48,6 +52,16 @@ a ring reduce-scatter's bytes).
 below the table; the planner's default for a CPU mesh is the "cpu" preset, rough figures for
 loopback gloo; `--calibrate` measures the ranks first with autopar.calibrate and plans with that),
 "prediction error" that against autopar's measured step.
+"MFU" is model FLOPs utilization: the GPT's model FLOPs per step (6 per matmul weight per token for
+forward and backward, plus attention's 12 * layers * n_embd * seq per token, PaLM's convention,
+causal masking not subtracted; gpt_flops_per_step) over the step's time, the ranks and the peak FLOP/s
+of the hardware the plan was priced on at the compute dtype. On CPU ranks that peak is the "cpu"
+preset's rough figure (or the calibrated one), so MFU there compares the two sides, nothing more.
+
+bf16-mixed on the native side is what each PyTorch tool offers for it: DDP and DTensor TP run forward
+and loss under torch.autocast(bfloat16) with float32 weights and gradients; FSDP2 takes
+MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), so it all-gathers bf16 like autopar.
+Their losses then differ from one device's float32 by bf16 rounding; "loss match" allows 2e-2 there.
 """
 import argparse
 import collections
@@ -86,7 +100,12 @@ STRATEGIES = {
 NATIVE_NAMES = {"ddp": "DDP", "fsdp": "FSDP2 fully_shard", "tp": "DTensor TP", "tp+sp": "DTensor TP+SP, loss_parallel",
                 "fsdp+tp": "DTensor TP + FSDP2"}
 WARMUP = 3
-LOSS_RTOL = 1e-4
+LOSS_RTOL = {"fp32": 1e-4, "bf16-mixed": 2e-2}
+PRECISIONS = {"fp32": None, "bf16-mixed": "bf16-mixed"}   # --precision -> autopar's precision=
+# --model presets: the small GPT the issue's table was measured on (2 gloo ranks), and a ~1B GPT for GPUs
+# (1.04e9 parameters: 18 layers of 2048, vocab 32768, untied; AdamW in float32 is 17 GB, under ddp on an 80 GB GPU)
+MODELS = {"small": dict(layers=4, hidden=256, heads=4, vocab=2048, seq=128, batch=8),
+          "1b": dict(layers=18, hidden=2048, heads=16, vocab=32768, seq=2048, batch=8)}
 # c10d op names -> collective kind, matched on the name without underscores, first match wins
 KINDS = (("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"), ("allgather", "all_gather"),
          ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("barrier", "barrier"),
@@ -102,18 +121,29 @@ def world_size(strategy: str) -> int:
 
 # ----------------------------------------------------------------------------- model and data
 
-def build_model(args) -> GPT:
+def build_model(args, device) -> GPT:
     """The same weights on every rank and for both sides (each side deep-copies it)."""
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)   # drawn on the CPU, so a GPU run starts from the same weights
     return GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
-                         n_head=args.heads, n_embd=args.hidden, dropout=0.0))
+                         n_head=args.heads, n_embd=args.hidden, dropout=0.0)).to(device)
 
 
-def make_batch(args):
+def make_batch(args, device):
     g = torch.Generator().manual_seed(args.seed + 1)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     targets = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-    return idx, targets
+    return idx.to(device), targets.to(device)
+
+
+def gpt_flops_per_step(args) -> float:
+    """Model FLOPs of one training step over the global batch (PaLM's convention, see the docstring):
+    2 per matmul weight per token forward and 4 backward, for the blocks' 12 * n_embd**2 weights a layer
+    and lm_head's; attention's scores and weighted sum add 12 * layers * n_embd * seq per token. The matmul
+    part equals torch.utils.flop_counter.FlopCounterMode's count of a forward and backward of this GPT
+    (checked at 2 layers, n_embd 64; that counter does not count the CPU's attention kernel)."""
+    matmul_weights = 12 * args.layers * args.hidden ** 2 + args.vocab * args.hidden
+    per_token = 6 * matmul_weights + 12 * args.layers * args.hidden * args.seq
+    return float(per_token * args.batch * args.seq)
 
 
 def batch_shard(t: torch.Tensor, mesh, axis: str) -> torch.Tensor:
@@ -197,26 +227,44 @@ def grads_as_params(module):
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def native_module(strategy: str, model, mesh, bucket_mb: float | None = None):
-    """(module, loss context, data axis or None): `strategy` applied by hand to `model` (changed in place)."""
-    from torch.distributed.fsdp import fully_shard
+def _entered(*contexts):
+    """One context manager factory entering each of `contexts` (factories) in turn."""
+    @contextlib.contextmanager
+    def entered():
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context())
+            yield
+    return entered
+
+
+def native_module(strategy: str, model, mesh, bucket_mb: float | None = None, precision: str = "fp32"):
+    """(module, step context, data axis or None): `strategy` applied by hand to `model` (changed in place).
+    The step context wraps forward, loss and backward: loss_parallel for tp+sp, autocast for bf16 without FSDP."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    bf16 = precision == "bf16-mixed"
+    # FSDP2's own mixed precision: it gathers bf16 weights and reduces float32 gradients, like autopar's
+    shard = ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+             if bf16 else {})
+    autocast = ((lambda: torch.autocast(mesh.device_type, dtype=torch.bfloat16)) if bf16 and "fsdp" not in strategy
+                else contextlib.nullcontext)
     if strategy == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb), contextlib.nullcontext, "dp"
+        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb), autocast, "dp"
     if strategy == "fsdp":
         for block in model.h:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh), contextlib.nullcontext, "dp"
+            fully_shard(block, mesh=mesh, **shard)
+        return fully_shard(model, mesh=mesh, **shard), autocast, "dp"
     tp_mesh = mesh["tp"]
     _use_local_heads(model, tp_mesh.size())
     sp = strategy == "tp+sp"
     parallelize_module(model, tp_mesh, _tp_plan(model, sequence_parallel=sp))
     if strategy == "fsdp+tp":
         for block in model.h:
-            fully_shard(block, mesh=mesh["dp"])
-        return fully_shard(model, mesh=mesh["dp"]), contextlib.nullcontext, "dp"
+            fully_shard(block, mesh=mesh["dp"], **shard)
+        return fully_shard(model, mesh=mesh["dp"], **shard), autocast, "dp"
     # loss_parallel: cross-entropy on vocab-split logits; it must wrap backward too
-    return model, (loss_parallel if sp else contextlib.nullcontext), None
+    return model, (_entered(loss_parallel, autocast) if sp else autocast), None
 
 
 # ----------------------------------------------------------------------------- one side's training step
@@ -227,6 +275,8 @@ class Side:
     def __init__(self, module, opt, inputs, targets, loss_context=contextlib.nullcontext, after_backward=None):
         self.module, self.opt, self.inputs, self.targets = module, opt, inputs, targets
         self.loss_context, self.after_backward = loss_context, after_backward
+        # a GPU runs the step's kernels after step() returns: wait for them before reading the clock
+        self.sync = torch.cuda.synchronize if inputs[0].is_cuda else (lambda: None)
         self.times, self.losses, self.faults = [], [], []
 
     def step(self) -> torch.Tensor:
@@ -241,8 +291,10 @@ class Side:
 
     def timed_step(self):
         dist.barrier()   # every rank starts the step together: the step's time is its slowest rank's
+        self.sync()
         f0, t0 = _minor_faults(), time.perf_counter()
         loss = self.step()
+        self.sync()
         self.times.append(time.perf_counter() - t0)
         self.faults.append(_minor_faults() - f0)
         self.losses.append(loss)
@@ -261,14 +313,14 @@ def loss_value(loss: torch.Tensor) -> float:
 
 
 def count_collectives(side: Side) -> dict:
-    """{kind: count} of the gloo collectives one step of `side` launches, and their total under "total"."""
+    """{kind: count} of the collectives one step of `side` launches, and their total under "total"."""
     from torch.profiler import ProfilerActivity, profile
     dist.barrier()   # outside the profile: not part of the step
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         side.step()
     counts, total = collections.Counter(), 0
     for e in prof.events():
-        if e.name.startswith("gloo:"):        # the work gloo ran: one per collective
+        if e.name.startswith(("gloo:", "nccl:")):   # the work the backend ran: one per collective
             total += 1
         elif e.name.startswith("c10d::"):     # the op that launched it (gloo's names merge reduce-scatter)
             name = e.name.split("::", 1)[1].replace("_", "")
@@ -281,7 +333,7 @@ def count_collectives(side: Side) -> dict:
 def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
     """(autopar Side or None, autopar info, native Side); autopar's exception goes into the info."""
     info = {}
-    hardware = args.hardware
+    hardware = args.hardware if args.hardware is not None else ("cpu" if args.device == "cpu" else "h100")
     if args.calibrate:   # on these ranks, with their threads, before either side runs
         PHASE[0] = "calibrating"
         hardware = autopar.calibrate(mesh)
@@ -291,18 +343,21 @@ def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
             warnings.simplefilter("always")
             buckets = {} if args.bucket_mb is None else {"bucket_bytes": int(args.bucket_mb * 2**20)}
             pm = autopar.parallelize(copy.deepcopy(model), mesh, (idx,), strategy=strategy, hardware=hardware,
-                                     **buckets)
+                                     precision=PRECISIONS[args.precision], **buckets)
         exposed = pm.plan.predicted.exposed_comm_time
         info.update(build_s=time.perf_counter() - t0, predicted=pm.plan.predicted.step_time,
                     predicted_compute=pm.plan.predicted.compute_time, predicted_exposed=sum(exposed.values()),
                     hardware=pm.plan.hardware, warnings=sorted({str(w.message).split("\n")[0] for w in caught}),
-                    planned_collectives=len(pm.plan.collectives))
+                    planned_collectives=len(pm.plan.collectives),
+                    peak_flops=resolve_hardware(hardware)[0].flops_per_second(
+                        pm.plan.precision.get("compute") or "float32"))
         opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=args.lr)
         ours = Side(pm, opt, pm.plan.local_inputs(idx), *pm.plan.local_targets(targets))
     except Exception as e:   # every rank fails alike (rank 0 plans and broadcasts the plan or its error)
         info["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ours = None
-    module, loss_context, data_axis = native_module(strategy, copy.deepcopy(model), mesh, args.bucket_mb)
+    module, loss_context, data_axis = native_module(strategy, copy.deepcopy(model), mesh, args.bucket_mb,
+                                                    args.precision)
     inputs, tgt = (idx, targets) if data_axis is None else (batch_shard(idx, mesh, data_axis),
                                                             batch_shard(targets, mesh, data_axis))
     native = Side(module, torch.optim.AdamW(module.parameters(), lr=args.lr), (inputs,), tgt, loss_context,
@@ -317,8 +372,9 @@ def measure(rank: int, args, strategy: str) -> dict:
     """Everything one rank measures for one strategy (see the module docstring for the protocol)."""
     from torch.distributed.device_mesh import init_device_mesh
     shape, names = STRATEGIES[strategy]
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model, (idx, targets) = build_model(args), make_batch(args)
+    mesh = init_device_mesh(args.device, shape, mesh_dim_names=names)
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    model, (idx, targets) = build_model(args, device), make_batch(args, device)
     reference = None
     if rank == 0:   # the single-device loss the first step of both sides must reproduce
         with torch.no_grad():
@@ -347,7 +403,8 @@ def measure(rank: int, args, strategy: str) -> dict:
     return {"times": {n: s.times for n, s in sides.items()}, "faults": {n: s.faults for n, s in sides.items()},
             "first_loss": first,
             "last_loss": {n: loss_value(s.losses[-1]) for n, s in sides.items()},
-            "collectives": collectives, "reference": reference, "autopar": info}
+            "collectives": collectives, "reference": reference, "autopar": info, "flops": gpt_flops_per_step(args),
+            "precision": args.precision}
 
 
 def run_rank(rank: int, world: int, port: int, args, strategy: str, result_dir: str):
@@ -359,7 +416,9 @@ def run_rank(rank: int, world: int, port: int, args, strategy: str, result_dir: 
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
     try:
         result = measure(rank, args, strategy)
@@ -447,6 +506,11 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def mfu(flops_per_step: float, step_ms: float, ranks: int, peak_flops: float) -> float:
+    """Model FLOPs utilization: the model's FLOPs over what `ranks` devices at `peak_flops` could do in the step."""
+    return flops_per_step / (step_ms / 1e3 * ranks * peak_flops)
+
+
 def summarize(strategy: str, results: list, steps: int) -> dict:
     """One table row (and its details) from every rank's results."""
     r0, world = results[0], len(results)
@@ -457,6 +521,7 @@ def summarize(strategy: str, results: list, steps: int) -> dict:
     last = {side: sum(r["last_loss"][side] for r in results) / world for side in r0["last_loss"]}
     native_ms, *native_iqr = step_ms(results, "native")
     row = {"strategy": strategy, "ranks": world, "native_ms": native_ms, "native_iqr": native_iqr,
+           "precision": r0["precision"],
            "native_coll": r0["collectives"]["native"], "info": info, "first": first, "last": last,
            "reference": r0["reference"],
            "faults": {side: [max(f) for f in zip(*(r["faults"][side] for r in results))] for side in r0["faults"]}}
@@ -464,7 +529,9 @@ def summarize(strategy: str, results: list, steps: int) -> dict:
     if "autopar" in first:
         autopar_ms, *autopar_iqr = step_ms(results, "autopar")
         row.update(autopar_ms=autopar_ms, autopar_iqr=autopar_iqr, autopar_coll=r0["collectives"]["autopar"],
-                   round_ratios=round_ratios(results, steps))
+                   round_ratios=round_ratios(results, steps),
+                   mfu={side: mfu(r0["flops"], ms, world, info["peak_flops"])
+                        for side, ms in (("native", native_ms), ("autopar", autopar_ms))})
         diffs += [rel(first["autopar"], first["native"]), rel(first["autopar"], r0["reference"])]
     row["loss_diff"] = max(diffs)
     return row
@@ -488,24 +555,30 @@ def table_cells(row: dict) -> list:
     """The cells of one table row; a failed side says so in its first cell."""
     head = [row["strategy"], str(row["ranks"]), NATIVE_NAMES[row["strategy"]]]
     if "failed" in row:   # the ranks died: neither side measured
-        return head + [f"failed: {row['failed']}"] + [""] * 7
+        return head + [f"failed: {row['failed']}"] + [""] * 8
     info = row["info"]
-    match = ("ok" if row["loss_diff"] <= LOSS_RTOL else "WARN") + f" ({row['loss_diff']:.1e})"
+    match = ("ok" if row["loss_diff"] <= LOSS_RTOL[row["precision"]] else "WARN") + f" ({row['loss_diff']:.1e})"
     if "autopar_ms" not in row:
-        return head + [f"{row['native_ms']:.1f}", f"failed: {info['error']}", "", _coll(row["native_coll"]),
+        return head + [f"{row['native_ms']:.1f}", f"failed: {info['error']}", "", "", _coll(row["native_coll"]),
                        "", "", "", match]
     return head + [f"{row['native_ms']:.1f}", f"{row['autopar_ms']:.1f}", f"{row['autopar_ms'] / row['native_ms']:.2f}",
-                   _coll(row["native_coll"]), _coll(row["autopar_coll"]), f"{info['predicted'] * 1e3:.1f}",
+                   f"{row['mfu']['native']:.1%} / {row['mfu']['autopar']:.1%}", _coll(row["native_coll"]), _coll(row["autopar_coll"]), f"{info['predicted'] * 1e3:.1f}",
                    f"{info['predicted'] * 1e3 / row['autopar_ms'] - 1:+.0%}", match]
 
 
 def print_table(rows: list, args):
-    print("| strategy | ranks | native | native ms | autopar ms | ratio | native coll/step | autopar coll/step "
-          "| predicted ms | prediction error | loss match |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| strategy | ranks | native | native ms | autopar ms | ratio | MFU native / autopar | native coll/step "
+          "| autopar coll/step | predicted ms | prediction error | loss match |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(table_cells(row)) + " |")
     print_details(rows, args)
+
+
+def _model_size(args) -> str:
+    params = sum(p.numel() for p in build_model(args, "meta").parameters())
+    return (f"{params / 1e6:.1f}M parameters: {args.layers} layers, n_embd {args.hidden}, {args.heads} heads, "
+            f"vocab {args.vocab}, batch {args.batch} x {args.seq}")
 
 
 def print_details(rows: list, args):
@@ -515,6 +588,10 @@ def print_details(rows: list, args):
            "given by --hardware" if args.hardware is not None else "the planner's default for a CPU mesh")
     print(f"predicted ms: plan.predicted.step_time for hardware {', '.join(sorted(hardware)) or '-'} ({how}); "
           "prediction error: predicted / autopar ms - 1")
+    peaks = {row["info"]["peak_flops"] for row in rows if "peak_flops" in row.get("info", {})}
+    print(f"MFU: {gpt_flops_per_step(args):.3g} model FLOPs a step over ranks x step time x that hardware's peak "
+          f"at the compute dtype ({', '.join(f'{p:.3g}' for p in sorted(peaks)) or '-'} FLOP/s a device); "
+          f"device {args.device}, precision {args.precision}, model {args.model} ({_model_size(args)})")
     for row in rows:
         if "failed" in row:
             continue
@@ -543,21 +620,31 @@ def print_details(rows: list, args):
             print(f"{row['strategy']}: autopar warning: {w}")
     print()
     print("command: " + " ".join([os.path.basename(sys.executable)] + sys.argv))
-    print(f"threads: torch.set_num_threads({args.threads}) and OMP_NUM_THREADS={args.threads} in each rank "
-          f"({os.cpu_count()} cores here); ranks share the cores, so with more ranks than cores "
-          "the times include waiting for a core")
+    if args.device == "cuda":
+        print(f"GPUs: one per rank, NCCL, {torch.cuda.get_device_name(0)}")
+    else:
+        print(f"threads: torch.set_num_threads({args.threads}) and OMP_NUM_THREADS={args.threads} in each rank "
+              f"({os.cpu_count()} cores here); ranks share the cores, so with more ranks than cores "
+              "the times include waiting for a core")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {','.join(STRATEGIES)}")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256, help="n_embd")
-    p.add_argument("--heads", type=int, default=4, help="n_head (the tp degree, 2, must divide it)")
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq", type=int, default=128, help="sequence length (also the model's block_size)")
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--model", choices=sorted(MODELS), default="small",
+                   help="a GPT's sizes; the flags below override each. " + "; ".join(
+                       f"{k}: {', '.join(f'{f} {v}' for f, v in d.items())}" for k, d in MODELS.items()))
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int, help="n_embd")
+    p.add_argument("--heads", type=int, help="n_head (the tp degree, 2, must divide it)")
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--seq", type=int, help="sequence length (also the model's block_size)")
+    p.add_argument("--batch", type=int, help="global batch (sequences)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: a GPU per rank and NCCL; auto: cuda where there are GPUs for every rank, else cpu")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
+                   help="both sides' precision; default bf16-mixed on cuda, fp32 on cpu")
     p.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
@@ -575,6 +662,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=int, default=300,
                    help="seconds a collective may wait before its ranks give up (gloo's timeout)")
     args = p.parse_args(argv)
+    for field, value in MODELS[args.model].items():
+        if getattr(args, field) is None:
+            setattr(args, field, value)
     unknown = [s for s in args.strategies.split(",") if s not in STRATEGIES]
     if unknown:
         p.error(f"unknown strategies {unknown}; choose from {','.join(STRATEGIES)}")
@@ -582,6 +672,14 @@ def parse_args(argv=None):
     if args.hidden % args.heads or any(args.heads % n for n in tp_degrees):
         p.error(f"--heads {args.heads} must divide --hidden {args.hidden}, and the tp degree "
                 f"{max(tp_degrees, default=1)} must divide --heads (the native TP splits whole heads)")
+    ranks = max(world_size(s) for s in args.strategies.split(","))
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.device_count() >= ranks else "cpu"
+    elif args.device == "cuda" and torch.cuda.device_count() < ranks:
+        p.error(f"--device cuda: {args.strategies} needs {ranks} GPUs (one per rank), "
+                f"this machine has {torch.cuda.device_count()}")
+    if args.precision is None:
+        args.precision = "bf16-mixed" if args.device == "cuda" else "fp32"
     if args.calibrate and args.hardware is not None:
         p.error("--calibrate measures the hardware; give it or --hardware, not both")
     if args.hardware is not None:
