@@ -20,7 +20,7 @@ from .capture.blocks import find_blocks
 from .capture.export import PARAM, Captured
 from .cost.buckets import DEFAULT_BUCKET_BYTES
 from .cost.checkpointing import check_mode, checkpointable_stacks
-from .cost.liveness import live_sets
+from .cost.liveness import backward_start, live_sets
 from .cost.precision import optimizer_spec
 from .cost.precision import param_bytes as param_bytes_of
 from .cost.precision import precision_of
@@ -230,8 +230,10 @@ def _problem(cap: Captured, env: Request, checkpointing: str):
         raise MeshError(str(e)) from e
     canonical = find_blocks(cap).canonical if env.tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
+    grad_nodes = needs_grad(cap)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
-                   needs_grad(cap), saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
+                   grad_nodes, saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
+                   backward_start=backward_start(cap, grad_nodes),
                    stacks=checkpointable_stacks(cap) if checkpointing != "none" else (),
                    bucket_bytes=env.bucket_bytes, regather_activations=REGATHER.get(env.strategy, False))
     return prob, policy, opt, hw

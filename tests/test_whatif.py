@@ -86,10 +86,14 @@ def ddp():
 #                                                                        -> 32768
 #   at linear_1: h kept; y (lives to the end: the loss reads it), partial sums [B/2, 64]
 #                fp32 = 128 B; W1 (W0's last use has passed)              -> 16384 + 128 B
-#   transient = Max(32768, 16384 + 128 B): linear peaks below B = 128, linear_1 above (the
-#   symbolic form keeps both, so max_batch is the cost model's own at every batch)
-#   total = 16384 + 16384 + 32768 + 256 B + transient = 65536 + 256 B + Max(32768, 16384 + 128 B)
-#         = 98304 + 256 B up to B = 128, 81920 + 384 B from there
+#   backward's start (liveness.backward_start): y's gradient, as returned (all-reduced over tp,
+#                split over dp) 128 B, and what linear_1's backward makes: h's gradient as it reads
+#                h, 128 B, and W1's, gathered over dp, 16384                     -> 16384 + 256 B
+#   transient = Max(32768, 16384 + 256 B) (backward's start covers linear_1's 16384 + 128 B):
+#   linear peaks below B = 64, backward's start above (the symbolic form keeps both, so
+#   max_batch is the cost model's own at every batch)
+#   total = 16384 + 16384 + 32768 + 256 B + transient = 65536 + 256 B + Max(32768, 16384 + 256 B)
+#         = 98304 + 256 B up to B = 64, 81920 + 512 B from there
 # Compute (3 x forward FLOPs at 1e12):
 #   layer 0: local [B/2, 64] out, k = 64:  2 * (B/2 * 64) * 64 = 4096 B FLOPs
 #   layer 1: local [B/2, 64] out, k = 128/2: 4096 B FLOPs
@@ -107,8 +111,9 @@ def ddp():
 #   -> the smallest even B from which both hold: 2202
 # Largest batch within 100,000 bytes: 98304 + 256 B <= 100000 <=> B <= 6.6 -> even: 6
 #   (6: 98304 + 1536 = 99840 fits; 8: 98304 + 2048 = 100352 does not).
-# Within 1 MiB: 384 B <= 1048576 - 81920 = 966656 <=> B <= 2517.3 -> even: 2516.
-# Within 1040 KiB = 1064960: 384 B <= 983040 <=> B <= 2560, exactly at the limit.
+# Within 1 MiB: 512 B <= 1048576 - 81920 = 966656 <=> B <= 1888, exactly at the limit.
+# Within 1040 KiB = 1064960: 512 B <= 983040 <=> B <= 1920, exactly at the limit;
+#   within 1000 KiB = 1024000: 512 B <= 942080 <=> B <= 1840; 1838 without the limit's last bytes.
 
 def test_fsdp_tp_layout_and_terms_match_the_derivation(fsdp_tp):
     plan = fsdp_tp
@@ -118,8 +123,8 @@ def test_fsdp_tp_layout_and_terms_match_the_derivation(fsdp_tp):
     m = s.memory
     assert (m.params, m.grads, m.optimizer) == (16384, 16384, 32768)
     assert sympy.expand(m.activations - 256 * b) == 0
-    assert m.transient == sympy.Max(32768, 16384 + 128 * b)
-    assert sympy.expand(m.total - (65536 + 256 * b + sympy.Max(32768, 16384 + 128 * b))) == 0
+    assert m.transient == sympy.Max(32768, 16384 + 256 * b)
+    assert sympy.expand(m.total - (65536 + 256 * b + sympy.Max(32768, 16384 + 256 * b))) == 0
     assert plan.predicted.memory.total == 98304 + 256 * 8  # the example batch: linear peaks
     assert float(_at(s.compute_time, 1)) == pytest.approx(2.4576e-8, rel=1e-12)
     assert sympy.sympify(s.comm_time["dp"]).free_symbols == set()
@@ -137,7 +142,7 @@ def test_fsdp_tp_min_compute_bound_batch(fsdp_tp):
     assert _at(s.compute_time, 2200) < _at(s.comm_time["dp"], 2200)
 
 
-@pytest.mark.parametrize("limit,expected", [(100_000, 6), ("1MiB", 2516), ("1040KiB", 2560)])
+@pytest.mark.parametrize("limit,expected", [(100_000, 6), ("1MiB", 1888), ("1040KiB", 1920), (1023999, 1838)])
 def test_fsdp_tp_max_batch(fsdp_tp, limit, expected):
     assert autopar.max_batch(fsdp_tp, limit) == expected
     total = fsdp_tp.symbolic.memory.total
@@ -146,10 +151,10 @@ def test_fsdp_tp_max_batch(fsdp_tp, limit, expected):
 
 def test_fsdp_tp_symbolic_memory_is_the_prediction_at_another_batch():
     # the expression made at B = 8 keeps both candidate peaks, so it is what the cost model predicts
-    # for a plan made at B = 2560, where linear_1 peaks: 81920 + 384 * 2560 = 1064960
-    plan = _plan("fsdp+tp", {"dp": 2, "tp": 2}, dynamic=False, shape=(2560, 64))
+    # for a plan made at B = 1920, where backward's start peaks: 81920 + 512 * 1920 = 1064960
+    plan = _plan("fsdp+tp", {"dp": 2, "tp": 2}, dynamic=False, shape=(1920, 64))
     assert plan.param_placements == {"0.weight": ("S(1)", "S(0)"), "1.weight": ("S(0)", "S(1)")}
-    assert plan.predicted.memory.transient == 16384 + 128 * 2560
+    assert plan.predicted.memory.transient == 16384 + 256 * 1920
     assert plan.predicted.memory.total == 1064960
 
 
@@ -160,16 +165,17 @@ def test_fsdp_tp_symbolic_memory_is_the_prediction_at_another_batch():
 #   activations: linear keeps x split over dp: [B/4, 64] fp32 = 64 B;
 #                linear_1 keeps h split over dp: [B/4, 128] fp32 = 128 B     -> 192 B
 #   transient: no weight is gathered; at linear nothing alive is unkept (h is kept);
-#              at linear_1 the output y [B/4, 64] fp32 = 64 B                -> 64 B
-#              (every working-set term is proportional to B: the peak op never moves)
-#   total = 262144 + 256 B
+#              at linear_1 the output y [B/4, 64] fp32 = 64 B; backward's start: y's gradient 64 B,
+#              h's [B/4, 128] 128 B and W1's whole 32768, which its bucket takes after
+#                                                                            -> 32768 + 192 B
+#   total = 262144 + 192 B + 32768 + 192 B = 294912 + 384 B
 # Compute: layer 0 [B/4, 128] out, k = 64: 4096 B FLOPs; layer 1 [B/4, 64] out, k = 128:
 #   4096 B FLOPs; 3 * 8192 B / 1e12 = 2.4576e-8 B s (the same total as above).
 # Communication, dp: both gradients in one bucket (cost/buckets.py, 25 MiB), one all-reduce of
 #   B = 65536 bytes, n = 4: 1e-5 * 3 + 2 * 3/4 * 65536 / 1e10 = 3e-5 + 9.8304e-6 s = 3.98304e-5 s
 # Compute covers dp when 2.4576e-8 B >= 3.98304e-5 <=> B >= 1620.7 -> multiple of 4: 1624.
-# Largest batch within 300,000 bytes: 256 B <= 37856 <=> B <= 147.875 -> multiple of 4: 144
-#   (144: 262144 + 36864 = 299008 fits; 148: 262144 + 37888 = 300032 does not).
+# Largest batch within 350,000 bytes: 384 B <= 55088 <=> B <= 143.46 -> multiple of 4: 140
+#   (140: 294912 + 53760 = 348672 fits; 144: 294912 + 55296 = 350208 does not).
 
 def test_ddp_terms_match_the_derivation(ddp):
     s = ddp.symbolic
@@ -177,8 +183,8 @@ def test_ddp_terms_match_the_derivation(ddp):
     m = s.memory
     assert (m.params, m.grads, m.optimizer) == (65536, 65536, 131072)
     assert sympy.expand(m.activations - 192 * b) == 0
-    assert sympy.expand(m.transient - 64 * b) == 0
-    assert sympy.expand(m.total - (262144 + 256 * b)) == 0
+    assert sympy.expand(m.transient - (32768 + 192 * b)) == 0
+    assert sympy.expand(m.total - (294912 + 384 * b)) == 0
     assert float(_at(s.compute_time, 1)) == pytest.approx(2.4576e-8, rel=1e-12)
     assert float(s.comm_time["dp"]) == pytest.approx(3e-5 + 1.5 * 2 * WEIGHT_BYTES / 1e10, rel=1e-12)
 
@@ -191,23 +197,23 @@ def test_ddp_min_compute_bound_batch(ddp):
 
 
 def test_ddp_max_batch_is_a_multiple_of_the_batch_shards(ddp):
-    assert autopar.max_batch(ddp, 300_000) == 144
+    assert autopar.max_batch(ddp, 350_000) == 140
     total = ddp.symbolic.memory.total
-    assert _at(total, 144) <= 300_000 < _at(total, 148)
-    assert _at(total, 147) <= 300_000  # 147 fits too (299776), but 4 ranks cannot split it evenly
+    assert _at(total, 140) <= 350_000 < _at(total, 144)
+    assert _at(total, 143) <= 350_000  # 143 fits too (349824), but 4 ranks cannot split it evenly
 
 
 def test_other_dynamic_dims_stay_at_their_example_size():
-    # input [B, S, 64], S = 2 in the example; each term above gains a factor S:
-    # activations 64 B S + 128 B S, transient 64 B S -> 256 B S = 512 B at S = 2,
-    # memory 262144 + 512 B <= 300,000 <=> B <= 73.94 -> multiple of 4: 72
+    # input [B, S, 64], S = 2 in the example; each batch term above gains a factor S:
+    # activations 64 B S + 128 B S, transient 32768 + 192 B S -> 294912 + 384 B S = 294912 + 768 B
+    # at S = 2, <= 350,000 <=> B <= 71.7 -> multiple of 4: 68
     plan = _plan("ddp", {"dp": 4}, shape=(8, 2, 64), dims={0: BATCH, 1: SEQ})
     assert plan.symbols == {"batch": 8, "seq": 2}
     seq = sympy.Symbol("seq", integer=True, positive=True)
-    assert sympy.expand(plan.symbolic.memory.total - (262144 + 256 * b * seq)) == 0
+    assert sympy.expand(plan.symbolic.memory.total - (294912 + 384 * b * seq)) == 0
     with pytest.raises(autopar.AutoparError, match=r"several dynamic dims \(batch, seq\).*symbol="):
-        autopar.max_batch(plan, 300_000)
-    assert autopar.max_batch(plan, 300_000, symbol="batch") == 72
+        autopar.max_batch(plan, 350_000)
+    assert autopar.max_batch(plan, 350_000, symbol="batch") == 68
     with pytest.raises(autopar.AutoparError, match="symbol='tokens' is not a dynamic dim"):
         autopar.min_compute_bound_batch(plan, symbol="tokens")
 
@@ -219,13 +225,14 @@ def test_other_dynamic_dims_stay_at_their_example_size():
 # split over dp.
 #   params + grads + optimizer = (262144 + 32768) / 2 * (1 + 1 + 2) = 589824
 #   activations: linear keeps x [B/2, 64] = 128 B, linear_1 keeps h [B/2, 1024] = 2048 B
-#   working sets: at linear W0 + W1 = 294912 (h is kept); at linear_1 W1 + y [B/2, 8] = 32768 + 16 B
-#   -> linear peaks below B = (294912 - 32768) / 16 = 16384, linear_1 above it.
-# Made at B = 8, the symbolic transient keeps both: Max(294912, 32768 + 16 B), so
-#   memory.total = 589824 + 2176 B + Max(294912, 32768 + 16 B)
-# is what a plan made at any batch predicts: 884736 + 2176 B up to 16384, 622592 + 2192 B above.
-# Within 36503552 bytes: 884736 + 2176 B <= 36503552 <=> B <= 16369.4 -> even: 16368 (the other
-# branch, 2192 B <= 35880960 <=> B <= 16369.05, lies below 16384 and does not apply).
+#   working sets: at linear W0 + W1 = 294912 (h is kept); at linear_1 W1 + y [B/2, 8] = 32768 + 16 B;
+#   backward's start: y's gradient 16 B, h's [B/2, 1024] 2048 B, W1's whole 32768 = 32768 + 2064 B
+#   -> linear peaks below B = (294912 - 32768) / 2064 = 127.0, backward's start above it.
+# Made at B = 8, the symbolic transient keeps both: Max(294912, 32768 + 2064 B), so
+#   memory.total = 589824 + 2176 B + Max(294912, 32768 + 2064 B)
+# is what a plan made at any batch predicts: 884736 + 2176 B up to 127, 622592 + 4240 B above.
+# Within 36503552 bytes: 622592 + 4240 B <= 36503552 <=> B <= 8462.5 -> even: 8462 (the other
+# branch, 2176 B <= 35618816 <=> B <= 16369, lies above 127 and does not apply).
 
 def _wide_then_narrow():
     with torch.device("meta"):
@@ -237,9 +244,9 @@ def test_max_batch_follows_the_peak_op_across_batches():
     m = plan.symbolic.memory
     assert (m.params + m.grads + m.optimizer) == 589824
     assert sympy.expand(m.activations - 2176 * b) == 0
-    assert m.transient == sympy.Max(294912, 32768 + 16 * b)
-    assert autopar.max_batch(plan, 36503552) == 16368
-    for batch, transient in ((14336, 294912), (20000, 32768 + 16 * 20000)):
+    assert m.transient == sympy.Max(294912, 32768 + 2064 * b)
+    assert autopar.max_batch(plan, 36503552) == 8462
+    for batch, transient in ((100, 294912), (200, 32768 + 2064 * 200)):
         made_there = _plan("fsdp", {"dp": 2}, dynamic=False, shape=(batch, 64), model=_wide_then_narrow())
         assert made_there.predicted.memory.transient == transient
         assert made_there.predicted.memory.total == int(_at(m.total, batch))
@@ -276,8 +283,9 @@ def test_smallest_batch_over_the_limit(fsdp_tp):
 def test_memory_that_does_not_grow_with_the_batch():
     # x [8, S, 64], only S dynamic, pooled away by a mean before the one linear (64 -> 64), DDP on
     # dp=2. The mean keeps nothing (x does not require grad); linear keeps its input, the mean
-    # [8/2, 64] = 1024 bytes; the output [8/2, 64] = 1024 bytes is the working set at linear.
-    # params 16384 + grads 16384 + AdamW 32768 + 1024 + 1024 = 67584 bytes = 66.00 KiB at every S.
+    # [8/2, 64] = 1024 bytes; backward starts with the output's gradient [8/2, 64] = 1024 bytes and
+    # the weight's 16384 (the mean's output needs none): params 16384 + grads 16384 + AdamW 32768
+    # + 1024 + 1024 + 16384 = 83968 bytes = 82.00 KiB at every S.
     # (x itself, 1024 S bytes here, is a user input: the cost model counts inputs only where
     # autograd keeps them.)
     class Pool(nn.Module):
@@ -291,8 +299,8 @@ def test_memory_that_does_not_grow_with_the_batch():
     with torch.device("meta"):
         model = Pool()
     plan = _plan("ddp", {"dp": 2}, model=model, shape=(8, 2, 64), dims={1: SEQ})
-    assert plan.symbolic.memory.total == 67584
-    with pytest.raises(autopar.AutoparError, match=r"\(66.00 KiB\) does not depend on seq.*met at every batch"):
+    assert plan.symbolic.memory.total == 83968
+    with pytest.raises(autopar.AutoparError, match=r"\(82.00 KiB\) does not depend on seq.*met at every batch"):
         autopar.max_batch(plan, "1GiB")
 
 

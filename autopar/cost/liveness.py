@@ -9,10 +9,20 @@ step's peak adds the largest such working set.
 
 A view shares its base's storage, so it is not a tensor of its own here:
 it keeps its base alive instead.
+
+Backward starts with every saved activation still alive, and adds to them
+the outputs' gradients and the gradients the op that made an output computes
+for its inputs (for a GPT's head: the logits' gradient, the head weight's
+whole gradient before a bucket or reduce-scatter takes it, and the last
+hidden state's gradient). That is a working set of its own (backward_start),
+which for a large vocabulary is larger than any forward op's.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..capture.export import OP, Captured
+from ..sharding.op_spec import tensor_args
 from .activations import storage_owners
 
 
@@ -55,3 +65,30 @@ def live_sets(cap: Captured) -> list[tuple[str, tuple[str, ...]]]:
         alive = [o for o in alive if last_use.get(o, position[o]) >= i]
         out.append((node.name, tuple(alive)))
     return out
+
+
+@dataclass(frozen=True)
+class BackwardStart:
+    """Where the gradients backward holds as it starts come from, by tensor-argument position.
+
+    `graded`: the positions among the output node's tensor arguments of the outputs that get a gradient
+    (priced in the layout the module returns them in). `heads`: for each op whose storage an output is,
+    the positions of its tensor inputs it computes a gradient for (priced as the op reads them: a weight
+    an FSDP rank gathers gets a whole gradient). Backward runs one head at a time.
+    """
+    output: str
+    graded: tuple[int, ...]
+    heads: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def backward_start(cap: Captured, grad_nodes: set) -> BackwardStart:
+    out_node = next(n for n in cap.graph.nodes if n.op == "output")
+    owner = storage_owner(cap)
+    args = tensor_args(out_node)
+    graded = tuple(i for i, a in enumerate(args) if a.name in grad_nodes)
+    heads = {}
+    for i in graded:
+        head = owner.get(args[i].name, args[i].name)
+        if head not in heads and cap.info[head].kind == OP:
+            heads[head] = tuple(j for j, a in enumerate(tensor_args(cap.node(head))) if a.name in grad_nodes)
+    return BackwardStart(out_node.name, graded, tuple(heads.items()))

@@ -22,7 +22,7 @@ from .overlap import hidden_comm_time
 from .problem import charge_key, checkpoint_model, regather_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
                     gathered_weight_bytes, is_saved, node_compute_time, op_collectives, output_bytes, param_memory,
-                    reduce_itemsize, regather_saving, regathers, zero_collectives)
+                    read_bytes, reduce_itemsize, regather_saving, regathers, zero_collectives)
 
 
 @dataclass(frozen=True)
@@ -269,13 +269,32 @@ def _gathered_layers(prob, groups, members: dict) -> list:
 
 
 def _transient(prob, choice, groups, stacks, symbolic: bool):
-    """The largest working set of any op; backward holds one recomputed block's activations at a time."""
+    """The largest working set of any op; backward holds one recomputed block's activations at a time,
+    and starts with the outputs' gradients and its first op's (backward_start_bytes)."""
     transient = peak_working_set(prob, choice, groups, symbolic)
+    start = backward_start_bytes(prob, choice, symbolic)
+    transient = sympy.Max(transient, start) if symbolic else max(transient, start)
     for st in stacks:
         block = sum(activation_bytes(n, prob.cap, prob.strategies[n].strategies[choice[n]].output, prob.mesh,
                                      prob.saved, symbolic) for n in st.blocks[0] if n in prob.strategies)
         transient = sympy.Max(transient, block) if symbolic else max(transient, block)
     return transient
+
+
+def backward_start_bytes(prob, choice, symbolic: bool):
+    """What backward holds as it starts beyond the saved activations (liveness.BackwardStart): every output's
+    gradient, in the layout the module returns it, and the largest set of input gradients that the op
+    making one output computes, in the layout it reads them. 0 where nothing needs a gradient."""
+    start = prob.backward_start
+    if start is None or not start.graded:
+        return 0
+    out = prob.strategies[start.output].strategies[choice[start.output]]
+    total = read_bytes(start.output, start.graded, prob.cap, out, prob.mesh, symbolic)
+    heads = [read_bytes(h, positions, prob.cap, prob.strategies[h].strategies[choice[h]], prob.mesh, symbolic)
+             for h, positions in start.heads if h in prob.strategies]
+    if not heads:
+        return total
+    return total + (sympy.Max(*heads) if symbolic else max(heads))
 
 
 def _comm_terms(colls, mesh, links):

@@ -42,6 +42,7 @@ class Problem:
     param_bytes: dict = field(default_factory=dict)  # parameter node -> ParamBytes (precision.py)
     canonical: dict = field(default_factory=dict)    # node of a repeated block -> its first copy (blocks.py)
     live: list = field(default_factory=list)         # (op, storages alive there) per forward op (liveness.py)
+    backward_start: object = None                    # liveness.BackwardStart: the gradients backward starts with
     edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
     stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
                                                      # (a stack's path twice: whole blocks, and their cores)

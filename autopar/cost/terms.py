@@ -141,6 +141,13 @@ def output_bytes(node_name: str, cap: Captured, output: Placements, mesh: MeshSp
     return sum(numel(local_shape(shape_of(m, symbolic), output, mesh.axis_sizes)) * m.itemsize for m in metas)
 
 
+def read_bytes(node_name: str, positions, cap: Captured, strategy, mesh: MeshSpec, symbolic=False):
+    """Bytes on one device of some of a node's tensor inputs (by position), as the node reads them under
+    `strategy` -- also the bytes of their gradients, which backward makes in the layout read."""
+    args = tensor_args(cap.node(node_name))
+    return sum(output_bytes(args[i].name, cap, strategy.inputs[i], mesh, symbolic) for i in positions)
+
+
 @dataclass(frozen=True)
 class ParamMemory:
     params: object      # the weight as ops use it (compute dtype)

@@ -24,7 +24,7 @@ from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_time, recompute_edge_cost, regather_model, repeat_memory,
                             tied_edges)
-from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes, regather_saving
+from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes, read_bytes, regather_saving
 from ..errors import InfeasiblePlanError
 from ..sharding.redistribute import UnsupportedRedistribution
 from .classics import Roles, allow_edge, allowed_flags
@@ -229,6 +229,25 @@ def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transien
             ilp.row({**row, transient: -1.0}, -np.inf, 0)
 
 
+def _backward_start_rows(prob: Problem, ilp: _ILP, xvars, transient: int) -> None:
+    """transient >= the outputs' gradients + the input gradients of one op making an output, for each such
+    op (cost/predict.backward_start_bytes prices the same)."""
+    start = prob.backward_start
+    if start is None or not start.graded:
+        return
+
+    def terms(node, positions) -> dict:
+        return {var: float(read_bytes(node, positions, prob.cap, s, prob.mesh)) * MEM_SCALE
+                for s, var in zip(prob.strategies[node].strategies, xvars[node]) if var is not None}
+
+    outputs = terms(start.output, start.graded)
+    for head in [h for h, positions in start.heads if h in prob.strategies] or [None]:
+        row = dict(outputs)
+        if head is not None:
+            row.update(terms(head, dict(start.heads)[head]))
+        ilp.row({**row, transient: -1.0}, -np.inf, 0)
+
+
 def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) -> None:
     """Every block of `stacks` checkpointed: activation bytes change by D(x) (negative where it saves;
     the tensors a checkpoint holds are charged to their producers), time grows by one more forward
@@ -328,6 +347,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
             by_weight += [(e.producer, e.consumer, gathered) for e in edges]
     layers = [] if prob.pipelined else gathered_layers(prob, by_weight)
     _transient_rows(prob, ilp, xvars, gathered_at, transient, layers)
+    _backward_start_rows(prob, ilp, xvars, transient)
     _recompute_terms(prob, stacks, ilp, xvars, transient)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
