@@ -130,3 +130,38 @@ def test_zero_over_several_axes_only_where_every_rank_divides():
     assert axes == {(1,), (2,)}
     even = TensorMeta((4, 2), (4, 2), torch.float32)
     assert (1, 2) in {s.zero_axes for s in zero_variants(("S(0)", "R", "R"), even, mesh)}
+
+
+def _gpt_for_three():
+    """Every weight's flat size divides by 3, so every one is ZeRO-2's on 3 ranks."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=24, vocab_size=48, block_size=6)
+    x = torch.randint(0, cfg.vocab_size, (6, 6))
+    return GPT(cfg), x, torch.randint(0, cfg.vocab_size, (6, 6)), gpt_loss
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW], ids=["sgd", "adamw"])
+def test_zero2_reduce_scatters_buckets_while_backward_computes(optimizer):
+    """ZeRO-2 on 3 ranks with 4 KiB buckets: the gradients go out in a few bucketed reduce-scatters, the
+    first before backward reaches the position embedding (whose partial gradient the graph all-reduces
+    there, at backward's end), and training equals one device with SGD (which a wrong scale would show)
+    and AdamW. One reduce-scatter per weight, or every bucket launched when backward ends, fails it."""
+    model, x, y, loss_fn = _gpt_for_three()
+    ref = single_device_reference(lambda: copy.deepcopy(model), x, y, loss_fn, steps=3, lr=1e-2, optimizer=optimizer)
+    for rec in run_threaded(3, parallel_record, model, (3,), ("dp",), x, y, loss_fn, 3, 1e-2,
+                            {"strategy": "zero2", "hardware": "cpu", "bucket_bytes": 4096}, optimizer):
+        plan = rec["plan"]
+        assert len(plan.param_zero) == _numel_params(model)
+        buckets = [c for c in plan.collectives if c.kind == "reduce_scatter"]
+        assert 3 <= len(buckets) < len(plan.param_zero) and all("ZeRO-2" in c.where for c in buckets)
+        launched = Counter((k, axis, float(b), phase) for k, axis, b, phase in rec["comm"])
+        predicted = Counter((c.kind, plan.mesh.axis_names.index(c.axis), c.bytes, c.phase) for c in plan.collectives)
+        assert launched == predicted
+        kinds = [k for k, _, _, phase in rec["comm"] if phase == "backward"]
+        assert kinds.index("reduce_scatter") < kinds.index("all_reduce")
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, atol=ATOL, rtol=0, msg=name)
+
+
+def _numel_params(model):
+    return len(dict(model.named_parameters()))

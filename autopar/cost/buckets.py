@@ -121,6 +121,34 @@ def assign_buckets(entries: list, bucket_bytes: int) -> list:
     return buckets
 
 
+def params_by_first_use(cap: Captured) -> list:
+    """Parameter FQNs in the order forward first reads them: backward makes their gradients in reverse."""
+    found: dict = {}
+    for node in cap.graph.nodes:
+        if node.op in ("call_function", "output"):
+            for a in node.all_input_nodes:
+                info = cap.info.get(a.name)
+                if info is not None and info.kind == PARAM:
+                    found.setdefault(info.target_name, None)
+    return list(found)
+
+
+def zero_buckets(order: list, param_zero: dict, sizes: dict, bucket_bytes: int) -> list:
+    """The ZeRO-2 gradient buckets (runtime/zero_buckets.py): [(ZeRO axis name, [FQN])] in launch order.
+
+    `order`: params_by_first_use; `param_zero`: Plan.param_zero (FQN -> (level, axis names)); `sizes`: FQN ->
+    (elements of the flat local weight, bytes per element of its gradient on the network), for the weights
+    that get a gradient. Weights ZeRO-2 splits over one axis qualify; the rest are reduced one at a time
+    (level 1 at the optimizer step, where nothing is left to overlap; several axes in turn)."""
+    entries = []
+    for fqn in reversed(order):
+        level, axes = param_zero.get(fqn, (0, ()))
+        if level >= 2 and len(axes) == 1 and fqn in sizes:
+            numel, itemsize = sizes[fqn]
+            entries.append((fqn, numel, tuple(axes), itemsize, itemsize))
+    return [(axes[0], names) for axes, _, names in assign_buckets(entries, bucket_bytes)]
+
+
 def bucket_grad_scale(cap: Captured, plan, grad_nodes: set, deferred: dict) -> float:
     """The outputs' gradient factor (output_grad_scale) when the gradient buckets can apply it instead, as
     they take each weight's gradient in (as DDP divides its buckets); 1.0 where the outputs keep it.

@@ -14,11 +14,11 @@ import cost_models as cm
 
 from ..capture.export import BUFFER, INPUT, OP, PARAM
 from ..sharding.placement import local_shape, numel
-from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, Collective, gathers_again, plan_steps
-from .buckets import assign_buckets, partial_gradients
+from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, gathers_again, plan_steps
+from .buckets import assign_buckets, params_by_first_use, partial_gradients, zero_buckets
 from .checkpointing import recomputed_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
-from .overlap import hidden_comm_time
+from .overlap import BUCKET, hidden_comm_time
 from .problem import charge_key, checkpoint_model, regather_model
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
                     gathered_weight_bytes, is_saved, node_compute_time, op_collectives, output_bytes, param_memory,
@@ -118,8 +118,8 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     kept = saved if prob.regather_activations else None   # the model the re-gather saving reads
     acts = acts + sum(regather_saving(prob.cap, kept, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
                                       prob.grad_nodes, symbolic) for r in groups for c, i in r.consumers)
-    colls = bucketed(prob, choice, colls + _redistributions(prob, groups, stacks, rerun, symbolic)
-                     + _op_collectives(prob, choice, rerun, symbolic))
+    colls = zero_bucketed(prob, choice, colls) + _redistributions(prob, groups, stacks, rerun, symbolic)
+    colls = bucketed(prob, choice, colls + _op_collectives(prob, choice, rerun, symbolic))
     colls = grouped(colls, layer_members(prob, groups), prob.mesh.axis_sizes)
     transient = _transient(prob, choice, groups, stacks, symbolic)
     comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
@@ -170,6 +170,34 @@ def bucketed(prob, choice, colls: list) -> list:
         out += [Collective(ALL_REDUCE, a, sum(sizes[n] for n in names), "backward", f"gradient bucket {k}",
                            ",".join(names)) for a in axes]
     return out
+
+
+def zero_bucketed(prob, choice, colls: list) -> list:
+    """`colls` with the ZeRO-2 weights' gradient reduce-scatters replaced by the buckets that carry them
+    (buckets.zero_buckets, runtime/zero_buckets.py): one asynchronous reduce-scatter per bucket."""
+    cap, mesh = prob.cap, prob.mesh
+    node_of, param_zero, sizes = {}, {}, {}
+    for name, ns in prob.strategies.items():
+        s, info = ns.strategies[choice[name]], cap.info[name]
+        if info.kind == PARAM and s.zero and name in prob.grad_nodes:
+            meta = first_meta(info.meta)
+            node_of[info.target_name] = name
+            param_zero[info.target_name] = (s.zero, tuple(mesh.axis_names[a] for a in s.zero_axes))
+            sizes[info.target_name] = (numel(local_shape(meta.hint, s.output, mesh.axis_sizes)),
+                                       reduce_itemsize(prob.param_bytes, name) or meta.itemsize)
+    buckets = zero_buckets(params_by_first_use(cap), param_zero, sizes, prob.bucket_bytes)
+    if not buckets:
+        return colls
+    # each weight's own reduce-scatter (cost/terms.zero_collectives), by (weight, axis)
+    own = {(c.tensor, c.axis): c for c in colls if c.kind == REDUCE_SCATTER and c.phase == "backward"}
+    out, moved = list(colls), set()
+    for k, (a, fqns) in enumerate(buckets):
+        keys = [(node_of[f], mesh.axis_names.index(a)) for f in fqns]
+        moved.update(keys)
+        out.append(Collective(REDUCE_SCATTER, keys[0][1], sum(own[key].full_bytes for key in keys), "backward",
+                              f"{BUCKET}ZeRO-2 {k}", ",".join(name for name, _ in keys)))
+    return [c for c in out if not (c.where and not c.where.startswith(BUCKET) and c.kind == REDUCE_SCATTER
+                                   and c.phase == "backward" and (c.tensor, c.axis) in moved)]
 
 
 def _state_terms(prob, choice, symbolic: bool):

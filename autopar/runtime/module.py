@@ -16,7 +16,7 @@ import torch.fx as fx
 from .._compat import output_spec, unflatten_outputs
 from ..capture.compute_dtype import cast_inputs
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
-from ..cost.buckets import deferred_axes
+from ..cost.buckets import deferred_axes, params_by_first_use
 from ..cost.overlap import BUCKET
 from ..cost.precision import precision_of
 from ..errors import PlanError
@@ -119,6 +119,7 @@ class ParallelModule(torch.nn.Module):
         """The buckets that reduce the gradients the graph leaves partial (ZeRO ones are the optimizer's), and
         the weights the graphs route through them at their first use (_route_to_buckets)."""
         params = dict(self.store.named_parameters())
+        self.params_by_first_use = params_by_first_use(cap)   # ShardedOptimizer's ZeRO buckets follow it
         for fqn, p in params.items():
             if fqn in self.plan.param_zero and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._check_zero_optimizer)

@@ -6,7 +6,8 @@ gradient) exists once across those ranks instead of n times:
 
     backward   the graph leaves the gradient unreduced on the ZeRO axes
     reduce     reduce-scatter the flat gradient into this rank's slice
-               (level 2: as soon as autograd has accumulated it; level 1: at step())
+               (level 2: in backward, bucketed with the weights whose gradients come next
+               (zero_buckets.py); level 1: one weight at a time at step())
     step       the wrapped optimizer updates the slice
     gather     all-gather the updated slices into the whole weight
 
@@ -20,12 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cost.buckets import zero_buckets
 from ..cost.precision import precision_of
 from ..errors import PlanError
 from ..sharding.placement import P, R, S, gathered_size, shard_full_tensor
 from ..sharding.redistribute import plan_steps
 from .collectives import transform
 from .optim_state import export_state, init_state, load_state
+from .zero_buckets import ZeroBuckets
 
 
 @dataclass
@@ -85,11 +88,27 @@ class ShardedOptimizer:
             z = _ZeroParam(fqn, p, torch.nn.Parameter(local), level, plan_steps(partial, sliced),
                            plan_steps(sliced, whole), policy.resolve(p.dtype).reduce)
             if level >= 2:
-                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _, z=z: self._reduce(z, "backward")))
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _, z=z: self._arrived(z)))
             self._zero.append(z)
             params.append(z.slice)
+        self._buckets = self._zero_buckets(module)
         self.optimizer = optimizer_class(params, **kwargs)
         module.zero_optimizer = self
+
+    def _zero_buckets(self, module) -> ZeroBuckets:
+        """The ZeRO-2 gradients' buckets, as the plan lists them (cost/buckets.zero_buckets)."""
+        sizes = {z.name: (z.param.numel(), z.reduce_dtype.itemsize) for z in self._zero if z.param.requires_grad}
+        plan = module.plan
+        buckets = zero_buckets(module.params_by_first_use, plan.param_zero, sizes, plan.bucket_bytes)
+        return ZeroBuckets([(plan.mesh.axis_names.index(a), names) for a, names in buckets],
+                           {z.name: z for z in self._zero}, self.comm)
+
+    def _arrived(self, z: _ZeroParam) -> None:
+        """A ZeRO-2 weight's gradient is accumulated: into its bucket, or reduced now where it has none."""
+        if z.name in self._buckets:
+            self._buckets.arrive(z.name)
+        else:
+            self._reduce(z, "backward")
 
     def _reduce(self, z: _ZeroParam, phase: str) -> None:
         g = z.param.grad.reshape(-1).to(z.reduce_dtype)   # a precision policy's reduce dtype (cost/precision.py)
