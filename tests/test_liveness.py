@@ -69,6 +69,12 @@ def test_backward_start_names_the_outputs_gradients_and_the_head_ops_inputs():
     assert start.heads == (("linear_1", (0, 1, 2)),)
 
 
+def _env() -> dict:
+    """This checkout's autopar, whatever the environment has installed; one thread per rank."""
+    path = [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
+
+
 @pytest.mark.gloo
 def test_train_step_peak_is_within_the_prediction_where_the_heads_backward_peaks():
     """Measured (benchmarks/peak_memory.py, 2 gloo ranks, ddp): a GPT whose head weight (1024 x 256,
@@ -80,7 +86,7 @@ def test_train_step_peak_is_within_the_prediction_where_the_heads_backward_peaks
                            "--world", "2", "--n-layer", "4", "--n-embd", "256", "--n-head", "4",
                            "--vocab-size", "1024", "--block-size", "32", "--batch", "4", "--steps", "2"],
                           capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for step in (1, 2):
         assert re.search(rf"^train step {step} .* yes$", proc.stdout, re.M), proc.stdout

@@ -165,3 +165,22 @@ def test_zero2_reduce_scatters_buckets_while_backward_computes(optimizer):
 
 def _numel_params(model):
     return len(dict(model.named_parameters()))
+
+
+def test_zero1_reduce_scatters_buckets_at_the_optimizer_step():
+    """ZeRO-1 on 3 ranks with 4 KiB buckets: the whole gradients are reduce-scattered at step() in a few
+    buckets, as the plan lists them, and training equals one device (SGD)."""
+    model, x, y, loss_fn = _gpt_for_three()
+    ref = single_device_reference(lambda: copy.deepcopy(model), x, y, loss_fn, steps=3, lr=1e-2,
+                                  optimizer=torch.optim.SGD)
+    for rec in run_threaded(3, parallel_record, model, (3,), ("dp",), x, y, loss_fn, 3, 1e-2,
+                            {"strategy": "zero1", "hardware": "cpu", "bucket_bytes": 4096}, torch.optim.SGD):
+        plan = rec["plan"]
+        buckets = [c for c in plan.collectives if c.kind == "reduce_scatter"]
+        assert 3 <= len(buckets) < len(plan.param_zero)
+        assert all(c.phase == "optimizer" and "ZeRO-1" in c.where for c in buckets)
+        launched = Counter((k, axis, float(b), phase) for k, axis, b, phase in rec["comm"])
+        predicted = Counter((c.kind, plan.mesh.axis_names.index(c.axis), c.bytes, c.phase) for c in plan.collectives)
+        assert launched == predicted
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, atol=ATOL, rtol=0, msg=name)

@@ -133,17 +133,18 @@ def params_by_first_use(cap: Captured) -> list:
     return list(found)
 
 
-def zero_buckets(order: list, param_zero: dict, sizes: dict, bucket_bytes: int) -> list:
-    """The ZeRO-2 gradient buckets (runtime/zero_buckets.py): [(ZeRO axis name, [FQN])] in launch order.
+def zero_buckets(order: list, param_zero: dict, sizes: dict, bucket_bytes: int, level: int) -> list:
+    """The gradient buckets of one ZeRO level (runtime/zero_buckets.py): [(ZeRO axis name, [FQN])] in
+    launch order. Level 2 launches them in backward, level 1 at the optimizer step.
 
     `order`: params_by_first_use; `param_zero`: Plan.param_zero (FQN -> (level, axis names)); `sizes`: FQN ->
     (elements of the flat local weight, bytes per element of its gradient on the network), for the weights
-    that get a gradient. Weights ZeRO-2 splits over one axis qualify; the rest are reduced one at a time
-    (level 1 at the optimizer step, where nothing is left to overlap; several axes in turn)."""
+    that get a gradient. Weights split over one ZeRO axis qualify; one split over several is reduced alone,
+    axis after axis."""
     entries = []
     for fqn in reversed(order):
-        level, axes = param_zero.get(fqn, (0, ()))
-        if level >= 2 and len(axes) == 1 and fqn in sizes:
+        lvl, axes = param_zero.get(fqn, (0, ()))
+        if lvl == level and len(axes) == 1 and fqn in sizes:
             numel, itemsize = sizes[fqn]
             entries.append((fqn, numel, tuple(axes), itemsize, itemsize))
     return [(axes[0], names) for axes, _, names in assign_buckets(entries, bucket_bytes)]

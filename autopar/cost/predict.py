@@ -121,7 +121,7 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     colls = zero_bucketed(prob, choice, colls) + _redistributions(prob, groups, stacks, rerun, symbolic)
     colls = bucketed(prob, choice, colls + _op_collectives(prob, choice, rerun, symbolic))
     colls = grouped(colls, layer_members(prob, groups), prob.mesh.axis_sizes)
-    transient = _transient(prob, choice, groups, stacks, symbolic)
+    transient = _transient(prob, choice, groups, stacks, symbolic, zero_bucket_hold(colls))
     comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
     hidden = hidden_comm_time(prob, colls, op_times)
     exposed = {a: comm_time[a] - hidden[a] for a in comm_time}
@@ -173,8 +173,9 @@ def bucketed(prob, choice, colls: list) -> list:
 
 
 def zero_bucketed(prob, choice, colls: list) -> list:
-    """`colls` with the ZeRO-2 weights' gradient reduce-scatters replaced by the buckets that carry them
-    (buckets.zero_buckets, runtime/zero_buckets.py): one asynchronous reduce-scatter per bucket."""
+    """`colls` with the ZeRO weights' gradient reduce-scatters replaced by the buckets that carry them
+    (buckets.zero_buckets, runtime/zero_buckets.py): one reduce-scatter per bucket, asynchronous in
+    backward at level 2 (the overlap model hides those like DDP's buckets), at the optimizer step at 1."""
     cap, mesh = prob.cap, prob.mesh
     node_of, param_zero, sizes = {}, {}, {}
     for name, ns in prob.strategies.items():
@@ -185,19 +186,27 @@ def zero_bucketed(prob, choice, colls: list) -> list:
             param_zero[info.target_name] = (s.zero, tuple(mesh.axis_names[a] for a in s.zero_axes))
             sizes[info.target_name] = (numel(local_shape(meta.hint, s.output, mesh.axis_sizes)),
                                        reduce_itemsize(prob.param_bytes, name) or meta.itemsize)
-    buckets = zero_buckets(params_by_first_use(cap), param_zero, sizes, prob.bucket_bytes)
-    if not buckets:
-        return colls
-    # each weight's own reduce-scatter (cost/terms.zero_collectives), by (weight, axis)
-    own = {(c.tensor, c.axis): c for c in colls if c.kind == REDUCE_SCATTER and c.phase == "backward"}
+    order = params_by_first_use(cap)
+    # each weight's own reduce-scatter (cost/terms.zero_collectives), by (weight, axis, phase)
+    own = {(c.tensor, c.axis, c.phase): c for c in colls if c.kind == REDUCE_SCATTER}
     out, moved = list(colls), set()
-    for k, (a, fqns) in enumerate(buckets):
-        keys = [(node_of[f], mesh.axis_names.index(a)) for f in fqns]
-        moved.update(keys)
-        out.append(Collective(REDUCE_SCATTER, keys[0][1], sum(own[key].full_bytes for key in keys), "backward",
-                              f"{BUCKET}ZeRO-2 {k}", ",".join(name for name, _ in keys)))
-    return [c for c in out if not (c.where and not c.where.startswith(BUCKET) and c.kind == REDUCE_SCATTER
-                                   and c.phase == "backward" and (c.tensor, c.axis) in moved)]
+    for level, phase, where in ((2, "backward", f"{BUCKET}ZeRO-2 "), (1, "optimizer", "ZeRO-1 gradient bucket ")):
+        for k, (a, fqns) in enumerate(zero_buckets(order, param_zero, sizes, prob.bucket_bytes, level)):
+            keys = [(node_of[f], mesh.axis_names.index(a), phase) for f in fqns]
+            moved.update(keys)
+            out.append(Collective(REDUCE_SCATTER, keys[0][1], sum(own[key].full_bytes for key in keys), phase,
+                                  f"{where}{k}", ",".join(name for name, _, _ in keys)))
+    # a weight's own collective is named after it (`where`); a bucket's, after the bucket
+    return [c for c in out if not (c.kind == REDUCE_SCATTER and c.where == c.tensor
+                                   and (c.tensor, c.axis, c.phase) in moved)]
+
+
+def zero_bucket_hold(colls: list):
+    """Whole gradients ZeRO-2's buckets hold during backward (runtime/zero_buckets.py): the bucket filling,
+    the one in flight, and the copy of it a backend may take (gloo's reduce-scatter does): three times the
+    largest, a bound (NCCL takes no copy)."""
+    sizes = [c.full_bytes for c in colls if c.where.startswith(f"{BUCKET}ZeRO-2 ")]
+    return 3 * max(sizes) if sizes else 0
 
 
 def _state_terms(prob, choice, symbolic: bool):
@@ -296,11 +305,12 @@ def _gathered_layers(prob, groups, members: dict) -> list:
     return at
 
 
-def _transient(prob, choice, groups, stacks, symbolic: bool):
+def _transient(prob, choice, groups, stacks, symbolic: bool, zero_hold=0):
     """The largest working set of any op; backward holds one recomputed block's activations at a time,
-    and starts with the outputs' gradients and its first op's (backward_start_bytes)."""
+    and starts with the outputs' gradients and its first op's (backward_start_bytes), to which ZeRO-2's
+    buckets add what they hold (`zero_hold`, counted as if from the start: a bound)."""
     transient = peak_working_set(prob, choice, groups, symbolic)
-    start = backward_start_bytes(prob, choice, symbolic)
+    start = backward_start_bytes(prob, choice, symbolic) + zero_hold
     transient = sympy.Max(transient, start) if symbolic else max(transient, start)
     for st in stacks:
         block = sum(activation_bytes(n, prob.cap, prob.strategies[n].strategies[choice[n]].output, prob.mesh,

@@ -277,6 +277,18 @@ def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):
     return work, out, pieces
 
 
+def reduce_scatter_async(send: torch.Tensor, comm: Comm, axis: int, phase: str) -> tuple:
+    """A flat buffer summed over `axis`, this rank's 1/n of it (its row of [n, numel / n]) kept, launched
+    asynchronously: (work, out); `out` holds the result once work.wait() returns."""
+    ax = comm.axes[axis]
+    out = send.new_empty(send.numel() // ax.size)
+    log_collective(comm, REDUCE_SCATTER, axis, _bytes(send), phase)
+    t0 = comm.start()   # a launch counts too: some backends (the threaded one) block in it
+    work = _reduce_scatter(out, send, group=ax.group, async_op=True)
+    comm.stop(axis, t0)
+    return work, out
+
+
 def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
     """`x` with zeros appended along dim 0 up to `length` rows (itself when it has them)."""
     if x.shape[0] == length:

@@ -6,8 +6,8 @@ gradient) exists once across those ranks instead of n times:
 
     backward   the graph leaves the gradient unreduced on the ZeRO axes
     reduce     reduce-scatter the flat gradient into this rank's slice
-               (level 2: in backward, bucketed with the weights whose gradients come next
-               (zero_buckets.py); level 1: one weight at a time at step())
+               in buckets (zero_buckets.py); level 2: in backward, as soon as a bucket's
+               gradients are accumulated; level 1: at step()
     step       the wrapped optimizer updates the slice
     gather     all-gather the updated slices into the whole weight
 
@@ -91,22 +91,29 @@ class ShardedOptimizer:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda _, z=z: self._arrived(z)))
             self._zero.append(z)
             params.append(z.slice)
-        self._buckets = self._zero_buckets(module)
+        self._buckets = {level: self._zero_buckets(module, level) for level in (1, 2)}
         self.optimizer = optimizer_class(params, **kwargs)
         module.zero_optimizer = self
 
-    def _zero_buckets(self, module) -> ZeroBuckets:
-        """The ZeRO-2 gradients' buckets, as the plan lists them (cost/buckets.zero_buckets)."""
+    def _zero_buckets(self, module, level: int) -> ZeroBuckets:
+        """The gradient buckets of one ZeRO level, as the plan lists them (cost/buckets.zero_buckets)."""
         sizes = {z.name: (z.param.numel(), z.reduce_dtype.itemsize) for z in self._zero if z.param.requires_grad}
         plan = module.plan
-        buckets = zero_buckets(module.params_by_first_use, plan.param_zero, sizes, plan.bucket_bytes)
+        buckets = zero_buckets(module.params_by_first_use, plan.param_zero, sizes, plan.bucket_bytes, level)
         return ZeroBuckets([(plan.mesh.axis_names.index(a), names) for a, names in buckets],
-                           {z.name: z for z in self._zero}, self.comm)
+                           {z.name: z for z in self._zero}, self.comm, "backward" if level >= 2 else "optimizer")
+
+    def _reduce_level1(self) -> None:
+        """Reduce the ZeRO-1 gradients accumulated so far into their slices: in buckets, where they have one."""
+        self._buckets[1].flush()
+        for z in self._zero:
+            if z.level == 1 and z.param.grad is not None and z.name not in self._buckets[1]:
+                self._reduce(z, "optimizer")
 
     def _arrived(self, z: _ZeroParam) -> None:
         """A ZeRO-2 weight's gradient is accumulated: into its bucket, or reduced now where it has none."""
-        if z.name in self._buckets:
-            self._buckets.arrive(z.name)
+        if z.name in self._buckets[2]:
+            self._buckets[2].arrive(z.name)
         else:
             self._reduce(z, "backward")
 
@@ -124,9 +131,7 @@ class ShardedOptimizer:
         if closure is not None:
             raise PlanError("ShardedOptimizer.step does not take a closure: its ZeRO collectives must run "
                             "once per step on every rank")
-        for z in self._zero:
-            if z.level == 1 and z.param.grad is not None:
-                self._reduce(z, "optimizer")
+        self._reduce_level1()
         self.optimizer.step()
         for z in self._zero:
             z.param.copy_(self._gather(z, z.slice.detach(), "optimizer").view_as(z.param))
@@ -196,7 +201,7 @@ class ShardedOptimizer:
     def reduce_gradients(self) -> None:
         """Reduce level-1 ZeRO gradients into their slices now, as step() would (it then does not again):
         for autopar.clip_grad_norm_, which needs every gradient reduced. Level 2 reduced them in backward."""
+        self._reduce_level1()
         for z in self._zero:
-            if z.level == 1 and z.param.grad is not None:
-                self._reduce(z, "optimizer")
+            if z.level == 1:
                 z.param.grad = None   # reduced: step() skips it, full_grads() reads the slice

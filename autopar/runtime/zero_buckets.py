@@ -1,4 +1,4 @@
-"""ZeRO-2's gradient reduce-scatters, bucketed and launched while backward goes on.
+"""ZeRO's gradient reduce-scatters, bucketed; ZeRO-2's launched while backward goes on.
 
 A ZeRO-2 weight's gradient is reduce-scattered into this rank's flat 1/n slice as
 soon as autograd has accumulated it (ShardedOptimizer). One blocking
@@ -8,16 +8,22 @@ buckets (cost/buckets.zero_buckets: up to `bucket_bytes`, in the order backward
 makes them), and each bucket goes out as one asynchronous reduce-scatter once
 all its weights' gradients have come:
 
-    arrive   a weight's gradient is taken from .grad (level 2: the whole gradient
-             does not outlive backward past its bucket's launch)
-    launch   a full bucket is reduce-scattered asynchronously, FSDP2's layout
-             (collectives.reduce_scatter_flat: rank r's slice of every weight
-             together); buckets launch in index order on every rank
-    finish   when backward ends, every bucket is waited on and each slice's .grad
-             set from it (added to one there)
+    arrive   a weight's gradient is copied into its bucket's send buffer, laid out
+             as FSDP2 lays out a reduce-scatter's input (row r: rank r's slice of
+             every weight of the bucket), and .grad is dropped: the whole gradient
+             does not outlive its arrival
+    launch   a full bucket is reduce-scattered asynchronously; buckets launch in
+             index order on every rank, and a launch first completes the bucket
+             before it (waits, sets its slices' .grad, frees its send buffer), so
+             backward holds at most the bucket filling and the one in flight (with
+             what the backend copies of it: gloo copies a reduce-scatter's input;
+             cost/predict.zero_bucket_hold)
+    finish   when backward ends, the last buckets are launched and completed
 
-A weight on several ZeRO axes, or whose gradient never comes in some backward,
-stays with the optimizer's per-weight reduction (ShardedOptimizer._reduce).
+ZeRO-1 keeps whole gradients through backward and reduces them at the optimizer
+step: flush() takes every one into its bucket and reduce-scatters the buckets
+then. A weight on several ZeRO axes stays with the optimizer's per-weight
+reduction (ShardedOptimizer._reduce), one axis after another.
 """
 from __future__ import annotations
 
@@ -27,33 +33,43 @@ import torch
 
 from .._compat import at_backward_end
 from ..errors import PlanError
-from .collectives import Comm, reduce_scatter_flat
+from .collectives import Comm, reduce_scatter_async
 
 
 @dataclass
 class _Bucket:
     axis: int
     names: list
-    grads: dict = field(default_factory=dict)   # name -> flat gradient in the reduce dtype, until launch
-    launched: object = None                      # (work, pieces) of the reduce-scatter
+    columns: dict                                # name -> (first column, columns) of its slice in each row
+    width: int                                   # elements of one row: one rank's slices
+    send: torch.Tensor | None = None             # [ranks, width], this backward's, taken at the first arrival
+    arrived: set = field(default_factory=set)    # names whose gradient is in `send`
+    launched: object = None                      # (work, out) of the reduce-scatter
 
 
 class ZeroBuckets:
-    """`buckets`: (axis index, [parameter names]) in launch order; `zero`: name -> the optimizer's _ZeroParam."""
+    """`buckets`: (axis index, [parameter names]) in launch order; `zero`: name -> the optimizer's _ZeroParam;
+    `phase`: where they run (the collectives' log): "backward" (ZeRO-2, arrive()) or "optimizer" (flush())."""
 
-    def __init__(self, buckets: list, zero: dict, comm: Comm):
-        self.comm, self.zero = comm, zero
-        self.buckets = [_Bucket(axis, list(names)) for axis, names in buckets]
+    def __init__(self, buckets: list, zero: dict, comm: Comm, phase: str):
+        self.comm, self.zero, self.phase = comm, zero, phase
+        self.buckets = []
+        for axis, names in buckets:
+            n, columns, width = comm.axes[axis].size, {}, 0
+            for name in names:   # a ZeRO weight's flat size divides by its axis (strategies.zero_variants)
+                columns[name] = (width, zero[name].param.numel() // n)
+                width += columns[name][1]
+            self.buckets.append(_Bucket(axis, list(names), columns, width))
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
         self._next_launch = 0
+        self._in_flight = None   # the one launched bucket not yet completed
         self._callback_queued = False
 
     def __contains__(self, name: str) -> bool:
         return name in self._bucket_of
 
     def arrive(self, name: str) -> None:
-        """The weight's gradient has been accumulated for this backward: take it into its bucket."""
-        z = self.zero[name]
+        """The weight's gradient has been accumulated for this backward (ZeRO-2): into its bucket."""
         b = self.buckets[self._bucket_of[name]]
         if b.launched is not None:
             raise PlanError(f"the gradient of {name!r} came after its ZeRO bucket was reduce-scattered in this "
@@ -61,46 +77,65 @@ class ZeroBuckets:
         if not self._callback_queued:
             self._callback_queued = True
             at_backward_end(self._finish)
-        b.grads[name] = z.param.grad.reshape(-1).to(z.reduce_dtype)
-        z.param.grad = None   # the point of level 2: the whole gradient does not outlive its bucket's launch
-        while self._next_launch < len(self.buckets) and self._full(self.buckets[self._next_launch]):
+        self._take(b, name)
+        self.zero[name].param.grad = None   # the point of level 2: the whole gradient does not outlive this
+        while self._next_launch < len(self.buckets) and \
+                len(self.buckets[self._next_launch].arrived) == len(self.buckets[self._next_launch].names):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
-    @staticmethod
-    def _full(b: _Bucket) -> bool:
-        return len(b.grads) == len(b.names)
+    def _take(self, b: _Bucket, name: str) -> None:
+        z = self.zero[name]
+        n = self.comm.axes[b.axis].size
+        if b.send is None:
+            b.send = torch.empty((n, b.width), dtype=z.reduce_dtype, device=z.param.device)
+        first, k = b.columns[name]
+        b.send[:, first: first + k].copy_(z.param.grad.reshape(n, k))   # in the reduce dtype
+        b.arrived.add(name)
 
     def _launch(self, b: _Bucket) -> None:
-        missing = [n for n in b.names if n not in b.grads]
-        if len(missing) == len(b.names):
+        if not b.arrived:
             return
-        for n in missing:   # no gradient this backward (an unused weight): it adds nothing, and gets none
-            z = self.zero[n]
-            b.grads[n] = torch.zeros(z.param.numel(), dtype=z.reduce_dtype, device=z.param.device)
-        grads = [b.grads[n] for n in b.names]
-        b.grads = {n: None for n in b.names if n not in missing}   # the send buffer holds them now
-        work, _, pieces = reduce_scatter_flat(grads, [0] * len(grads), self.comm, b.axis)
-        b.launched = (work, pieces)
+        for name in b.names:   # no gradient this backward (an unused weight): it adds nothing, and gets none
+            if name not in b.arrived:
+                first, k = b.columns[name]
+                b.send[:, first: first + k].zero_()
+        if self._in_flight is not None:
+            self._complete(self._in_flight)
+        self._in_flight = b
+        b.launched = reduce_scatter_async(b.send.reshape(-1), self.comm, b.axis, self.phase)
+        b.send = None   # the launched collective holds it until it completes
+
+    def flush(self) -> None:
+        """Reduce every weight's accumulated gradient now (ZeRO-1, at the optimizer step); .grad stays."""
+        for b in self.buckets:
+            for name in b.names:
+                if self.zero[name].param.grad is not None:
+                    self._take(b, name)
+            self._launch(b)
+        self._complete_last()
 
     def _finish(self) -> None:
-        """End of backward: launch what has not launched, wait for every bucket, set the slices' gradients."""
+        """End of backward: launch what has not launched, complete the last."""
         self._callback_queued = False
         for b in self.buckets[self._next_launch:]:
             self._launch(b)
         self._next_launch = 0
-        coord = {axis: self.comm.axes[axis].coord for axis in {b.axis for b in self.buckets}}
-        for b in self.buckets:
-            if b.launched is None:
-                continue
-            work, pieces = b.launched
-            t0 = self.comm.start()
-            work.wait()
-            self.comm.stop(b.axis, t0)
-            for n, g in zip(b.names, pieces(coord[b.axis])):
-                if n not in b.grads:   # had no gradient: stays without one, as an unbucketed weight would
-                    continue
-                z = self.zero[n]
-                g = g.to(z.slice.dtype)
-                z.slice.grad = g if z.slice.grad is None else z.slice.grad + g
-            b.grads, b.launched = {}, None
+        self._complete_last()
+
+    def _complete_last(self) -> None:
+        if self._in_flight is not None:
+            self._complete(self._in_flight)
+
+    def _complete(self, b: _Bucket) -> None:
+        """Wait for bucket b's reduce-scatter and add this rank's slices to the slices' .grad."""
+        work, out = b.launched
+        t0 = self.comm.start()
+        work.wait()
+        self.comm.stop(b.axis, t0)
+        for name in b.arrived:   # one without a gradient stays without one, as an unbucketed weight would
+            first, k = b.columns[name]
+            z = self.zero[name]
+            g = out[first: first + k].to(z.slice.dtype)
+            z.slice.grad = g if z.slice.grad is None else z.slice.grad + g
+        b.arrived, b.launched, self._in_flight = set(), None, None

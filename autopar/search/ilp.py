@@ -19,13 +19,16 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 import cost_models as cm
 
+from ..capture.export import PARAM
 from ..cost.checkpointing import KINDS, NONE, recomputed_ops
 from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_time, recompute_edge_cost, regather_model, repeat_memory,
                             tied_edges)
-from ..cost.terms import first_meta, gathered_weight_bytes, is_saved, output_bytes, read_bytes, regather_saving
+from ..cost.terms import (first_meta, gathered_weight_bytes, is_saved, output_bytes, read_bytes, reduce_itemsize,
+                          regather_saving)
 from ..errors import InfeasiblePlanError
+from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import UnsupportedRedistribution
 from .classics import Roles, allow_edge, allowed_flags
 from .greedy import bound_gap, greedy
@@ -229,9 +232,9 @@ def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transien
             ilp.row({**row, transient: -1.0}, -np.inf, 0)
 
 
-def _backward_start_rows(prob: Problem, ilp: _ILP, xvars, transient: int) -> None:
+def _backward_start_rows(prob: Problem, ilp: _ILP, xvars, transient: int, hold: int | None) -> None:
     """transient >= the outputs' gradients + the input gradients of one op making an output, for each such
-    op (cost/predict.backward_start_bytes prices the same)."""
+    op (cost/predict.backward_start_bytes prices the same), + what ZeRO-2's buckets hold (`hold`)."""
     start = prob.backward_start
     if start is None or not start.graded:
         return
@@ -243,9 +246,34 @@ def _backward_start_rows(prob: Problem, ilp: _ILP, xvars, transient: int) -> Non
     outputs = terms(start.output, start.graded)
     for head in [h for h, positions in start.heads if h in prob.strategies] or [None]:
         row = dict(outputs)
+        if hold is not None:
+            row[hold] = 1.0
         if head is not None:
             row.update(terms(head, dict(start.heads)[head]))
         ilp.row({**row, transient: -1.0}, -np.inf, 0)
+
+
+def _zero_bucket_rows(prob: Problem, ilp: _ILP, xvars) -> int | None:
+    """A variable bounding what ZeRO-2's buckets hold in backward (cost/predict.zero_bucket_hold: three times
+    the largest bucket) wherever a ZeRO-2 strategy is chosen, for the backward-start rows to add: a bucket
+    holds at most `bucket_bytes` unless one weight alone is bigger, and never more than all of them."""
+    held = []   # (variable, MiB of that weight's whole local gradient)
+    for name, ns in prob.strategies.items():
+        info = prob.cap.info[name]
+        if info.kind != PARAM or name not in prob.grad_nodes:   # a repeated layer's weights: rows of their own
+            continue
+        meta = first_meta(info.meta)
+        itemsize = reduce_itemsize(prob.param_bytes, name) or meta.itemsize
+        for s, var in zip(ns.strategies, xvars[name]):
+            if var is not None and s.zero >= 2 and len(s.zero_axes) == 1:
+                held.append((var, numel(local_shape(meta.hint, s.output, prob.mesh.axis_sizes)) * itemsize))
+    if not held:
+        return None
+    bucket = min(prob.bucket_bytes, sum(b for _, b in held))
+    hold = ilp.var(0.0, 0.0, integer=False, upper=np.inf)
+    for var, b in held:
+        ilp.row({var: 3 * max(b, bucket) * MEM_SCALE, hold: -1.0}, -np.inf, 0)
+    return hold
 
 
 def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) -> None:
@@ -347,7 +375,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
             by_weight += [(e.producer, e.consumer, gathered) for e in edges]
     layers = [] if prob.pipelined else gathered_layers(prob, by_weight)
     _transient_rows(prob, ilp, xvars, gathered_at, transient, layers)
-    _backward_start_rows(prob, ilp, xvars, transient)
+    _backward_start_rows(prob, ilp, xvars, transient, _zero_bucket_rows(prob, ilp, xvars))
     _recompute_terms(prob, stacks, ilp, xvars, transient)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
