@@ -89,7 +89,9 @@ def test_auto_is_never_slower_than_a_classic_that_fits(make, mesh, limited):
     """Each classic's roles restrict auto's search (on 3+ axes, one of auto's role assignments, data
     / tp per axis: the ILP is solved per assignment and the cheapest wins), so under the same cost
     model auto is never slower, up to the ILP's gap; also under a memory limit that some classics
-    cannot meet (the median of their unlimited plans' memory)."""
+    cannot meet (the lower median of their unlimited plans' memory: with the upper one, llama on 4
+    ranks has every classic find a plan that fits, from checkpointing and layouts it does not need
+    unlimited)."""
     model, x = make()
     cap = capture(model, (x,))
     classics = [s for s in STRATEGIES if s != "auto"]
@@ -107,7 +109,7 @@ def test_auto_is_never_slower_than_a_classic_that_fits(make, mesh, limited):
     totals = sorted(p.predicted.memory.total for s, p in free.items() if p is not None and s != "auto")
     runs = [(None, free)]
     if limited:
-        limit = totals[len(totals) // 2]
+        limit = totals[(len(totals) - 1) // 2]
         runs.append((limit, plans(limit)))
     for limit, found in runs:
         auto = found["auto"]

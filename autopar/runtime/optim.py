@@ -96,9 +96,13 @@ class ShardedOptimizer:
         module.zero_optimizer = self
 
     def _zero_buckets(self, module, level: int) -> ZeroBuckets:
-        """The gradient buckets of one ZeRO level, as the plan lists them (cost/buckets.zero_buckets)."""
+        """The gradient buckets of one ZeRO level, as the plan lists them (cost/buckets.zero_buckets). A pipelined
+        plan prices its stages' ZeRO reductions one weight at a time (search/stage_costs.py), so its stages
+        reduce them that way."""
         sizes = {z.name: (z.param.numel(), z.reduce_dtype.itemsize) for z in self._zero if z.param.requires_grad}
         plan = module.plan
+        if plan.pipeline is not None:
+            sizes = {}
         buckets = zero_buckets(module.params_by_first_use, plan.param_zero, sizes, plan.bucket_bytes, level)
         return ZeroBuckets([(plan.mesh.axis_names.index(a), names) for a, names in buckets],
                            {z.name: z for z in self._zero}, self.comm, "backward" if level >= 2 else "optimizer")
