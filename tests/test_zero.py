@@ -184,3 +184,23 @@ def test_zero1_reduce_scatters_buckets_at_the_optimizer_step():
         assert launched == predicted
         for name, p in ref["params"].items():
             torch.testing.assert_close(rec["params"][name], p, atol=ATOL, rtol=0, msg=name)
+
+
+def test_zero2_weights_padded_on_their_axis_reduce_alone_beside_the_buckets():
+    """n_embd 16 on 3 ranks: the norms' and biases' 16 elements split 6 + 6 + 4 (padded), so they cannot be
+    a bucket's equal rows; they reduce alone, the others in buckets, and training equals one device."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=48, block_size=6)
+    model, x, y = GPT(cfg), torch.randint(0, 48, (6, 6)), torch.randint(0, 48, (6, 6))
+    ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=1e-2,
+                                  optimizer=torch.optim.SGD)
+    for rec in run_threaded(3, parallel_record, model, (3,), ("dp",), x, y, gpt_loss, 3, 1e-2,
+                            {"strategy": "zero2", "hardware": "cpu"}, torch.optim.SGD):
+        plan = rec["plan"]
+        scatters = [c for c in plan.collectives if c.kind == "reduce_scatter"]
+        assert any("ZeRO-2" in c.where for c in scatters) and any("ZeRO-2" not in c.where for c in scatters)
+        launched = Counter((k, axis, float(b), phase) for k, axis, b, phase in rec["comm"])
+        predicted = Counter((c.kind, plan.mesh.axis_names.index(c.axis), c.bytes, c.phase) for c in plan.collectives)
+        assert launched == predicted
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, atol=ATOL, rtol=0, msg=name)

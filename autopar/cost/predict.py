@@ -186,12 +186,13 @@ def zero_bucketed(prob, choice, colls: list) -> list:
             param_zero[info.target_name] = (s.zero, tuple(mesh.axis_names[a] for a in s.zero_axes))
             sizes[info.target_name] = (numel(local_shape(meta.hint, s.output, mesh.axis_sizes)),
                                        reduce_itemsize(prob.param_bytes, name) or meta.itemsize)
-    order = params_by_first_use(cap)
+    order, ranks = params_by_first_use(cap), dict(zip(mesh.axis_names, mesh.axis_sizes))
     # each weight's own reduce-scatter (cost/terms.zero_collectives), by (weight, axis, phase)
     own = {(c.tensor, c.axis, c.phase): c for c in colls if c.kind == REDUCE_SCATTER}
     out, moved = list(colls), set()
     for level, phase, where in ((2, "backward", f"{BUCKET}ZeRO-2 "), (1, "optimizer", "ZeRO-1 gradient bucket ")):
-        for k, (a, fqns) in enumerate(zero_buckets(order, param_zero, sizes, prob.bucket_bytes, level)):
+        buckets = zero_buckets(order, param_zero, sizes, prob.bucket_bytes, level, ranks)
+        for k, (a, fqns) in enumerate(buckets):
             keys = [(node_of[f], mesh.axis_names.index(a), phase) for f in fqns]
             moved.update(keys)
             out.append(Collective(REDUCE_SCATTER, keys[0][1], sum(own[key].full_bytes for key in keys), phase,

@@ -103,7 +103,8 @@ class ShardedOptimizer:
         plan = module.plan
         if plan.pipeline is not None:
             sizes = {}
-        buckets = zero_buckets(module.params_by_first_use, plan.param_zero, sizes, plan.bucket_bytes, level)
+        buckets = zero_buckets(module.params_by_first_use, plan.param_zero, sizes, plan.bucket_bytes, level,
+                               dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes)))
         return ZeroBuckets([(plan.mesh.axis_names.index(a), names) for a, names in buckets],
                            {z.name: z for z in self._zero}, self.comm, "backward" if level >= 2 else "optimizer")
 

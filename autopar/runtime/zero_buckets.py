@@ -56,7 +56,7 @@ class ZeroBuckets:
         self.buckets = []
         for axis, names in buckets:
             n, columns, width = comm.axes[axis].size, {}, 0
-            for name in names:   # a ZeRO weight's flat size divides by its axis (strategies.zero_variants)
+            for name in names:   # a bucketed weight's flat size divides by its axis (cost/buckets.zero_buckets)
                 columns[name] = (width, zero[name].param.numel() // n)
                 width += columns[name][1]
             self.buckets.append(_Bucket(axis, list(names), columns, width))
