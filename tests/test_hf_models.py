@@ -4,7 +4,8 @@ an embedding LayerNorm, a tied decoder with its own bias, padding_idx=0), from s
 Nothing is downloaded. The models train through autopar.parallelize on the
 threaded backend and must match the single-device run, with AdamW or with
 SGD (Adam's step is blind to a gradient's scale); ops autopar has no rule for
-(HF's mask construction, the rotary no_grad region) run replicated. Every
+(the rotary no_grad region of transformers <= 5.23, kept here as `llama_rope_under_no_grad`) run
+replicated. Every
 batch holds token 0, the padding row of BERT's embeddings: its gradient is 0
 on one device and must stay 0 when the table is split by vocabulary.
 """
@@ -15,6 +16,7 @@ import pytest
 import torch
 import cost_models as cm
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import autopar
 from autopar.testing import LogitsOnly, gpt_loss, parallel_record, run_threaded, single_device_reference, tiny_llama
@@ -25,6 +27,22 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, 1e-4), "sgd": (torch.optim.SGD, 0.1)}
 
 def llama(heads=4, kv_heads=2, hidden=32):
     return tiny_llama(heads=heads, kv_heads=kv_heads, hidden=hidden)
+
+
+class NoGradRotary(LlamaRotaryEmbedding):
+    """Llama's rotary tables as transformers up to 5.23 computed them: under `@torch.no_grad()`, which
+    torch.export keeps as a `wrap_with_set_grad_enabled` region (a higher-order op with its own
+    subgraph, no sharding rule: it runs replicated, and the rewriter carries its submodule over)."""
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        return super().forward(x, position_ids)
+
+
+def llama_rope_under_no_grad():
+    model = llama()
+    model.model.model.rotary_emb.__class__ = NoGradRotary   # survives deepcopy, unlike a patched method
+    return model
 
 
 def gpt2():
@@ -57,7 +75,7 @@ def bert():
 CASES = [
     ("bert", "tp+sp", (2, 2)), ("bert", "tp+sp", (2, 2), "sgd"), ("bert", "auto", (2, 2), "sgd"),
     ("bert", "ddp", (2,), "sgd"), ("gpt2", "ddp", (2, 2), "sgd"), ("llama", "fsdp+tp", (2, 2), "sgd"),
-    ("llama", "tp", (2,)), ("llama", "fsdp+tp", (2, 2)), ("llama-8h", "tp", (2, 2)), ("llama", "fsdp", (4,)),
+    ("llama-rope-no-grad", "tp", (2,)), ("llama", "fsdp+tp", (2, 2)), ("llama-8h", "tp", (2, 2)), ("llama", "fsdp", (4,)),
     ("gpt2", "tp", (2,)), ("gpt2", "fsdp+tp", (2, 2)), ("gpt2", "ddp", (2, 2)),
     ("llama", "tp+sp", (2,)), ("gpt2", "tp+sp", (2,)), ("llama-8h", "tp+sp", (2, 2)), ("gpt2", "tp+sp", (2, 2)),
     ("llama", "auto", (2,)), ("gpt2", "auto", (2, 2)), ("gpt2", "auto", (2,)), ("gpt2", "tp", (2, 2)),
@@ -80,7 +98,8 @@ def _auto_plan_under_pressure(model, idx, mesh):
 @pytest.mark.parametrize("kind, strategy, mesh_shape, optimizer", [c + ("adamw",) * (len(c) == 3) for c in CASES])
 def test_hf_model_trains_like_single_device(kind, strategy, mesh_shape, optimizer):
     torch.manual_seed(0)
-    model = {"llama": llama, "gpt2": gpt2, "llama-8h": lambda: llama(8, 4, 64), "bert": bert}[kind]()
+    model = {"llama": llama, "gpt2": gpt2, "llama-8h": lambda: llama(8, 4, 64), "bert": bert,
+             "llama-rope-no-grad": llama_rope_under_no_grad}[kind]()
     idx, targets = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
     idx[:, -3:] = 0   # padding tokens (BERT's padding_idx) in every row
     opt, lr = OPTIMIZERS[optimizer]
@@ -130,9 +149,9 @@ def test_llama_ops_without_rules_are_named_in_a_warning():
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        autopar.plan(llama(), (torch.randint(0, 64, (4, 16)),), {"tp": 2}, strategy="tp")
+        autopar.plan(llama_rope_under_no_grad(), (torch.randint(0, 64, (4, 16)),), {"tp": 2}, strategy="tp")
     msgs = [str(w.message) for w in caught if issubclass(w.category, autopar.UnsupportedOpWarning)]
-    assert msgs and all("model.model" in m for m in msgs)   # module path of the op
+    assert len(msgs) == 1 and "wrap_with_set_grad_enabled" in msgs[0] and "model.model.rotary_emb" in msgs[0]
 
 
 def test_tp_degree_that_does_not_divide_the_kv_heads_is_named_up_front():
