@@ -14,7 +14,7 @@ Measured, on this rank:
 - with `timed_steps`, the step's time (the median over that many more steps) and, per
   mesh axis, the time this rank spent blocked in collectives (calls and waits,
   runtime/collectives.Comm.clock): the exposed communication the plan predicts
-  (`predicted.exposed_comm_time`; the rest should hide behind backward). On CPU
+  (`predicted.exposed_comm_time`; the rest should hide behind compute). On CPU
   (gloo) that is the time the step waited; on CUDA a collective's call returns
   once queued on its stream, so the figure is the host's waits only. The measured
   step includes the optimizer step (`predicted.optimizer_time`) and zero_grad.

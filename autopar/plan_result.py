@@ -204,7 +204,7 @@ class Plan:
         p = self.predicted
         lines.append("communication per step: " + ", ".join(
             f"{a} {format_bytes(p.comm_bytes[a])} ({p.comm_time[a] * 1e3:.3f} ms, "
-            f"{p.hidden_comm_time[a] * 1e3:.3f} ms of it hidden behind backward)" for a in names))
+            f"{p.hidden_comm_time[a] * 1e3:.3f} ms of it hidden behind compute)" for a in names))
         lines.append(f"compute {p.compute_time * 1e3:.3f} ms, optimizer step {p.optimizer_time * 1e3:.3f} ms, "
                      f"step {p.step_time * 1e3:.3f} ms (compute + optimizer + the communication not hidden)")
         if "status" in self.stats:

@@ -72,7 +72,7 @@ def main():
         print(f"  batch {b:>4}: {float(total.subs(batch, b)) / 2**30:7.3f} GiB per device")
     step_ms = sympy.N(plan.symbolic.step_time * 1000, 4)
     print(f"\nplan.symbolic.step_time = {step_ms} ms  (predicted: compute + optimizer step + the "
-          "communication not hidden behind backward)")
+          "communication not hidden behind compute)")
 
     # a plan is data: save it, load it on the cluster, pass it to autopar.parallelize(..., plan=plan)
     text = plan.to_json()

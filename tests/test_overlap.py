@@ -1,5 +1,5 @@
-"""The overlap model (cost/overlap.py): gradient buckets hide behind the rest of backward, other collectives
-do not. Pure planning: no ranks."""
+"""The overlap model (cost/overlap.py): gradient buckets hide behind the rest of backward, FSDP's prefetched
+gathers behind the layer before, other collectives do not. Pure planning: no ranks."""
 from __future__ import annotations
 
 import pytest
@@ -71,12 +71,15 @@ def test_exposed_time_is_symbolic_and_survives_json():
     assert float(sympy.sympify(sym).subs(hints)) == pytest.approx(plan.predicted.exposed_comm_time["dp"], rel=1e-6)
     back = autopar.Plan.from_json(plan.to_json())
     assert back.predicted.exposed_comm_time == pytest.approx(plan.predicted.exposed_comm_time)
-    assert "hidden behind backward" in str(plan)
+    assert "hidden behind compute" in str(plan)
 
 
-def test_fsdp_layer_reduce_scatters_hide_but_gathers_do_not():
+def test_fsdp_gathers_hide_behind_the_layer_before_but_the_first_is_waited_on():
     """FSDP on 4 layers: each layer's reduce-scatter goes out when backward has made its gradients and
-    hides behind the layers before it; the all-gathers (forward and backward's re-gathers) are waited on."""
+    hides behind the layers before it; each layer's gather is launched at the previous layer's first use
+    (the module's prefetch) and hides behind that layer's compute, but the first gather of forward (the
+    root's: embeddings and head) is waited on whole, as is backward's first re-gather of a block (the root,
+    re-gathered first, has no layer before it to prefetch for it)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=64, vocab_size=512, block_size=32))
     x = torch.randint(0, 512, (8, 32))
@@ -84,9 +87,26 @@ def test_fsdp_layer_reduce_scatters_hide_but_gathers_do_not():
     p = plan.predicted
     layer_scatters = [c for c in plan.collectives if c.kind == "reduce_scatter" and c.where.startswith("layer h.")]
     assert len(layer_scatters) == 4   # one per block
-    gathers = sum(cm.collective_time(c.kind, c.bytes, 2, cm.get_hardware("cpu").intra_node_link)
-                  for c in plan.collectives if c.kind == "all_gather")
-    assert gathers <= p.exposed_comm_time["dp"] < p.comm_time["dp"]
+
+    def seconds(c):
+        return cm.collective_time(c.kind, c.bytes, 2, cm.get_hardware("cpu").intra_node_link)
+
+    gathers = {(c.where, c.phase): c for c in plan.collectives if c.kind == "all_gather"}
+    waited = seconds(gathers["layer root", "forward"]) + seconds(gathers["layer h.3", "backward"])
+    assert waited <= p.exposed_comm_time["dp"] < sum(map(seconds, gathers.values())) < p.comm_time["dp"]
+
+
+def test_a_gather_hides_behind_the_compute_launched_before_it():
+    """The timeline by hand: three layers, 1 s of forward compute each, 2 s gathers on one link. The first
+    is waited on (2 s) and launches the second, which arrives at 4 s, 1 s after the first layer's compute
+    ends (1 s waited); the third arrives at 6 s, the second layer's compute having ended at 5 s (1 s)."""
+    from autopar.cost.overlap import _Move, _Timeline
+    step = _Timeline()
+    step.forward([1.0] * 3, [_Move(0, 2.0, k, k) for k in range(3)])
+    assert step.waited == {0: 4.0} and step.clock == 7.0
+    step = _Timeline()   # compute longer than the gathers: only the first is waited on
+    step.forward([3.0] * 3, [_Move(0, 2.0, k, k) for k in range(3)])
+    assert step.waited == {0: 2.0}
 
 
 @pytest.mark.parametrize("optimizer, passes", [("adamw", 21), ("sgd", 3), ("sgd-momentum", 8)])

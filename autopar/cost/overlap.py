@@ -1,38 +1,52 @@
 """Overlap: how much of a step's communication the step waits for.
 
 Most collectives the module launches are waited on at once: a TP all-reduce
-feeds the next op, an FSDP all-gather the op that needs the weight, a
-reduce-scatter the autograd function that issued it. Those are exposed:
-the step takes compute + their time.
+feeds the next op, a reduce-scatter the autograd function that issued it.
+Those are exposed: the step takes compute + their time.
 
-The gradient buckets (buckets.py, runtime/grad_buckets.py) and FSDP's
-per-layer reduce-scatters (layer_groups.py) are not: each goes out
-asynchronously as soon as backward has made its last gradient, and runs
-while backward goes on through the earlier layers. The model, as DDP's
-and the peers' (Megatron's overlap, AutoParallel's) simple ones:
+Three kinds are launched ahead of whatever waits for them, and hide behind
+the compute that runs meanwhile:
 
-    backward runs the forward ops in reverse; op i's backward takes
-        (1 - 1/TRAIN_FLOPS_FACTOR) of its training time (2 of its 3 matmul passes)
-    bucket k is ready once backward has passed the first use of each of its weights
-    they go out one after another on their axis, as they become ready:
-        start_k = max(ready_k, end_{k-1}),  end_k = start_k + time_k
-    exposed = max(0, end_last - end of backward): the optimizer waits for the last bucket
+    gradient buckets (buckets.py, runtime/grad_buckets.py) and FSDP's per-layer
+        reduce-scatters (layer_groups.py): launched as soon as backward has made
+        their last gradient, waited for when backward ends; a layer's
+        reduce-scatter (and a ZeRO-2 bucket's) also waits for the one before it
+        at its launch (the module keeps one in flight)
+    FSDP's per-layer all-gathers in forward: a layer's first use launches the
+        next layer's gather (runtime/layer_groups.py's prefetch), which runs
+        while this layer computes; the first layer's is waited on whole
+    FSDP's per-layer re-gathers in backward: likewise, a layer's re-gather
+        launches the one of the layer before it (in forward order)
+
+The model, as DDP's, FSDP2's and the peers' simple ones (Megatron's overlap,
+SimpleFSDP's): forward runs the ops in order, op i taking 1/TRAIN_FLOPS_FACTOR
+of its training time, and backward runs them in reverse, taking the rest (2
+of its 3 matmul passes); a layer is needed at its first forward use, and in
+backward at its last one; a bucket is ready once backward has passed the first
+use of each of its weights. Each axis is one link: its collectives run one
+after another in launch order (start = max(launch, the link's last end)). The
+compute waits where it needs what has not arrived, and the optimizer for what
+is still in flight when backward ends: that waiting is the exposed part of
+those collectives; the rest of them hides.
 
 A bucket summed over several axes reduces the first asynchronously and the
 others when backward ends (runtime/grad_buckets.py), so only the first hides.
+Gathers of activation checkpointing's recompute are priced as exposed.
 Nothing hides where the hardware says communication takes the compute's own
 resources (`Hardware.comm_overlaps_compute`: CPU ranks using every core, whose
-gloo reductions and copies then run on the cores backward needs).
+gloo reductions and copies then run on the cores the compute needs).
 The search itself prices communication as exposed (it cannot know the
 buckets before it has chosen the layouts); this model prices the chosen plan.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import cost_models as cm
 
 from ..capture.export import OP
 from ..sharding.op_spec import tensor_args
-from ..sharding.redistribute import REDUCE_SCATTER
+from ..sharding.redistribute import ALL_GATHER, REDUCE_SCATTER
 from .terms import collectives_time
 
 BUCKET = "gradient bucket "   # the `where` of a bucket's all-reduce (predict.bucketed)
@@ -40,27 +54,41 @@ LAYER = "layer "              # the `where` of an FSDP layer's collectives (laye
 
 
 def hidden_comm_time(prob, colls: list, op_times: dict) -> dict:
-    """Axis name -> seconds of its communication that hide behind backward; `op_times`: op -> training
-    seconds at the example's sizes. The collectives that can hide move weights' gradients, whose sizes
-    do not depend on the shapes, so this is a number; the symbolic prediction takes it as it is (exposed
-    = comm - hidden), which is exact at the example's sizes and keeps sympy out of the ordering."""
+    """Axis name -> seconds of its communication that hide behind compute; `op_times`: op -> training
+    seconds at the example's sizes. The collectives that can hide move weights or their gradients, whose
+    sizes do not depend on the shapes, so this is a number; the symbolic prediction takes it as it is
+    (exposed = comm - hidden), which is exact at the example's sizes and keeps sympy out of the ordering."""
     mesh = prob.mesh
-    if not prob.hardware.comm_overlaps_compute:   # the collectives take the cores backward runs on
-        return {a: 0.0 for a in mesh.axis_names}
-    queues: dict = {}   # axis index -> [(weights, seconds)] of the collectives that hide on it
-    seen_bucket = set()
-    for c in colls:
-        if _hides(c, seen_bucket):
-            queues.setdefault(c.axis, []).append((c.tensor.split(","), float(collectives_time([c], mesh, prob.links))))
     hidden = {a: 0.0 for a in mesh.axis_names}
-    if not queues:
+    if not prob.hardware.comm_overlaps_compute:   # the collectives take the cores the compute runs on
         return hidden
-    ready, backward = _ready_times(prob, op_times, {n for q in queues.values() for names, _ in q for n in names})
-    for axis, queue in queues.items():
-        end = 0.0   # they go out one after another, as they become ready
-        for names, t in sorted(queue, key=lambda item: max(ready[n] for n in item[0])):
-            end = max(end, *(ready[n] for n in names)) + t
-        hidden[mesh.axis_names[axis]] = sum(t for _, t in queue) - max(0.0, end - backward)
+    ops = [n for n in prob.cap.graph.nodes if n.name in prob.cap.info and prob.cap.info[n.name].kind == OP]
+    uses: dict = {}   # weight -> indices of the ops that read it
+    for i, node in enumerate(ops):
+        for a in tensor_args(node):
+            uses.setdefault(a.name, []).append(i)
+    gathers: dict = {"forward": [], "backward": []}
+    at_end, seen_bucket = [], set()   # the collectives backward's end waits for
+    for c in colls:
+        names = c.tensor.split(",")
+        gather = c.where.startswith(LAYER) and c.kind == ALL_GATHER and c.phase in gathers
+        if not (gather or _hides(c, seen_bucket)) or not all(n in uses for n in names):
+            continue   # waited on at once, or moves no weight the graph reads: exposed
+        read = [u for n in names for u in uses[n]]
+        move = _Move(c.axis, float(collectives_time([c], mesh, prob.links)), min(read), max(read),
+                     _chain(c))
+        (gathers[c.phase] if gather else at_end).append(move)
+    moves = gathers["forward"] + gathers["backward"] + at_end
+    if not moves:
+        return hidden
+    share = 1 - 1 / cm.TRAIN_FLOPS_FACTOR
+    step = _Timeline()
+    step.forward([op_times.get(n.name, 0) * (1 - share) for n in ops], gathers["forward"])
+    step.backward([op_times.get(n.name, 0) * share for n in ops], gathers["backward"], at_end)
+    for m in moves:
+        hidden[mesh.axis_names[m.axis]] += m.seconds
+    for axis, t in step.waited.items():
+        hidden[mesh.axis_names[axis]] -= t
     return hidden
 
 
@@ -73,18 +101,82 @@ def _hides(c, seen_bucket: set) -> bool:
     return c.where.startswith(LAYER) and c.kind == REDUCE_SCATTER
 
 
-def _ready_times(prob, op_times: dict, weights: set) -> tuple[dict, object]:
-    """Seconds into backward at which each weight's gradient is whole on this rank (backward has passed
-    its first use in forward), and backward's length."""
-    ops = [n for n in prob.cap.graph.nodes if n.name in prob.cap.info and prob.cap.info[n.name].kind == OP]
-    share = 1 - 1 / cm.TRAIN_FLOPS_FACTOR
-    first_use: dict = {}
-    for i, node in enumerate(ops):
-        for a in tensor_args(node):
-            if a.name in weights:
-                first_use.setdefault(a.name, i)
-    # after[i]: backward seconds of ops i.. (backward reaches op i once it has done every later one)
-    after = [0] * (len(ops) + 1)
-    for i in reversed(range(len(ops))):
-        after[i] = after[i + 1] + op_times.get(ops[i].name, 0) * share
-    return {w: float(after[first_use.get(w, 0)]) for w in weights}, float(after[0])
+def _chain(c) -> str:
+    """The collectives the module keeps one in flight of, this one's among them ("" if none): an FSDP
+    layer's reduce-scatters (runtime/layer_groups.InFlight), ZeRO-2's buckets (runtime/zero_buckets.py)."""
+    if c.where.startswith(LAYER) and c.kind == REDUCE_SCATTER:
+        return "fsdp"
+    return "zero2" if c.where.startswith(BUCKET + "ZeRO-2") else ""
+
+
+@dataclass
+class _Move:
+    """One collective that can hide: its axis, its seconds, the first and last forward op reading the
+    weights it moves, and the chain whose launch waits for the one before (_chain)."""
+    axis: int
+    seconds: float
+    first: int
+    last: int
+    chain: str = ""
+
+
+@dataclass
+class _Timeline:
+    """The clock of one step's compute and the time each axis's link is busy until; `waited`: axis ->
+    seconds the compute (or the optimizer) waited for that axis's collectives."""
+    clock: float = 0.0
+    link: dict = field(default_factory=dict)
+    waited: dict = field(default_factory=dict)
+
+    def launch(self, m: _Move) -> float:
+        """Launch m now: the time it will have arrived."""
+        end = max(self.clock, self.link.get(m.axis, 0.0)) + m.seconds
+        self.link[m.axis] = end
+        return end
+
+    def wait(self, axis: int, until: float) -> None:
+        if until > self.clock:
+            self.waited[axis] = self.waited.get(axis, 0.0) + until - self.clock
+            self.clock = until
+
+    def need_layer(self, layers: list, k: int, ahead: int, arriving: dict) -> None:
+        """Layer k is used: wait for its gather (launched ahead of time, or now), then launch layer
+        `ahead`'s, if there is one not yet launched."""
+        self.wait(layers[k].axis, arriving.pop(k) if k in arriving else self.launch(layers[k]))
+        if 0 <= ahead < len(layers) and ahead not in arriving:
+            arriving[ahead] = self.launch(layers[ahead])
+
+    def forward(self, times: list, layers: list) -> None:
+        """Forward through the ops: each layer gathered at its first use, prefetching the next one."""
+        layers = sorted(layers, key=lambda m: (m.first, m.last))
+        arriving: dict = {}   # layer -> when its launched gather arrives
+        for i, t in enumerate(times):
+            for k, m in enumerate(layers):
+                if m.first == i:
+                    self.need_layer(layers, k, k + 1, arriving)
+            self.clock += t
+
+    def backward(self, times: list, layers: list, at_end: list) -> None:
+        """Backward through the ops in reverse: a layer re-gathered at its last use prefetches the one
+        before it; the buckets and layer reduce-scatters launch once backward has passed the first use of
+        their weights, and the optimizer waits for the last of them."""
+        layers = sorted(layers, key=lambda m: (m.first, m.last))
+        arriving: dict = {}
+        in_flight: dict = {}   # chain -> when its last launched collective arrives
+        pending: dict = {}   # axis -> when its last collective the optimizer waits for arrives
+        for i in reversed(range(len(times))):
+            for k, m in enumerate(layers):
+                if m.last == i:
+                    self.need_layer(layers, k, k - 1, arriving)
+            self.clock += times[i]
+            for m in at_end:
+                if m.first != i:
+                    continue
+                if m.chain in in_flight:
+                    self.wait(m.axis, in_flight[m.chain])
+                end = self.launch(m)
+                if m.chain:
+                    in_flight[m.chain] = end
+                pending[m.axis] = max(pending.get(m.axis, 0.0), end)
+        for axis, end in sorted(pending.items(), key=lambda kv: kv[1]):
+            self.wait(axis, end)

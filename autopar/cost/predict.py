@@ -92,7 +92,7 @@ class Predicted:
     compute_time: object
     step_time: object
     comm_bytes_by_kind: dict = field(default_factory=dict)  # collective kind -> bytes
-    # axis name -> seconds of comm_time the step waits for (overlap.py); the rest hides behind backward
+    # axis name -> seconds of comm_time the step waits for (overlap.py); the rest hides behind compute
     exposed_comm_time: dict = field(default_factory=dict)
     # the optimizer step: the bytes its elementwise kernels move (precision.OptimizerSpec) over memory
     # bandwidth; step_time = compute_time + optimizer_time + the exposed communication
