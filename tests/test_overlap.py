@@ -107,6 +107,12 @@ def test_a_gather_hides_behind_the_compute_launched_before_it():
     step = _Timeline()   # compute longer than the gathers: only the first is waited on
     step.forward([3.0] * 3, [_Move(0, 2.0, k, k) for k in range(3)])
     assert step.waited == {0: 2.0}
+    # backward, 3 s an op: a root layer (read by ops 0 and 3) and blocks at ops 1 and 2. The root, needed
+    # first, has no layer before it (2 s waited); the block at op 2 is waited on whole (2 s) and launches
+    # the one at op 1's, which arrives (at 9 s) while op 2 computes; the root is not gathered again
+    step = _Timeline()
+    step.backward([3.0] * 4, [_Move(0, 2.0, 0, 3), _Move(0, 2.0, 1, 1), _Move(0, 2.0, 2, 2)], [])
+    assert step.waited == {0: 4.0} and step.link == {0: 9.0} and step.clock == 16.0
 
 
 @pytest.mark.parametrize("optimizer, passes", [("adamw", 21), ("sgd", 3), ("sgd-momentum", 8)])

@@ -141,15 +141,17 @@ class _Timeline:
 
     def need_layer(self, layers: list, k: int, ahead: int, arriving: dict) -> None:
         """Layer k is used: wait for its gather (launched ahead of time, or now), then launch layer
-        `ahead`'s, if there is one not yet launched."""
-        self.wait(layers[k].axis, arriving.pop(k) if k in arriving else self.launch(layers[k]))
+        `ahead`'s, unless it has been launched already (`arriving`: layer -> when its gather arrives,
+        None once used)."""
+        self.wait(layers[k].axis, arriving[k] if arriving.get(k) is not None else self.launch(layers[k]))
+        arriving[k] = None
         if 0 <= ahead < len(layers) and ahead not in arriving:
             arriving[ahead] = self.launch(layers[ahead])
 
     def forward(self, times: list, layers: list) -> None:
         """Forward through the ops: each layer gathered at its first use, prefetching the next one."""
         layers = sorted(layers, key=lambda m: (m.first, m.last))
-        arriving: dict = {}   # layer -> when its launched gather arrives
+        arriving: dict = {}
         for i, t in enumerate(times):
             for k, m in enumerate(layers):
                 if m.first == i:
