@@ -154,6 +154,9 @@ def test_zero2_reduce_scatters_buckets_while_backward_computes(optimizer):
         assert len(plan.param_zero) == _numel_params(model)
         buckets = [c for c in plan.collectives if c.kind == "reduce_scatter"]
         assert 3 <= len(buckets) < len(plan.param_zero) and all("ZeRO-2" in c.where for c in buckets)
+        # after the step the updated slices come back a bucket at a time, not a weight at a time
+        gathers = [c for c in plan.collectives if c.kind == "all_gather"]
+        assert len(gathers) == len(buckets) and all("ZeRO-2 weight bucket" in c.where for c in gathers)
         launched = Counter((k, axis, float(b), phase) for k, axis, b, phase in rec["comm"])
         predicted = Counter((c.kind, plan.mesh.axis_names.index(c.axis), c.bytes, c.phase) for c in plan.collectives)
         assert launched == predicted
@@ -169,7 +172,8 @@ def _numel_params(model):
 
 def test_zero1_reduce_scatters_buckets_at_the_optimizer_step():
     """ZeRO-1 on 3 ranks with 4 KiB buckets: the whole gradients are reduce-scattered at step() in a few
-    buckets, as the plan lists them, and training equals one device (SGD)."""
+    buckets, the updated slices all-gathered in the same buckets, as the plan lists them, and training
+    equals one device (SGD)."""
     model, x, y, loss_fn = _gpt_for_three()
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, loss_fn, steps=3, lr=1e-2,
                                   optimizer=torch.optim.SGD)
@@ -179,6 +183,8 @@ def test_zero1_reduce_scatters_buckets_at_the_optimizer_step():
         buckets = [c for c in plan.collectives if c.kind == "reduce_scatter"]
         assert 3 <= len(buckets) < len(plan.param_zero)
         assert all(c.phase == "optimizer" and "ZeRO-1" in c.where for c in buckets)
+        gathers = [c for c in plan.collectives if c.kind == "all_gather"]
+        assert len(gathers) == len(buckets) and all("ZeRO-1 weight bucket" in c.where for c in gathers)
         launched = Counter((k, axis, float(b), phase) for k, axis, b, phase in rec["comm"])
         predicted = Counter((c.kind, plan.mesh.axis_names.index(c.axis), c.bytes, c.phase) for c in plan.collectives)
         assert launched == predicted
@@ -188,7 +194,8 @@ def test_zero1_reduce_scatters_buckets_at_the_optimizer_step():
 
 def test_zero2_weights_padded_on_their_axis_reduce_alone_beside_the_buckets():
     """n_embd 16 on 3 ranks: the norms' and biases' 16 elements split 6 + 6 + 4 (padded), so they cannot be
-    a bucket's equal rows; they reduce alone, the others in buckets, and training equals one device."""
+    a bucket's equal rows; they reduce and gather alone, the others in buckets, and training equals one
+    device."""
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=48, block_size=6)
     model, x, y = GPT(cfg), torch.randint(0, 48, (6, 6)), torch.randint(0, 48, (6, 6))
@@ -199,6 +206,8 @@ def test_zero2_weights_padded_on_their_axis_reduce_alone_beside_the_buckets():
         plan = rec["plan"]
         scatters = [c for c in plan.collectives if c.kind == "reduce_scatter"]
         assert any("ZeRO-2" in c.where for c in scatters) and any("ZeRO-2" not in c.where for c in scatters)
+        gathers = [c for c in plan.collectives if c.kind == "all_gather"]
+        assert any("weight bucket" in c.where for c in gathers) and any("bucket" not in c.where for c in gathers)
         launched = Counter((k, axis, float(b), phase) for k, axis, b, phase in rec["comm"])
         predicted = Counter((c.kind, plan.mesh.axis_names.index(c.axis), c.bytes, c.phase) for c in plan.collectives)
         assert launched == predicted

@@ -134,19 +134,21 @@ def params_by_first_use(cap: Captured) -> list:
 
 
 def zero_buckets(order: list, param_zero: dict, sizes: dict, bucket_bytes: int, level: int, axis_sizes: dict) -> list:
-    """The gradient buckets of one ZeRO level (runtime/zero_buckets.py): [(ZeRO axis name, [FQN])] in
-    launch order. Level 2 launches them in backward, level 1 at the optimizer step.
+    """The buckets of one ZeRO level (runtime/zero_buckets.py): [(ZeRO axis name, [FQN])] in launch order.
+    Their gradients are reduce-scattered together (level 2 in backward, level 1 at the optimizer step) and
+    their updated slices all-gathered together after the step.
 
     `order`: params_by_first_use; `param_zero`: Plan.param_zero (FQN -> (level, axis names)); `sizes`: FQN ->
-    (elements of the flat local weight, bytes per element of its gradient on the network), for the weights
-    that get a gradient; `axis_sizes`: axis name -> ranks. Weights split evenly over one ZeRO axis qualify
-    (a bucket's rows are equal slices); one split over several, or padded, is reduced alone."""
+    (elements of the flat local weight, bytes per element of its gradient on the network, bytes per element
+    of the weight), for the weights that get a gradient; `axis_sizes`: axis name -> ranks. Weights split
+    evenly over one ZeRO axis qualify (a bucket's rows are equal slices); one split over several, or padded,
+    is reduced and gathered alone. A bucket's weights share both element sizes (one flat buffer each way)."""
     entries = []
     for fqn in reversed(order):
         lvl, axes = param_zero.get(fqn, (0, ()))
         if lvl == level and len(axes) == 1 and fqn in sizes and sizes[fqn][0] % axis_sizes[axes[0]] == 0:
-            numel, itemsize = sizes[fqn]
-            entries.append((fqn, numel, tuple(axes), itemsize, itemsize))
+            numel, reduce_itemsize, weight_itemsize = sizes[fqn]
+            entries.append((fqn, numel, tuple(axes), (reduce_itemsize, weight_itemsize), reduce_itemsize))
     return [(axes[0], names) for axes, _, names in assign_buckets(entries, bucket_bytes)]
 
 

@@ -173,9 +173,10 @@ def bucketed(prob, choice, colls: list) -> list:
 
 
 def zero_bucketed(prob, choice, colls: list) -> list:
-    """`colls` with the ZeRO weights' gradient reduce-scatters replaced by the buckets that carry them
-    (buckets.zero_buckets, runtime/zero_buckets.py): one reduce-scatter per bucket, asynchronous in
-    backward at level 2 (the overlap model hides those like DDP's buckets), at the optimizer step at 1."""
+    """`colls` with the ZeRO weights' gradient reduce-scatters and weight all-gathers replaced by the buckets
+    that carry them (buckets.zero_buckets, runtime/zero_buckets.py): one reduce-scatter per bucket,
+    asynchronous in backward at level 2 (the overlap model hides those like DDP's buckets), at the optimizer
+    step at 1; and one all-gather per bucket after the step."""
     cap, mesh = prob.cap, prob.mesh
     node_of, param_zero, sizes = {}, {}, {}
     for name, ns in prob.strategies.items():
@@ -185,21 +186,25 @@ def zero_bucketed(prob, choice, colls: list) -> list:
             node_of[info.target_name] = name
             param_zero[info.target_name] = (s.zero, tuple(mesh.axis_names[a] for a in s.zero_axes))
             sizes[info.target_name] = (numel(local_shape(meta.hint, s.output, mesh.axis_sizes)),
-                                       reduce_itemsize(prob.param_bytes, name) or meta.itemsize)
+                                       reduce_itemsize(prob.param_bytes, name) or meta.itemsize,
+                                       prob.param_bytes[name].weight if name in prob.param_bytes else meta.itemsize)
     order, ranks = params_by_first_use(cap), dict(zip(mesh.axis_names, mesh.axis_sizes))
-    # each weight's own reduce-scatter (cost/terms.zero_collectives), by (weight, axis, phase)
-    own = {(c.tensor, c.axis, c.phase): c for c in colls if c.kind == REDUCE_SCATTER}
+    # each weight's own reduce-scatter and all-gather (cost/terms.zero_collectives), by (kind, weight, axis, phase)
+    own = {(c.kind, c.tensor, c.axis, c.phase): c for c in colls if c.kind in (REDUCE_SCATTER, ALL_GATHER)}
     out, moved = list(colls), set()
     for level, phase, where in ((2, "backward", f"{BUCKET}ZeRO-2 "), (1, "optimizer", "ZeRO-1 gradient bucket ")):
         buckets = zero_buckets(order, param_zero, sizes, prob.bucket_bytes, level, ranks)
         for k, (a, fqns) in enumerate(buckets):
-            keys = [(node_of[f], mesh.axis_names.index(a), phase) for f in fqns]
-            moved.update(keys)
-            out.append(Collective(REDUCE_SCATTER, keys[0][1], sum(own[key].full_bytes for key in keys), phase,
-                                  f"{where}{k}", ",".join(name for name, _, _ in keys)))
+            axis, names = mesh.axis_names.index(a), [node_of[f] for f in fqns]
+            # not a BUCKET `where` for the gather: it runs after the step, nothing hides it (overlap.py)
+            for kind, ph, label in ((REDUCE_SCATTER, phase, f"{where}{k}"),
+                                    (ALL_GATHER, "optimizer", f"ZeRO-{level} weight bucket {k}")):
+                keys = [(kind, name, axis, ph) for name in names]
+                moved.update(keys)
+                out.append(Collective(kind, axis, sum(own[key].full_bytes for key in keys), ph, label,
+                                      ",".join(names)))
     # a weight's own collective is named after it (`where`); a bucket's, after the bucket
-    return [c for c in out if not (c.kind == REDUCE_SCATTER and c.where == c.tensor
-                                   and (c.tensor, c.axis, c.phase) in moved)]
+    return [c for c in out if not (c.where == c.tensor and (c.kind, c.tensor, c.axis, c.phase) in moved)]
 
 
 def zero_bucket_hold(colls: list):

@@ -9,7 +9,8 @@ gradient) exists once across those ranks instead of n times:
                in buckets (zero_buckets.py); level 2: in backward, as soon as a bucket's
                gradients are accumulated; level 1: at step()
     step       the wrapped optimizer updates the slice
-    gather     all-gather the updated slices into the whole weight
+    gather     all-gather the updated slices into the whole weight, a bucket
+               (the reduction's) at a time
 
 The collectives go through collectives.transform, so they are logged and
 priced like every other, and the plan's predictions (cost.zero_collectives)
@@ -99,7 +100,8 @@ class ShardedOptimizer:
         """The gradient buckets of one ZeRO level, as the plan lists them (cost/buckets.zero_buckets). A pipelined
         plan prices its stages' ZeRO reductions one weight at a time (search/stage_costs.py), so its stages
         reduce them that way."""
-        sizes = {z.name: (z.param.numel(), z.reduce_dtype.itemsize) for z in self._zero if z.param.requires_grad}
+        sizes = {z.name: (z.param.numel(), z.reduce_dtype.itemsize, z.param.element_size())
+                 for z in self._zero if z.param.requires_grad}
         plan = module.plan
         if plan.pipeline is not None:
             sizes = {}
@@ -138,8 +140,11 @@ class ShardedOptimizer:
                             "once per step on every rank")
         self._reduce_level1()
         self.optimizer.step()
+        for level in (1, 2):
+            self._buckets[level].gather_weights()
         for z in self._zero:
-            z.param.copy_(self._gather(z, z.slice.detach(), "optimizer").view_as(z.param))
+            if z.name not in self._buckets[z.level]:
+                z.param.copy_(self._gather(z, z.slice.detach(), "optimizer").view_as(z.param))
             if z.level == 1:
                 z.slice.grad = None   # level 1 keeps the whole gradient, not a second, sliced one
 

@@ -22,8 +22,11 @@ all its weights' gradients have come:
 
 ZeRO-1 keeps whole gradients through backward and reduces them at the optimizer
 step: flush() takes every one into its bucket and reduce-scatters the buckets
-then. A weight on several ZeRO axes stays with the optimizer's per-weight
-reduction (ShardedOptimizer._reduce), one axis after another.
+then. After the step, gather_weights() all-gathers each bucket's updated slices
+in one call (the same buckets, in the weights' dtype) into the whole weights. A
+weight on several ZeRO axes, or padded on its axis, stays with the optimizer's
+per-weight reduction and gather (ShardedOptimizer._reduce, _gather), one axis
+after another.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import torch
 
 from .._compat import at_backward_end
 from ..errors import PlanError
-from .collectives import Comm, reduce_scatter_async
+from .collectives import Comm, all_gather_flat, reduce_scatter_async
 
 
 @dataclass
@@ -114,6 +117,17 @@ class ZeroBuckets:
                     self._take(b, name)
             self._launch(b)
         self._complete_last()
+
+    def gather_weights(self) -> None:
+        """After the optimizer step: each bucket's updated slices all-gathered in one call, and each whole
+        weight set from them (rank r's slice of a weight is its r-th 1/n, so the whole flat weight is its
+        column of every rank's row)."""
+        for b in self.buckets:
+            zs = [self.zero[name] for name in b.names]
+            wholes = all_gather_flat([z.slice.detach().reshape(-1) for z in zs], [0] * len(zs),
+                                     [z.param.numel() for z in zs], self.comm, b.axis, "optimizer")
+            for z, whole in zip(zs, wholes):
+                z.param.copy_(whole.view_as(z.param))
 
     def _finish(self) -> None:
         """End of backward: launch what has not launched, complete the last."""
