@@ -44,12 +44,16 @@ WARMUP, WARMUP_SECONDS = 2, 0.25
 # A fitted latency below 100 ns is noise (no network stack steps that fast; NVLink is ~3 us):
 # clamp there, since cost_models.Link needs a positive latency. Likewise bandwidth at 1 PB/s.
 MIN_LATENCY, MAX_BANDWIDTH = 1e-7, 1e15
-# (square matmul side, copy bytes) per device type. A side-n fp32 matmul does n/6 FLOP per byte:
-# at 1024 far past a CPU's ridge point (~10) and ~40 ms on one core; a GPU needs 8192 (~1 ms at
-# its peak) to hide launch overhead. The copy reads and writes 128 MiB, past any CPU's last-level
-# cache, or 1 GiB, long enough on HBM (~0.7 ms at 3 TB/s). Quick mode: seconds don't matter there.
-COMPUTE_SIZES = {"cpu": (1024, 128 * MiB), "quick": (256, 4 * MiB)}
-DEFAULT_COMPUTE_SIZES = (8192, 1024 * MiB)
+# (square matmul side, (bytes of one elementwise input, how many)) per device type. A side-n fp32
+# matmul does n/6 FLOP per byte: at 1024 far past a CPU's ridge point (~10) and ~40 ms on one core; a
+# GPU needs 8192 (~1 ms at its peak) to hide launch overhead. The elementwise ops (_elementwise_time)
+# run over inputs of a step's activation size, 128 MiB of them in all on a CPU (past any last-level
+# cache, so each is cold when read, as in a step) and 1 GiB on a GPU (~1 ms of HBM traffic at 3 TB/s
+# a round). Quick mode: seconds don't matter there.
+COMPUTE_SIZES = {"cpu": (1024, (2 * MiB, 64)), "quick": (256, (256 * KiB, 4))}
+DEFAULT_COMPUTE_SIZES = (8192, (64 * MiB, 16))
+# the ops of an elementwise round, each reading its input and writing a new output
+ELEMENTWISE_OPS = 3
 # The compute before each timed collective (_compute_burst): 4 square matmuls, ~1.3 ms on one CPU
 # core at side 256, ~1 ms on an H100 at 4096.
 BURST_MATMULS, BURST_SIDE, DEFAULT_BURST_SIDE = 4, {"cpu": 256}, 4096
@@ -72,24 +76,26 @@ def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False)
     sizes = tuple(sizes or (QUICK_SIZES if quick else DEFAULT_SIZES))
     repeats = repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS)
     points = [(name, group, n, kind, _whole_bytes(b, n)) for name, group, n in axes for kind in KINDS for b in sizes]
-    side, copy_bytes = COMPUTE_SIZES.get("quick" if quick else device_type, DEFAULT_COMPUTE_SIZES)
+    side, (elementwise_bytes, num_inputs) = COMPUTE_SIZES.get("quick" if quick else device_type,
+                                                              DEFAULT_COMPUTE_SIZES)
     dtypes = ("float32", "bfloat16") if device_type == "cpu" else ("float32", "bfloat16", "float16")
     for _, group, _ in axes:
         _warm_up(group, device_type)
     local = [_time_collective(kind, b, group, n, device_type, repeats) for _, group, n, kind, b in points]
     local += [_matmul_time(getattr(torch, d), side, device_type, repeats) for d in dtypes]
-    local.append(_copy_time(copy_bytes, device_type, repeats))
+    local.append(_elementwise_time(elementwise_bytes, num_inputs, device_type, repeats))
     worst = _world_max(local, device_type)
     times, axis_sizes = {}, {name: n for name, _, n in axes}
     for (name, _, _, kind, b), t in zip(points, worst):
         times.setdefault(name, {}).setdefault(kind, []).append((b, t))
     links = {a: axis_link(kinds, axis_sizes[a]) for a, kinds in times.items()}
-    matmul, copy = worst[len(points):-1], worst[-1]
+    matmul, elementwise = worst[len(points):-1], worst[-1]
     flops = {d: 2 * side**3 / t for d, t in zip(dtypes, matmul) if t < float("inf")}
     memory_bytes, per_node = _memory_and_ranks_per_node(device_type)
     intra, inter = _node_links(axes, links, per_node, device_type)
+    streamed = 2 * ELEMENTWISE_OPS * elementwise_bytes * num_inputs   # bytes read and written by a round
     hw = cm.Hardware(name=f"{device_type}-calibrated-{_backend(device_type)}", peak_flops=flops,
-                     memory_bytes=memory_bytes, memory_bandwidth=2 * copy_bytes / copy,
+                     memory_bytes=memory_bytes, memory_bandwidth=streamed / elementwise,
                      intra_node_link=intra, inter_node_link=inter, devices_per_node=per_node,
                      comm_overlaps_compute=comm_can_overlap(device_type, per_node, torch.get_num_threads(),
                                                             _cores()))
@@ -223,11 +229,20 @@ def _matmul_time(dtype, side: int, device_type: str, repeats: int) -> float:
         return float("inf")
 
 
-def _copy_time(nbytes: int, device_type: str, repeats: int) -> float:
-    """Median seconds to copy nbytes (it reads and writes them: 2 * nbytes through memory)."""
-    src = torch.ones(nbytes // 4, device=device_type)
-    dst = torch.empty_like(src)
-    return _typical_time(lambda: dst.copy_(src), repeats, device_type)
+def _elementwise_time(nbytes: int, num_inputs: int, device_type: str, repeats: int) -> float:
+    """Median seconds of one round of elementwise ops as a training step runs them: a GELU, a layer norm
+    and a scale over each of `num_inputs` fp32 inputs of `nbytes`, each op reading its input and writing
+    a new output, all outputs alive until the round ends (2 * ELEMENTWISE_OPS * nbytes * num_inputs bytes
+    through memory). The memory leg of the roofline prices a step's norms, activations, residual adds and
+    the optimizer's update, which run over cold activations into fresh memory, not one long copy."""
+    width = 256
+    inputs = [torch.randn(nbytes // 4 // width, width, device=device_type) for _ in range(num_inputs)]
+    weight = torch.ones(width, device=device_type)
+
+    def one_round():
+        return [out for x in inputs for out in (torch.nn.functional.gelu(x),
+                                                 torch.nn.functional.layer_norm(x, (width,), weight), x * 0.5)]
+    return _typical_time(one_round, repeats, device_type)
 
 
 def _world_max(values: list, device_type: str) -> list:
