@@ -54,6 +54,10 @@ COMPUTE_SIZES = {"cpu": (1024, (2 * MiB, 64)), "quick": (256, (256 * KiB, 4))}
 DEFAULT_COMPUTE_SIZES = (8192, (64 * MiB, 16))
 # the ops of an elementwise round, each reading its input and writing a new output
 ELEMENTWISE_OPS = 3
+# (batch, heads, sequence, head dim) of the timed causal attention, per device type: a GPT block's on a
+# CPU rank, a Llama-8B block's on a GPU (run in bf16 there, flash attention's dtype)
+ATTENTION_SHAPES = {"cpu": (2, 8, 256, 64), "quick": (1, 2, 64, 32)}
+DEFAULT_ATTENTION_SHAPE = (1, 32, 4096, 128)
 # The compute before each timed collective (_compute_burst): 4 square matmuls, ~1.3 ms on one CPU
 # core at side 256, ~1 ms on an H100 at 4096.
 BURST_MATMULS, BURST_SIDE, DEFAULT_BURST_SIDE = 4, {"cpu": 256}, 4096
@@ -83,14 +87,21 @@ def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False)
         _warm_up(group, device_type)
     local = [_time_collective(kind, b, group, n, device_type, repeats) for _, group, n, kind, b in points]
     local += [_matmul_time(getattr(torch, d), side, device_type, repeats) for d in dtypes]
+    attention_dtype = "float32" if device_type == "cpu" else "bfloat16"
+    attention_shape = ATTENTION_SHAPES.get("quick" if quick else device_type, DEFAULT_ATTENTION_SHAPE)
+    local.append(_attention_time(attention_shape, getattr(torch, attention_dtype), device_type, repeats))
     local.append(_elementwise_time(elementwise_bytes, num_inputs, device_type, repeats))
     worst = _world_max(local, device_type)
     times, axis_sizes = {}, {name: n for name, _, n in axes}
     for (name, _, _, kind, b), t in zip(points, worst):
         times.setdefault(name, {}).setdefault(kind, []).append((b, t))
     links = {a: axis_link(kinds, axis_sizes[a]) for a, kinds in times.items()}
-    matmul, elementwise = worst[len(points):-1], worst[-1]
+    matmul, attention, elementwise = worst[len(points):-2], worst[-2], worst[-1]
     flops = {d: 2 * side**3 / t for d, t in zip(dtypes, matmul) if t < float("inf")}
+    # counted as the cost model counts them (terms.node_compute_time): 3 x (QK^T + PV) FLOPs, causal or not
+    b, h, s, d = attention_shape
+    attention_rate = cm.TRAIN_FLOPS_FACTOR * 4 * b * h * s * s * d / attention
+    efficiency = attention_rate / flops.get(attention_dtype, flops["float32"]) if attention < float("inf") else 1.0
     memory_bytes, per_node = _memory_and_ranks_per_node(device_type)
     intra, inter = _node_links(axes, links, per_node, device_type)
     streamed = 2 * ELEMENTWISE_OPS * elementwise_bytes * num_inputs   # bytes read and written by a round
@@ -98,7 +109,8 @@ def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False)
                      memory_bytes=memory_bytes, memory_bandwidth=streamed / elementwise,
                      intra_node_link=intra, inter_node_link=inter, devices_per_node=per_node,
                      comm_overlaps_compute=comm_can_overlap(device_type, per_node, torch.get_num_threads(),
-                                                            _cores()))
+                                                            _cores()),
+                     attention_efficiency=efficiency)
     result = Calibration(hw, links, axis_sizes, times)
     if path is not None and dist.get_rank() == 0:
         result.save(path)
@@ -225,6 +237,24 @@ def _matmul_time(dtype, side: int, device_type: str, repeats: int) -> float:
     try:
         a = torch.randn(side, side, device=device_type).to(dtype)
         return _typical_time(lambda: torch.mm(a, a), repeats, device_type)
+    except (RuntimeError, TypeError):
+        return float("inf")
+
+
+def _attention_time(shape: tuple, dtype, device_type: str, repeats: int) -> float:
+    """Median seconds of a causal scaled_dot_product_attention's forward and backward on `shape`
+    (batch, heads, sequence, head dim); inf if this device cannot run it in `dtype` (the efficiency
+    then stays 1.0). Its rate against the matmul's is Hardware.attention_efficiency: on one CPU thread
+    here ~0.5 at a GPT block's shape, which priced at the matmul rate left ~5 ms of a 4-layer GPT's
+    step unpriced."""
+    try:
+        q, k, v = (torch.randn(shape, device=device_type, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.ones(shape, device=device_type, dtype=dtype)
+
+        def step():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out, (q, k, v), grad)
+        return _typical_time(step, repeats, device_type)
     except (RuntimeError, TypeError):
         return float("inf")
 

@@ -57,6 +57,11 @@ class Hardware:
     # CPU ranks with cores to spare; False where a CPU backend's reductions and copies take the cores
     # the ranks compute on (autopar.calibrate decides), so no communication hides
     comm_overlaps_compute: bool = True
+    # the share of the matmul peak (at the same dtype) that scaled_dot_product_attention's forward and
+    # backward reach, counted as matmul FLOPs (cost/terms.node_compute_time): its softmax, masking and
+    # tiling run between the matmuls. 1.0 (the peak) for the presets; autopar.calibrate measures it
+    # (about 0.5 on one CPU thread at a GPT block's shape)
+    attention_efficiency: float = 1.0
 
     def __post_init__(self):
         # a dict is not hashable; store a sorted tuple so Hardware stays frozen and hashable
@@ -64,9 +69,10 @@ class Hardware:
         if not pairs or any(not v > 0 for _, v in pairs):
             raise CostModelError(f"Hardware {self.name!r}: peak_flops needs positive "
                                  f"entries, e.g. {{'float32': 1e12}}, got {self.peak_flops!r}")
-        if not self.memory_bytes > 0 or not self.memory_bandwidth > 0 or not self.devices_per_node > 0:
-            raise CostModelError(f"Hardware {self.name!r}: memory_bytes, memory_bandwidth "
-                                 f"and devices_per_node must be positive")
+        if not self.memory_bytes > 0 or not self.memory_bandwidth > 0 or not self.devices_per_node > 0 \
+                or not self.attention_efficiency > 0:
+            raise CostModelError(f"Hardware {self.name!r}: memory_bytes, memory_bandwidth, devices_per_node "
+                                 f"and attention_efficiency must be positive")
         object.__setattr__(self, "peak_flops", pairs)
 
     def flops_per_second(self, dtype: str) -> float:
@@ -197,7 +203,7 @@ def axis_links(axes: Sequence[tuple[str, int]], hardware: Hardware,
 # readers ignore. Links are {"bandwidth": bytes/s, "latency": s}.
 
 _REQUIRED = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", "intra_node_link", "inter_node_link")
-_OPTIONAL = ("devices_per_node", "comm_overlaps_compute", "links", "measured")
+_OPTIONAL = ("devices_per_node", "comm_overlaps_compute", "attention_efficiency", "links", "measured")
 
 
 def _link_dict(link: Link) -> dict:
@@ -213,6 +219,7 @@ def hardware_to_dict(hardware: Hardware, links: "Mapping[str, Link] | None" = No
          "memory_bandwidth": hardware.memory_bandwidth, "intra_node_link": _link_dict(hardware.intra_node_link),
          "inter_node_link": _link_dict(hardware.inter_node_link), "devices_per_node": hardware.devices_per_node,
          "comm_overlaps_compute": hardware.comm_overlaps_compute,
+         "attention_efficiency": hardware.attention_efficiency,
          "links": {axis: _link_dict(link) for axis, link in (links or {}).items()}}
     if measured is not None:
         d["measured"] = measured
@@ -283,7 +290,8 @@ def hardware_from_dict(d, source: str = "hardware spec") -> "tuple[Hardware, dic
         intra_node_link=_link(d["intra_node_link"], "intra_node_link", source),
         inter_node_link=_link(d["inter_node_link"], "inter_node_link", source),
         devices_per_node=_number(d.get("devices_per_node", 8), "devices_per_node", source, int),
-        comm_overlaps_compute=_flag(d.get("comm_overlaps_compute", True), "comm_overlaps_compute", source))
+        comm_overlaps_compute=_flag(d.get("comm_overlaps_compute", True), "comm_overlaps_compute", source),
+        attention_efficiency=_number(d.get("attention_efficiency", 1.0), "attention_efficiency", source))
     try:
         hardware = Hardware(**fields)
     except CostModelError as e:

@@ -112,6 +112,31 @@ def test_the_overlap_flag_round_trips_and_is_checked(tmp_path):
         resolve_hardware(d)
 
 
+def test_attention_efficiency_prices_attention_and_round_trips(tmp_path):
+    """A GPT's attention at half the matmul rate: the plan's compute grows by exactly its attention's
+    time at the full rate (3 x (QK^T + PV) = 12 B T^2 C FLOPs a layer); the field survives a spec file,
+    defaults to 1.0 where a spec has none, and must be positive."""
+    import dataclasses
+    from autopar.testing import GPT, GPTConfig
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
+    torch.manual_seed(0)
+    model, x = GPT(cfg), torch.randint(0, 64, (4, 16))
+    full = _hardware()
+    half = dataclasses.replace(full, attention_efficiency=0.5)
+    t_full, t_half = (autopar.plan(model, (x,), {"dp": 1}, hardware=hw, strategy="ddp").predicted.compute_time
+                      for hw in (full, half))
+    attention = cfg.n_layer * 12 * 4 * 16 * 16 * cfg.n_embd / full.flops_per_second("float32")
+    assert t_half - t_full == pytest.approx(attention, rel=1e-9)
+    save_hardware(tmp_path / "half.json", half, {})
+    assert load_hardware(tmp_path / "half.json")[0] == half
+    d = json.loads((tmp_path / "half.json").read_text())
+    del d["attention_efficiency"]
+    assert resolve_hardware(d)[0].attention_efficiency == 1.0
+    d["attention_efficiency"] = 0
+    with pytest.raises(cm.CostModelError, match="attention_efficiency"):
+        resolve_hardware(d)
+
+
 def test_calibration_save_writes_what_the_planner_reads(tmp_path):
     cal = Calibration(_hardware(), {"dp": LINK}, {"dp": 2}, {"dp": {cm.ALL_REDUCE: [(4096, 1e-4)]}})
     cal.save(tmp_path / "cal.json")
@@ -178,6 +203,7 @@ def test_calibrate_on_two_threaded_ranks_agrees_and_is_positive():
     assert hw.name == "cpu-calibrated-threaded" and hw.devices_per_node == 2
     assert set(first.times["dp"]) == set(KINDS)
     numbers = [link.bandwidth, link.latency, hw.memory_bandwidth, hw.memory_bytes, *dict(hw.peak_flops).values(),
+               hw.attention_efficiency,
                *(t for pts in first.times["dp"].values() for _, t in pts)]
     assert all(0 < v < math.inf for v in numbers), numbers
     assert "float32" in dict(hw.peak_flops)

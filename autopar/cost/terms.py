@@ -95,7 +95,7 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
     if name == SDPA:
         q, kk = locals_[0], locals_[1]
         flops = 2 * numel(q) * kk[-2] + 2 * numel(out_local) * kk[-2]
-        return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw)
+        return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw) / hw.attention_efficiency
     touched = numel(out_local) * out.itemsize + sum(numel(l) * m.itemsize for l, m in zip(locals_, metas))
     return cm.memory_time(cm.TRAIN_FLOPS_FACTOR * touched, hw)
 
