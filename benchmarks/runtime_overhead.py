@@ -28,6 +28,9 @@ builds the same seeded GPT (autopar.testing.GPT) and the same global batch (idx 
                       sequence-split embeddings and loss_parallel (logits stay split over the vocabulary,
                       which autopar cannot do yet: its outputs are whole or batch-split)
              fsdp+tp  tp on mesh["tp"], then fully_shard per block and on the root over mesh["dp"] (2 x 2)
+             zero1    DDP with ZeroRedundancyOptimizer(AdamW): torch's ZeRO-1 (all-reduced gradients, each rank
+                      updating its parameters and broadcasting them); autopar's reduce-scatters the gradients
+                      and all-gathers the updated slices, a bucket at a time
 
 Two details of the native versions:
 the attention reads hs = C // n_head from its input's width, which TP leaves whole, so the native
@@ -95,10 +98,11 @@ STRATEGIES = {
     "tp": ((2,), ("tp",)),
     "tp+sp": ((2,), ("tp",)),
     "fsdp+tp": ((2, 2), ("dp", "tp")),
+    "zero1": ((2,), ("dp",)),
 }
 # what the table's "native" column calls each hand-written version (built by native_module)
 NATIVE_NAMES = {"ddp": "DDP", "fsdp": "FSDP2 fully_shard", "tp": "DTensor TP", "tp+sp": "DTensor TP+SP, loss_parallel",
-                "fsdp+tp": "DTensor TP + FSDP2"}
+                "fsdp+tp": "DTensor TP + FSDP2", "zero1": "DDP + ZeroRedundancyOptimizer"}
 WARMUP = 3
 LOSS_RTOL = {"fp32": 1e-4, "bf16-mixed": 2e-2}
 PRECISIONS = {"fp32": None, "bf16-mixed": "bf16-mixed"}   # --precision -> autopar's precision=
@@ -249,7 +253,7 @@ def native_module(strategy: str, model, mesh, bucket_mb: float | None = None, pr
              if bf16 else {})
     autocast = ((lambda: torch.autocast(mesh.device_type, dtype=torch.bfloat16)) if bf16 and "fsdp" not in strategy
                 else contextlib.nullcontext)
-    if strategy == "ddp":
+    if strategy in ("ddp", "zero1"):   # zero1: its optimizer is torch's ZeroRedundancyOptimizer (native_optimizer)
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb), autocast, "dp"
     if strategy == "fsdp":
         for block in model.h:
@@ -265,6 +269,15 @@ def native_module(strategy: str, model, mesh, bucket_mb: float | None = None, pr
         return fully_shard(model, mesh=mesh["dp"], **shard), autocast, "dp"
     # loss_parallel: cross-entropy on vocab-split logits; it must wrap backward too
     return model, (_entered(loss_parallel, autocast) if sp else autocast), None
+
+
+def native_optimizer(strategy: str, module, lr: float):
+    """AdamW; for zero1 wrapped in torch's ZeRO-1, ZeroRedundancyOptimizer: DDP all-reduces the gradients,
+    each rank updates the parameters it owns and broadcasts them."""
+    if strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+    return torch.optim.AdamW(module.parameters(), lr=lr)
 
 
 # ----------------------------------------------------------------------------- one side's training step
@@ -360,7 +373,7 @@ def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
                                                     args.precision)
     inputs, tgt = (idx, targets) if data_axis is None else (batch_shard(idx, mesh, data_axis),
                                                             batch_shard(targets, mesh, data_axis))
-    native = Side(module, torch.optim.AdamW(module.parameters(), lr=args.lr), (inputs,), tgt, loss_context,
+    native = Side(module, native_optimizer(strategy, module, args.lr), (inputs,), tgt, loss_context,
                   after_backward=grads_as_params)
     return ours, info, native
 
