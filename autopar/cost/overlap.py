@@ -151,11 +151,11 @@ class _Timeline:
     def forward(self, times: list, layers: list) -> None:
         """Forward through the ops: each layer gathered at its first use, prefetching the next one."""
         layers = sorted(layers, key=lambda m: (m.first, m.last))
+        needed = _by_op(range(len(layers)), lambda k: layers[k].first)
         arriving: dict = {}
         for i, t in enumerate(times):
-            for k, m in enumerate(layers):
-                if m.first == i:
-                    self.need_layer(layers, k, k + 1, arriving)
+            for k in needed.get(i, ()):
+                self.need_layer(layers, k, k + 1, arriving)
             self.clock += t
 
     def backward(self, times: list, layers: list, at_end: list) -> None:
@@ -163,17 +163,16 @@ class _Timeline:
         before it; the buckets and layer reduce-scatters launch once backward has passed the first use of
         their weights, and the optimizer waits for the last of them."""
         layers = sorted(layers, key=lambda m: (m.first, m.last))
+        needed = _by_op(range(len(layers)), lambda k: layers[k].last)
+        ready = _by_op(at_end, lambda m: m.first)
         arriving: dict = {}
         in_flight: dict = {}   # chain -> when its last launched collective arrives
         pending: dict = {}   # axis -> when its last collective the optimizer waits for arrives
         for i in reversed(range(len(times))):
-            for k, m in enumerate(layers):
-                if m.last == i:
-                    self.need_layer(layers, k, k - 1, arriving)
+            for k in needed.get(i, ()):
+                self.need_layer(layers, k, k - 1, arriving)
             self.clock += times[i]
-            for m in at_end:
-                if m.first != i:
-                    continue
+            for m in ready.get(i, ()):
                 if m.chain in in_flight:
                     self.wait(m.axis, in_flight[m.chain])
                 end = self.launch(m)
@@ -182,3 +181,11 @@ class _Timeline:
                 pending[m.axis] = max(pending.get(m.axis, 0.0), end)
         for axis, end in sorted(pending.items(), key=lambda kv: kv[1]):
             self.wait(axis, end)
+
+
+def _by_op(items, op_of) -> dict:
+    """op index -> the items (in their order) that op_of places there."""
+    out: dict = {}
+    for item in items:
+        out.setdefault(op_of(item), []).append(item)
+    return out

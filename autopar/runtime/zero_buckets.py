@@ -1,4 +1,5 @@
-"""ZeRO's gradient reduce-scatters, bucketed; ZeRO-2's launched while backward goes on.
+"""ZeRO's gradient reduce-scatters and weight all-gathers, bucketed; ZeRO-2's reductions launched while
+backward goes on.
 
 A ZeRO-2 weight's gradient is reduce-scattered into this rank's flat 1/n slice as
 soon as autograd has accumulated it (ShardedOptimizer). One blocking
