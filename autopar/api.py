@@ -16,7 +16,7 @@ from .cost.terms import first_meta, needs_grad
 from .errors import AutoparError, CaptureError, MeshError, PlanError
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan
-from .planner import plan_captured
+from .planner import check_reshard, plan_captured
 from .runtime.collectives import AxisGroup, Comm
 from .runtime.module import ParallelModule
 from .runtime.rewrite import rewrite
@@ -30,7 +30,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
          strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
          dynamic_shapes=AUTO, links=None, time_limit: float = 60.0, trace_every_layer: bool = False,
          pipeline_axis: str | None = None, microbatches: int | None = None, schedule: str | None = None,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options) -> Plan:
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, reshard_after_forward: bool | str | None = None, **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
 
     `mesh` is a DeviceMesh with named axes or a mapping {axis_name: size}; the
@@ -63,7 +63,13 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     most bytes one data-parallel gradient all-reduce carries
     (runtime/grad_buckets.py); DDP's 25 MiB by default, large enough that
     per-call latency is small beside the bytes, small enough that the first
-    buckets go out while backward still runs. See docs/ARCHITECTURE.md.
+    buckets go out while backward still runs. `reshard_after_forward`: whether
+    an FSDP weight an op keeps for backward is kept as its shard and gathered
+    again when backward needs it (True, FSDP2's default: FSDP is chosen for
+    memory) or kept whole from forward to backward (False: one all-gather per
+    layer fewer, the gathered weights' memory more); "auto", the faster of the
+    two that fits memory_limit. None, the default, is True for a named
+    strategy and "auto" under strategy="auto". See docs/ARCHITECTURE.md.
     """
     if options:
         raise AutoparError(f"unknown option(s) {sorted(options)} for autopar.plan")
@@ -71,6 +77,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     precision_of(precision)
     optimizer_spec(optimizer)
     check_mode(checkpointing)
+    check_reshard(strategy, reshard_after_forward)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     check_request(mesh_spec(mesh), pipeline_axis, microbatches, schedule, _first_batch(example_inputs))
@@ -79,7 +86,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
                           precision=precision, optimizer=optimizer, checkpointing=checkpointing, links=links,
                           time_limit=time_limit, t_capture=t_capture, pipeline_axis=pipeline_axis,
                           microbatches=microbatches, schedule=schedule, bucket_bytes=bucket_bytes,
-                          recapture=recapture)
+                          reshard_after_forward=reshard_after_forward, recapture=recapture)
 
 
 def compare(model: torch.nn.Module, example_inputs, mesh, *, strategies=None, dynamic_shapes=AUTO,
@@ -114,7 +121,7 @@ def compare(model: torch.nn.Module, example_inputs, mesh, *, strategies=None, dy
 
 # autopar.plan's options that compare passes on to each strategy's plan
 _PLAN_OPTIONS = {"hardware", "memory_limit", "precision", "optimizer", "checkpointing", "links", "time_limit",
-                 "pipeline_axis", "microbatches", "schedule", "bucket_bytes"}
+                 "pipeline_axis", "microbatches", "schedule", "bucket_bytes", "reshard_after_forward"}
 
 
 def _capture(model, example_inputs: tuple, precision, dynamic_shapes, trace_every_layer: bool):
@@ -232,7 +239,7 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict, recapture) -> Plan:
     """
     import torch.distributed as dist
     known = {"hardware", "memory_limit", "strategy", "links", "time_limit", "precision", "optimizer",
-             "checkpointing", "pipeline_axis", "microbatches", "schedule", "bucket_bytes"}
+             "checkpointing", "pipeline_axis", "microbatches", "schedule", "bucket_bytes", "reshard_after_forward"}
     unknown = sorted(set(plan_kwargs) - known)
     if unknown:
         raise AutoparError(f"unknown option(s) {unknown} for autopar.parallelize; it takes plan=, "

@@ -70,6 +70,9 @@ class Plan:
     # an activation gathered whole for an op that keeps it (sequence parallelism's norm output) is kept as
     # its shard and gathered again in backward (runtime/regather.py), as Megatron does
     regather_activations: bool = False
+    # an FSDP weight an op keeps for backward: kept as its shard and gathered again in backward (True, FSDP2's
+    # default), or kept whole from forward to backward (False; runtime/rewrite.py)
+    reshard_after_forward: bool = True
 
     # ------------------------------------------------------------ inputs
     def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:
@@ -140,8 +143,15 @@ class Plan:
 
     # ------------------------------------------------------------ text
     def _backward_lines(self) -> list:
-        """What backward makes again instead of keeping: gathered activations, recomputed blocks."""
+        """What backward makes again instead of keeping (gathered activations, FSDP weights, recomputed blocks),
+        or keeps instead of making again."""
         lines = []
+        fsdp = any(c.kind == "all_gather" and c.phase == "forward" and c.tensor.startswith("p_") for c in self.collectives)
+        if fsdp:
+            lines.append("FSDP weights an op keeps for backward are kept as shards and gathered again in backward "
+                         "(reshard_after_forward=True)" if self.reshard_after_forward else
+                         "FSDP weights an op keeps for backward stay whole from forward to backward, not gathered "
+                         "again (reshard_after_forward=False)")
         if self.regather_activations:
             lines.append("activations gathered for an op that keeps them are kept as shards and gathered again "
                          "in backward (sequence parallelism as Megatron does it)")
@@ -239,6 +249,7 @@ class Plan:
             "predicted": pred(self.predicted, False), "symbolic": pred(self.symbolic, True),
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
             "bucket_bytes": self.bucket_bytes, "regather_activations": self.regather_activations,
+            "reshard_after_forward": self.reshard_after_forward,
             "symbols": self.symbols, "stats": {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str))},
         }
         return json.dumps(d, indent=1)
@@ -277,7 +288,8 @@ class Plan:
             symbols=d.get("symbols", {}), stats=d.get("stats", {}),
             pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
             bucket_bytes=d.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
-            regather_activations=d.get("regather_activations", False))
+            regather_activations=d.get("regather_activations", False),
+            reshard_after_forward=d.get("reshard_after_forward", True))
 
 
 @dataclass
@@ -331,7 +343,7 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
                 precision=searched.policy.to_dict(),
                 optimizer={"name": searched.optimizer.name, "states_per_param": searched.optimizer.states_per_param},
                 checkpointed=sol.checkpointed, pipeline=searched.pipeline, bucket_bytes=prob.bucket_bytes,
-                regather_activations=sol.regather_activations)
+                regather_activations=sol.regather_activations, reshard_after_forward=sol.reshard_after_forward)
 
 
 

@@ -87,7 +87,7 @@ def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
 def plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
                    optimizer="adamw", checkpointing="auto", links=None, time_limit=60.0, t_capture=0.0,
                    tie_blocks=True, pipeline_axis=None, microbatches=None, schedule=None,
-                   recapture=None, bucket_bytes=DEFAULT_BUCKET_BYTES) -> Plan:
+                   recapture=None, bucket_bytes=DEFAULT_BUCKET_BYTES, reshard_after_forward=None) -> Plan:
     """The plan for a captured model. `recapture(m)` captures it again with batches of 1/m the size,
     which a pipelined plan is made for (its graph runs one microbatch at a time); without it the
     search does not pipeline."""
@@ -95,7 +95,8 @@ def plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, stra
     check_mode(checkpointing)
     check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap))
     env = Request(cap, spec, mesh, hardware, memory_limit, strategy, precision, optimizer, checkpointing, links,
-                   time_limit, t_capture, tie_blocks, _check_bucket_bytes(bucket_bytes))
+                   time_limit, t_capture, tie_blocks, _check_bucket_bytes(bucket_bytes),
+                   check_reshard(strategy, reshard_after_forward))
     axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule) if recapture is not None else []
     if pipeline_axis not in (None, "auto") and recapture is None:
         raise PipelineError("a pipelined plan needs the model to capture it again per microbatch; "
@@ -160,6 +161,7 @@ class Request:
     t_capture: float
     tie_blocks: bool
     bucket_bytes: int     # gradient bucket size (cost/buckets.py)
+    reshard_after_forward: bool | None   # Problem.reshard_after_forward (None: the search decides)
 
 
 def _check_bucket_bytes(bucket_bytes) -> int:
@@ -167,6 +169,18 @@ def _check_bucket_bytes(bucket_bytes) -> int:
         raise PlanError(f"bucket_bytes must be a positive number of bytes (DDP's default is "
                         f"{DEFAULT_BUCKET_BYTES}), got {bucket_bytes!r}")
     return bucket_bytes
+
+
+def check_reshard(strategy: str, reshard_after_forward) -> bool | None:
+    """Problem.reshard_after_forward for a request: as asked ("auto": the search's choice), or by default True
+    for a named strategy (whoever names FSDP asks for its memory) and the search's choice under "auto"."""
+    if reshard_after_forward not in (None, True, False, "auto") or isinstance(reshard_after_forward, int) \
+            and not isinstance(reshard_after_forward, bool):
+        raise PlanError(f"reshard_after_forward must be True, False, 'auto' (the faster that fits memory_limit) or "
+                        f"None (True for a named strategy, 'auto' under strategy='auto'), got {reshard_after_forward!r}")
+    if reshard_after_forward is None:
+        return None if strategy == "auto" else True
+    return None if reshard_after_forward == "auto" else reshard_after_forward
 
 
 def _batch_size(cap: Captured):
@@ -235,7 +249,8 @@ def _problem(cap: Captured, env: Request, checkpointing: str):
                    grad_nodes, saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
                    backward_start=backward_start(cap, grad_nodes),
                    stacks=checkpointable_stacks(cap) if checkpointing != "none" else (),
-                   bucket_bytes=env.bucket_bytes, regather_activations=REGATHER.get(env.strategy, False))
+                   bucket_bytes=env.bucket_bytes, regather_activations=REGATHER.get(env.strategy, False),
+                   reshard_after_forward=env.reshard_after_forward)
     return prob, policy, opt, hw
 
 
@@ -271,7 +286,8 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     log.info("strategy %s: searched in %.1f s (%s); predicting", strategy, sol.solve_seconds + sol.build_seconds,
              sol.status)
     t0 = time.perf_counter()
-    prob = replace(prob, regather_activations=sol.regather_activations)   # as the solution was priced
+    # as the solution was priced
+    prob = replace(prob, regather_activations=sol.regather_activations, reshard_after_forward=sol.reshard_after_forward)
     pred, colls = predict(prob, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
     sym, _ = predict(prob, sol.choice, symbolic=True, checkpointed=sol.checkpointed)
     t_predict = time.perf_counter() - t0
@@ -339,8 +355,12 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
         if spec.num_axes > 1 else None
     log.info("strategy %s: pipelined over %s in %d microbatches (%s)", strategy, axis, m, schedule)
     t0 = time.perf_counter()
+    if env.reshard_after_forward is False:   # ("auto" prices the stages resharded)
+        raise PipelineError("reshard_after_forward=False with a pipeline is not supported yet: a stage would keep "
+                            "every microbatch's gathered weights; leave it None or True")
     prob, policy, opt, hw = _problem(cap, env, "none")
     prob.pipelined = True   # the runtime groups no FSDP layers across stages (cost/layer_groups.py)
+    prob.reshard_after_forward = True   # (the stage costs price no kept weights)
     if rest is None:
         candidates = [Roles((PIPE,), spec.axis_names, spec.axis_sizes)]
     else:

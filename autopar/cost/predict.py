@@ -19,10 +19,10 @@ from .buckets import assign_buckets, params_by_first_use, partial_gradients, zer
 from .checkpointing import recomputed_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import BUCKET, hidden_comm_time
-from .problem import charge_key, checkpoint_model, regather_model
+from .problem import charge_key, checkpoint_model, edge_regathers, reshards
 from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
-                    gathered_weight_bytes, is_saved, node_compute_time, op_collectives, output_bytes, param_memory,
-                    read_bytes, reduce_itemsize, regather_saving, regathers, zero_collectives)
+                    gathered_weight_bytes, is_saved, kept_weight_bytes, node_compute_time, op_collectives,
+                    output_bytes, param_memory, read_bytes, reduce_itemsize, regather_saving, zero_collectives)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def group_redistributions(prob, choice) -> list[Redistribution]:
         key = (e.producer, dst, gp)
         g = groups.setdefault(key, [src, [], 0, keep])
         g[1].append((e.consumer, e.index))
-        g[2] += int(regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob)))
+        g[2] += int(edge_regathers(prob, e))
     # an activation is gathered again once for all its readers (runtime/regather.py), a weight per reader
     return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]),
                            g[2] if prob.cap.info[p].kind == PARAM else min(g[2], 1), tuple(g[3]))
@@ -118,6 +118,7 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     kept = saved if prob.regather_activations else None   # the model the re-gather saving reads
     acts = acts + sum(regather_saving(prob.cap, kept, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
                                       prob.grad_nodes, symbolic) for r in groups for c, i in r.consumers)
+    acts = acts + _kept_weights(prob, groups, stacks, symbolic)
     colls = zero_bucketed(prob, choice, colls) + _redistributions(prob, groups, stacks, rerun, symbolic)
     colls = bucketed(prob, choice, colls + _op_collectives(prob, choice, rerun, symbolic))
     colls = grouped(colls, layer_members(prob, groups), prob.mesh.axis_sizes)
@@ -274,9 +275,29 @@ def _op_collectives(prob, choice, rerun: set, symbolic: bool) -> list[Collective
     return colls
 
 
+def _region_of(stacks) -> dict:
+    """op -> (stack path, block index) of the checkpointed block it is in."""
+    return {n: (st.path, i) for st in stacks for i, block in enumerate(st.blocks) for n in block}
+
+
+def _kept_weights(prob, groups, stacks, symbolic: bool):
+    """Bytes of the FSDP weights kept gathered from forward to backward when the plan does not reshard after
+    forward (Problem.reshard_after_forward False): one copy per layout change (the module gathers once for all
+    its readers) that some reader outside a checkpointed block keeps; inside one, the recompute gathers it."""
+    if reshards(prob):
+        return 0
+    region_of = _region_of(stacks)
+    total = 0
+    for r in groups:
+        if any(c not in region_of and kept_weight_bytes(prob.cap, r.producer, c, i, r.src, r.dst, prob.grad_nodes,
+                                                         prob.mesh) for c, i in r.consumers):
+            total = total + gathered_weight_bytes(prob.cap, r.producer, r.src, r.dst, prob.mesh, symbolic)
+    return total
+
+
 def _redistributions(prob, groups, stacks, rerun: set, symbolic: bool) -> list[Collective]:
     """The collectives of every redistribution, with those a checkpointed block's recompute runs again."""
-    region_of = {n: (st.path, i) for st in stacks for i, block in enumerate(st.blocks) for n in block}
+    region_of = _region_of(stacks)
     order = {n.name: i for i, n in enumerate(prob.cap.graph.nodes)}
     colls = []
     for r in groups:

@@ -53,6 +53,10 @@ class Problem:
     # (True; Megatron's sequence parallelism), kept whole (False), or whichever is faster within a memory
     # limit (None: the search tries both; search/ilp.solve)
     regather_activations: bool | None = False
+    # an FSDP weight gathered whole for an op that keeps it: kept as its shard and gathered again in backward
+    # (True; FSDP2's default), kept whole until backward (False: one all-gather per layer less, its weights'
+    # memory more), or whichever is faster within a memory limit (None: search/ilp.solve tries both)
+    reshard_after_forward: bool | None = True
     pipelined: bool = False                          # stages hold their own weights: no FSDP layer groups
 
 
@@ -83,14 +87,14 @@ def edge_signature(prob: Problem, e: Edge) -> tuple:
     """All an edge's cost depends on besides the two layouts."""
     meta = first_meta(prob.cap.info[e.producer].meta)
     return (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
-            regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob)),
+            edge_regathers(prob, e),
             reduce_itemsize(prob.param_bytes, e.producer))
 
 
 def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
     """Seconds, or the UnsupportedRedistribution error (cached too: asked again, it is raised again)."""
     try:
-        again = regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob))
+        again = edge_regathers(prob, e)
         colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
                                  e.producer in prob.grad_nodes, again, e.consumer, keep_partial=keep_partial,
                                  reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
@@ -111,7 +115,7 @@ def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_par
                                  reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
         forward = [c for c in colls if c.phase == "forward"]
         cost = float(collectives_time(forward, prob.mesh, prob.links))
-        if regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob)):
+        if edge_regathers(prob, e):
             cost -= float(collectives_time([c for c in forward if c.kind == ALL_GATHER], prob.mesh, prob.links))
         prob.edge_cost_cache[key] = cost
     return cost
@@ -151,6 +155,17 @@ def repeat_memory(prob: Problem, name: str, first: str) -> list:
     if mems is None:
         mems = prob.node_cost_cache[key] = [node_memory(prob, name, s) for s in prob.strategies[name].strategies]
     return mems
+
+
+def edge_regathers(prob: Problem, e: Edge) -> int:
+    """terms.regathers of edge e under the problem's choices (undecided resharding prices as resharded)."""
+    return regathers(prob.cap, e.producer, e.consumer, e.index, prob.grad_nodes, regather_model(prob),
+                     reshard_weights=reshards(prob))
+
+
+def reshards(prob: Problem) -> bool:
+    """Are FSDP weights kept as shards between forward and backward (Problem.reshard_after_forward)?"""
+    return prob.reshard_after_forward is not False
 
 
 def regather_model(prob: Problem):

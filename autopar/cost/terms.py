@@ -129,6 +129,15 @@ def gathered_weight_bytes(cap: Captured, producer: str, src: Placements, dst: Pl
     return local_numel(meta, dst, mesh, symbolic) * meta.itemsize
 
 
+def kept_weight_bytes(cap: Captured, producer: str, consumer: str, index: int, src: Placements, dst: Placements,
+                      grad_nodes: set, mesh: MeshSpec, symbolic=False):
+    """Bytes a weight gathered whole for an op that keeps it for backward holds from forward to backward
+    when the plan does not reshard after forward (the re-gather it saves: regathers); 0 for any other edge."""
+    if not regathers(cap, producer, consumer, index, grad_nodes):
+        return 0
+    return gathered_weight_bytes(cap, producer, src, dst, mesh, symbolic)
+
+
 def is_saved(prob, name: str) -> bool:
     """Does autograd keep this node's storage for backward (then it is an activation, not transient)?"""
     return name in prob.saved.kept
@@ -254,13 +263,17 @@ def check_uneven_gathered(meta: TensorMeta, src: Placements, steps, mesh: MeshSp
 
 
 def regathers(cap: Captured, producer: str, consumer: str, index: int, grad_nodes: set,
-              saved: ActivationModel | None = None) -> int:
+              saved: ActivationModel | None = None, reshard_weights: bool = True) -> int:
     """How many times this edge gathers again in backward, where it gathers: a weight once when the
-    op keeps it (FSDP); an activation with a gradient once when autograd keeps some tensor of it
-    through this op (`saved`; sequence parallelism: gathers_again decides which layout changes
-    qualify) -- once for all the ops that read one gathered activation (runtime/regather.py)."""
+    op keeps it (FSDP), unless the plan keeps its weights gathered from forward to backward
+    (`reshard_weights` False: FSDP2's reshard_after_forward=False); an activation with a gradient once
+    when autograd keeps some tensor of it through this op (`saved`; sequence parallelism: gathers_again
+    decides which layout changes qualify) -- once for all the ops that read one gathered activation
+    (runtime/regather.py)."""
     if cap.info[producer].kind != PARAM:
         return int(saved is not None and producer in grad_nodes and saved.saves_through.get((consumer, index), 0) > 0)
+    if not reshard_weights:
+        return 0
     node = cap.node(consumer)
     needed_by = SAVED_FOR_GRAD_OF.get(op_name(node), {}).get(index)
     if not needed_by:

@@ -183,6 +183,7 @@ class _Rewriter:
         # (op, input index) -> tensors autograd keeps of that input: where a gather feeds one, the plan
         # keeps the shard and gathers again in backward (regather.py), as the cost model prices it
         self.saves = activation_model(cap, plan.hardware).saves_through if plan.regather_activations else {}
+        self.reshard = plan.reshard_after_forward
         self.groups: dict = {}   # cost/layer_groups.group_key -> LayerGroup
         self.in_flight = InFlight()   # the groups' reduce-scatters, one in flight at a time
         # weights whose data-axis gradient the buckets reduce, and activations whose gradient flows on to them
@@ -239,10 +240,12 @@ class _Rewriter:
             raise PlanError(f"plan asks for an unsupported layout change at {producer.name}: {e}") from e
         is_param = self.cap.info[producer.name].kind == PARAM
         cast = self.casts.get(producer.name)
-        # an FSDP weight, or one cast for its op (mixed precision), is made again for backward, not kept;
-        # so is an activation gathered whole for an op that keeps it (sequence parallelism, as Megatron)
+        # an FSDP weight, or one cast for its op (mixed precision), is made again for backward, not kept --
+        # unless the plan keeps FSDP weights gathered until backward (plan.reshard_after_forward False); so
+        # is an activation gathered whole for an op that keeps it (sequence parallelism, as Megatron)
         # (an activation is gathered again where redistribute finds a reader that keeps it)
-        regathered = is_param and (cast is not None or gathers_again(steps, is_param))
+        gathers = gathers_again(steps, is_param)
+        regathered = is_param and (gathers and self.reshard or cast is not None and not gathers)
         # a parameter's storage may split a dim unevenly (placement.py): its steps need the whole length
         wholes = [_step_whole(s, self.cap.info[producer.name].meta.hint, self.sizes) for s in steps] if is_param else None
         self._count += 1

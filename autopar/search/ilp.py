@@ -24,9 +24,9 @@ from ..cost.checkpointing import KINDS, NONE, recomputed_ops
 from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_time, recompute_edge_cost, regather_model, repeat_memory,
-                            tied_edges)
-from ..cost.terms import (first_meta, gathered_weight_bytes, is_saved, output_bytes, read_bytes, reduce_itemsize,
-                          regather_saving)
+                            reshards, tied_edges)
+from ..cost.terms import (first_meta, gathered_weight_bytes, is_saved, kept_weight_bytes, output_bytes, read_bytes,
+                          reduce_itemsize, regather_saving)
 from ..errors import InfeasiblePlanError
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import UnsupportedRedistribution
@@ -198,6 +198,9 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
                      for sig, member, _, m in alike if m)
             saving = sum(regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
                                          prob.grad_nodes) for m in keepers if m.consumer not in rerun)
+            if not reshards(prob):   # weights gathered whole for backward stay whole from forward on
+                saving += sum(kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst, prob.grad_nodes,
+                                                prob.mesh) for m in edges if m.consumer not in rerun)
             y = ilp.var(c * TIME_SCALE, float(saving) * MEM_SCALE, integer=False)
             by_src[src_key][y] = by_dst[k][y] = 1.0
             gb = float(gathered_weight_bytes(cap, e.producer, p, dst, prob.mesh))
@@ -322,11 +325,14 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     models.) With one stack, as in most models, those are the whole choice.
 
     Where the problem leaves it to the search whether gathered activations are kept as shards
-    (prob.regather_activations None), they are kept whole, and under a limit the best kind is solved
-    once more with them re-gathered (every kind, if none fit): re-gathering only buys memory with time."""
+    (prob.regather_activations None), or FSDP weights resharded after forward (prob.reshard_after_forward
+    None), the faster choice (activations kept whole, weights kept gathered) is solved first, and under a
+    limit the best kind is solved once more with each memory-saving choice (every kind, if none fit):
+    both only buy memory with time."""
     limited = minimize_memory or memory_limit is not None
-    decide = prob.regather_activations is None
-    base = replace(prob, regather_activations=False) if decide else prob
+    decide = [(field, saving) for field, saving in (("regather_activations", True), ("reshard_after_forward", True))
+              if getattr(prob, field) is None]
+    base = replace(prob, **{field: not saving for field, saving in decide})
     if checkpointing != "auto":
         kinds = [checkpointing]
     else:
@@ -341,8 +347,11 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     if decide and limited:
         again = [next(iter(best.checkpointed.values()), NONE)] if best.choice else kinds
-        regathered = replace(prob, regather_activations=True)
-        sols += [_solve(regathered, roles, memory_limit, time_limit, minimize_memory, gap, kind) for kind in again]
+        # each memory-saving choice alone, then all of them
+        variants = [{field: saving} for field, saving in decide] + ([dict(decide)] if len(decide) > 1 else [])
+        for variant in variants:
+            sols += [_solve(replace(base, **variant), roles, memory_limit, time_limit, minimize_memory, gap, kind)
+                     for kind in again]
         best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     best.solve_seconds = sum(sol.solve_seconds for sol in sols)
     best.build_seconds = sum(sol.build_seconds for sol in sols)
@@ -403,7 +412,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     status = OPTIMAL if res.status == 0 else TIME_LIMIT
     sol = Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, {st.path: st.kind for st in stacks},
-                   bool(prob.regather_activations))
+                   bool(prob.regather_activations), reshards(prob))
     sol.memory = float(np.dot(ilp.mem, x)) / MEM_SCALE + reserve   # the search's own measure of the plan
     return sol
 
@@ -418,6 +427,7 @@ def _fallback(prob: Problem, roles: Roles, memory_limit, res, ilp: _ILP, time_li
     if sol is None:
         return None
     sol.regather_activations = bool(prob.regather_activations)
+    sol.reshard_after_forward = reshards(prob)
     bound = getattr(res, "mip_dual_bound", None)
     if bound is None or not np.isfinite(bound):
         bound = _relaxation_bound(ilp, time_limit)

@@ -28,4 +28,5 @@ class Solution:
     # {stack path: 'selective' or 'full'}: stacks whose blocks' attention cores, or whole blocks, recompute
     checkpointed: dict = field(default_factory=dict)
     regather_activations: bool = False   # activations gathered whole for an op that keeps them: kept as shards
+    reshard_after_forward: bool = True   # FSDP weights kept for backward: as shards (True) or whole (False)
     memory: float = 0.0              # bytes per device as the search measures the plan (ilp.solve)
