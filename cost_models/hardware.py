@@ -160,6 +160,22 @@ PRESETS = {
         inter_node_link=Link(bandwidth=5e9, latency=20e-6),
         devices_per_node=8,
     ),
+    # gloo on loopback, as autopar.calibrate measures it on 2 one-thread processes of a 2-core VM
+    # (docs/ARCHITECTURE.md section 7b), rounded: ~1 GB/s and ~0.5 ms a call, which a step pays per
+    # collective ("cpu" above prices a call at 20 us and under-predicts a gloo step by ~40%). gloo
+    # reduce-scatters by all-reducing the whole buffer: ~4x its all-reduce's time per byte in the
+    # model's convention (0.38 against 1.5 GB/s measured), so a tensor-parallel plan keeps Megatron's
+    # all-reduces instead of trading each for a reduce-scatter and an all-gather (~25% slower a step
+    # on gloo). Compute as "cpu". Not the default for a CPU mesh yet (docs/ARCHITECTURE.md section 10).
+    "cpu-gloo": Hardware(
+        name="cpu-gloo",   # "cpu..." : saved_tensors.kernel_family reads CPU kernels off the name
+        peak_flops={"float32": 1e11, "bfloat16": 1e11},
+        memory_bytes=16 * GiB,
+        memory_bandwidth=20e9,
+        intra_node_link=Link(bandwidth=1e9, latency=5e-4, kinds={"reduce_scatter": Link(0.25e9, 5e-4)}),
+        inter_node_link=Link(bandwidth=1e9, latency=5e-4, kinds={"reduce_scatter": Link(0.25e9, 5e-4)}),
+        devices_per_node=8,
+    ),
 }
 
 

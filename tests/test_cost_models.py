@@ -110,6 +110,12 @@ def test_presets_figures():
     assert a100.flops_per_second("float32") == 156e12 and a100.memory_bandwidth == 2.039e12
     cpu = cm.PRESETS["cpu"]
     assert cpu.intra_node_link == cpu.inter_node_link == Link(5e9, 20e-6)
+    gloo = cm.PRESETS["cpu-gloo"]
+    assert gloo.intra_node_link == gloo.inter_node_link == Link(1e9, 5e-4, {"reduce_scatter": Link(0.25e9, 5e-4)})
+    # gloo reduce-scatters by all-reducing the whole buffer: slower than its all-reduce, whose bytes are twice
+    nbytes = 8 * 2**20
+    assert cm.collective_time("reduce_scatter", nbytes, 2, gloo.intra_node_link) > \
+        cm.collective_time("all_reduce", nbytes, 2, gloo.intra_node_link)
     for hw in cm.PRESETS.values():
         assert hw.intra_node_link.bandwidth >= hw.inter_node_link.bandwidth
         hash(hw)  # frozen and hashable, so plans can key caches on it
@@ -121,7 +127,7 @@ def test_get_hardware():
     assert cm.get_hardware(None, default="a100") is cm.PRESETS["a100"]
     custom = Hardware("mine", {"float32": 1e12}, 2**30, 1e10, Link(1e9, 1e-6), Link(1e8, 1e-5))
     assert cm.get_hardware(custom) is custom
-    with pytest.raises(CostModelError, match="a100, cpu, h100, h200, tpu-v5p"):
+    with pytest.raises(CostModelError, match="a100, cpu, cpu-gloo, h100, h200, tpu-v5p"):
         cm.get_hardware("b200")
 
 

@@ -96,8 +96,8 @@ def _train_cases(rank, mesh_shape, axis_names, cases: dict, x, y, config=None):
 
 def _train(mesh, plan_kwargs, x, y, config=None, plan_json=None):
     plan = Plan.from_json(plan_json) if plan_json else None
-    pm = autopar.parallelize(_gpt(**(config or {})), mesh, (x,), hardware="cpu", plan=plan, record_comm=True,
-                             **plan_kwargs)
+    plan_kwargs = {"hardware": "cpu", **plan_kwargs}
+    pm = autopar.parallelize(_gpt(**(config or {})), mesh, (x,), plan=plan, record_comm=True, **plan_kwargs)
     (local_y,) = pm.plan.local_targets(y)
     out = _fit(pm, pm.plan.local_inputs(x), local_y)
     out["plan"] = pm.plan.to_json()
@@ -147,7 +147,11 @@ CASES = {
         "pp4, gpipe": dict(pipeline_axis="pp", microbatches=8, schedule="gpipe"),
         # 2 virtual stages per rank: 8 stages, so 8 layers (n_layer: the model's, not a planning option)
         "pp4, interleaved 1f1b": dict(pipeline_axis="pp", microbatches=8, schedule="interleaved-1f1b", n_layer=8),
-        "pp4, zero bubble": dict(pipeline_axis="pp", microbatches=8, schedule="zero-bubble")},
+        "pp4, zero bubble": dict(pipeline_axis="pp", microbatches=8, schedule="zero-bubble"),
+        # priced on gloo's links the cut moves so that a stage sends a contiguous view (a reshape's output), which
+        # the zero-bubble schedule detaches in place: the stage sends a copy (stages._own_storage)
+        "pp4, zero bubble, gloo links": dict(pipeline_axis="pp", microbatches=8, schedule="zero-bubble",
+                                             hardware="cpu-gloo")},
 }
 
 

@@ -177,8 +177,14 @@ class StageModule(torch.nn.Module):
         if self._is_last:
             return unflatten_outputs(pm._output_spec, flat)
         # torch makes the next stage's receive buffers with these tensors' strides, and gloo and NCCL send and
-        # receive only contiguous tensors: a view the graph made (attention's transposed output) is copied
-        return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in flat)
+        # receive only contiguous tensors: a view the graph made (attention's transposed output) is copied; so is
+        # a contiguous view (a reshape's output), which torch's zero-bubble schedules detach in place once its
+        # input gradients are made, and detach_ refuses views
+        return tuple(_own_storage(t) if isinstance(t, torch.Tensor) else t for t in flat)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format) if t._is_view() or not t.is_contiguous() else t
 
 
 SCHEDULE_CLASSES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B",
