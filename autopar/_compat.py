@@ -10,6 +10,7 @@ autopar may import those modules directly.
 - init_fake_process_group: a "fake" backend whose collectives do nothing, so
   a 1000-rank DeviceMesh can be built (and a plan traced) in one process.
 - storage_id: which traced (fake) tensors share a storage.
+- pipeline_stage: a PipelineStage whose shape inference gives integer inputs zeros.
 """
 
 import threading
@@ -130,3 +131,27 @@ def at_backward_end(callback) -> None:
     gradients are whole when `loss.backward()` returns; torch has no public API for it."""
     from torch.autograd import Variable
     Variable._execution_engine.queue_callback(callback)
+
+
+# -----------------------------------------------------------------------------
+# torch.distributed.pipelining
+
+def pipeline_stage(submodule, stage_index: int, num_stages: int, device, group):
+    """A torch PipelineStage whose shape inference feeds integer inputs zeros instead of uninitialised memory.
+
+    Before a schedule's first step, torch runs each stage once on tensors made from the previous stage's
+    shapes (`PipelineStage._to_tensor`: torch.empty). A stage that receives token ids or targets (a loss
+    computed inside forward, at the last stage) then indexes an embedding or a cross-entropy with garbage,
+    which raises IndexError on CPU (and can fault on a GPU); zeros are valid indices for both."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):
+        def _to_tensor(self, arg):
+            t = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor) and isinstance(t, torch.Tensor) and not (
+                    t.is_floating_point() or t.is_complex()):
+                with torch.no_grad():
+                    t.zero_()
+            return t
+
+    return _Stage(submodule, stage_index, num_stages, device, group=group)

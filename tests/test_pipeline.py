@@ -253,15 +253,15 @@ def _gpt_with_loss():
     return model, torch.randint(0, 1536, (8, 24), generator=g), torch.randint(0, 1536, (8, 24), generator=g)
 
 
-def _train_loss_inside(rank):
+def _train_loss_inside(rank, shape=(2, 2), names=("pp", "tp"), strategy="tp"):
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
     model, x, y = _gpt_with_loss()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     out = {}
     for name, (opt_cls, lr) in OPTIMIZERS.items():
-        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x, y), strategy="tp", pipeline_axis="pp",
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x, y), strategy=strategy, pipeline_axis="pp",
                                  microbatches=2, hardware="cpu")
         opt = autopar.ShardedOptimizer(pm, opt_cls, lr=lr)
         losses = []
@@ -278,12 +278,28 @@ def test_a_loss_inside_forward_trains_pipelined_with_the_vocabulary_split():
     """nanoGPT's forward(idx, targets) on pp2 x tp2: the last stage returns the model's own loss (a 0-dim
     tensor, which torch's merge of the microbatches' outputs cannot concatenate: the module does not merge
     them) and computes it on each tp rank's slice of the vocabulary; SGD and AdamW train like one device."""
-    import copy
-    model, x, y = _gpt_with_loss()
     results = run_gloo(4, _train_loss_inside)
     plan = Plan.from_json(results[0]["plan"])
     loss_op = next(n for n in plan.node_strategies if n.startswith("cross_entropy_loss_default"))
     assert plan.pipeline is not None and "S(1)" in plan.node_strategies[loss_op].inputs[0]
+    _check_loss_inside(results)
+
+
+def test_a_loss_inside_forward_trains_pipelined_with_whole_targets_crossing_the_stages():
+    """The same model on pp2 alone: the targets cross to the last stage as they are, and its cross-entropy
+    reads them whole. Before its first step torch runs each stage on tensors made from the previous one's
+    shapes, uninitialised: targets made so were out of range and the cross-entropy raised IndexError
+    (_compat.pipeline_stage gives integer ones zeros)."""
+    results = run_gloo(2, _train_loss_inside, (2,), ("pp",), "ddp")
+    plan = Plan.from_json(results[0]["plan"])
+    loss_op = next(n for n in plan.node_strategies if n.startswith("cross_entropy_loss_default"))
+    assert plan.pipeline is not None and plan.node_strategies[loss_op].inputs[1] == ("R",)
+    _check_loss_inside(results)
+
+
+def _check_loss_inside(results):
+    import copy
+    model, x, y = _gpt_with_loss()
     for name, (opt_cls, lr) in OPTIMIZERS.items():
         ref = copy.deepcopy(model)
         opt = opt_cls(ref.parameters(), lr=lr)

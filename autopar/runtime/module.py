@@ -231,15 +231,15 @@ class ParallelModule(torch.nn.Module):
 
     def _pipeline_step(self, local_inputs, loss_fn, targets):
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage
 
+        from .._compat import pipeline_stage
         from .stages import make_schedule
         self._graph_for_mode()   # raises if this mode's graph is not the one the stages were cut from
         pipe = self.plan.pipeline
         group = self.device_mesh.get_group(pipe.axis)
         if self._pipeline_stages is None:
             device = mesh_device(self.device_mesh)
-            self._pipeline_stages = [PipelineStage(m, s, pipe.num_stages, device, group=group)
+            self._pipeline_stages = [pipeline_stage(m, s, pipe.num_stages, device, group)
                                      for s, m in zip(self._stage_indices, self._stage_modules)]
         has_targets = targets is not None   # decided before the placeholder targets below replace None
         key = (loss_fn, has_targets)
