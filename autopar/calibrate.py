@@ -330,7 +330,7 @@ def _node_links(axes, links: dict, per_node: int, device_type: str):
     for name, _, n in reversed(axes):
         span *= n
         (inside if span <= per_node else beyond).append(links[name])
-    preset = cm.get_hardware(None, default="cpu" if device_type == "cpu" else "h100")
+    preset = cm.get_hardware(None, default="cpu-gloo" if device_type == "cpu" else "h100")
     intra = inside[0] if inside else beyond[-1] if beyond else preset.intra_node_link
     inter = beyond[-1] if beyond else inside[-1] if inside else preset.inter_node_link
     return intra, inter

@@ -51,7 +51,7 @@ def _hardware(hardware, mesh):
     axis name."""
     default = "h100"
     if hasattr(mesh, "device_type") and mesh.device_type == "cpu":
-        default = "cpu"
+        default = "cpu-gloo"   # a CPU mesh runs gloo (cost_models.hardware: its measured links)
     try:
         return resolve_hardware(hardware, default=default)
     except cm.CostModelError as e:

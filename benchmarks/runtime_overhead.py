@@ -346,7 +346,7 @@ def count_collectives(side: Side) -> dict:
 def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
     """(autopar Side or None, autopar info, native Side); autopar's exception goes into the info."""
     info = {}
-    hardware = args.hardware if args.hardware is not None else ("cpu" if args.device == "cpu" else "h100")
+    hardware = args.hardware if args.hardware is not None else ("cpu-gloo" if args.device == "cpu" else "h100")
     if args.calibrate:   # on these ranks, with their threads, before either side runs
         PHASE[0] = "calibrating"
         hardware = autopar.calibrate(mesh)

@@ -324,7 +324,7 @@ class BucketedUse(torch.nn.Module):
         self.buckets: GradBuckets | None = None   # set by the ParallelModule that owns the buckets
 
     def forward(self, param: torch.Tensor, name: str) -> torch.Tensor:
-        if self.buckets is None or torch.compiler.is_compiling():
+        if self.buckets is None or torch.compiler.is_dynamo_compiling():
             return param
         return self.buckets.use(name, param)
 
