@@ -425,3 +425,21 @@ def test_buckets_launch_while_backward_computes_where_nothing_else_communicates(
             assert len(rest) > total / 2, f"the first bucket launched with {len(rest)} of {total} nodes to run"
         else:
             assert not rest, f"a tp-axis bucket launched with {len(rest)} nodes of backward still to run"
+
+
+def test_another_threads_export_does_not_route_a_weight_through_the_buckets_twice(monkeypatch):
+    """torch.compiler.is_compiling() is true in every thread while one exports (threaded ranks: one rank
+    captures while another trains). The module asked it twice a forward -- routing the weights through the
+    buckets before the graph when compiled, at their first use otherwise -- so a flip between the two asks
+    routed them twice, and .grad went to a non-leaf: a gradient silently lost. It asks whether dynamo traces
+    this code instead; here is_compiling() says True at the first ask of each forward and False after."""
+    model, x, y = _gpt()
+    grads, params = _reference(model, x, y)
+    calls = {"n": 0}
+
+    def flipping():
+        calls["n"] += 1
+        return calls["n"] % 40 == 1
+    monkeypatch.setattr(torch.compiler, "is_compiling", flipping)
+    res = run_threaded(2, _parallel, model, x, y, (2,), ("dp",), "ddp", 1, 25 * 2**20, False)
+    _check(res, grads, params)
