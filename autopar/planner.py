@@ -174,8 +174,8 @@ def _check_bucket_bytes(bucket_bytes) -> int:
 def check_reshard(strategy: str, reshard_after_forward) -> bool | None:
     """Problem.reshard_after_forward for a request: as asked ("auto": the search's choice), or by default True
     for a named strategy (whoever names FSDP asks for its memory) and the search's choice under "auto"."""
-    if reshard_after_forward not in (None, True, False, "auto") or isinstance(reshard_after_forward, int) \
-            and not isinstance(reshard_after_forward, bool):
+    if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)
+            or isinstance(reshard_after_forward, str) and reshard_after_forward == "auto"):
         raise PlanError(f"reshard_after_forward must be True, False, 'auto' (the faster that fits memory_limit) or "
                         f"None (True for a named strategy, 'auto' under strategy='auto'), got {reshard_after_forward!r}")
     if reshard_after_forward is None:
