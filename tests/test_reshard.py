@@ -124,3 +124,45 @@ def test_reshard_after_forward_rejects_what_it_cannot_do():
     with pytest.raises(PipelineError, match="reshard_after_forward=False with a pipeline"):
         autopar.plan(model, (x,), {"a": 2}, strategy="fsdp", reshard_after_forward=False, pipeline_axis="a",
                      microbatches=2)
+
+
+def _train_with_labels(rank, model, x, labels):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("a",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x, labels), strategy="fsdp", reshard_after_forward=False)
+    opt = autopar.ShardedOptimizer(pm, torch.optim.SGD, lr=0.5)
+    local = pm.plan.local_inputs(x, labels)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = pm(*local).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in pm.state_dict(full=True).items()}, pm.plan.collectives
+
+
+def test_hf_llama_with_labels_trains_as_one_device_with_its_weights_kept_whole():
+    """Hugging Face Llama called as its authors train it, model(input_ids=..., labels=...) with the loss
+    inside forward and ignored labels, under SGD (which a wrong gradient scale would show)."""
+    from autopar.testing import WithLabels, tiny_llama
+    torch.manual_seed(0)
+    model = WithLabels(tiny_llama().model)
+    x = torch.randint(0, 64, (4, 16))
+    labels = x.clone()
+    labels[1, :13] = -100
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    want = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = ref(x, labels).loss
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for losses, params, collectives in run_threaded(2, _train_with_labels, model, x, labels):
+        assert losses == pytest.approx(want, abs=ATOL)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), atol=ATOL, rtol=0, msg=name)
+        gathers = [c.phase for c in collectives if c.kind == "all_gather"]
+        assert "forward" in gathers and "backward" not in gathers

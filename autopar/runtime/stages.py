@@ -184,7 +184,7 @@ class StageModule(torch.nn.Module):
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    return t.clone(memory_format=torch.contiguous_format) if t._is_view() or not t.is_contiguous() else t
+    return t.clone(memory_format=torch.contiguous_format) if t._base is not None or not t.is_contiguous() else t
 
 
 SCHEDULE_CLASSES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B",

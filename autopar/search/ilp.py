@@ -196,12 +196,12 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
                 continue
             c += sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig)
                      for sig, member, _, m in alike if m)
-            saving = sum(regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
+            memory = sum(regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
                                          prob.grad_nodes) for m in keepers if m.consumer not in rerun)
             if not reshards(prob):   # weights gathered whole for backward stay whole from forward on
-                saving += sum(kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst, prob.grad_nodes,
+                memory += sum(kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst, prob.grad_nodes,
                                                 prob.mesh) for m in edges if m.consumer not in rerun)
-            y = ilp.var(c * TIME_SCALE, float(saving) * MEM_SCALE, integer=False)
+            y = ilp.var(c * TIME_SCALE, float(memory) * MEM_SCALE, integer=False)
             by_src[src_key][y] = by_dst[k][y] = 1.0
             gb = float(gathered_weight_bytes(cap, e.producer, p, dst, prob.mesh))
             if gb:
@@ -330,9 +330,9 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     limit the best kind is solved once more with each memory-saving choice (every kind, if none fit):
     both only buy memory with time."""
     limited = minimize_memory or memory_limit is not None
-    decide = [(field, saving) for field, saving in (("regather_activations", True), ("reshard_after_forward", True))
-              if getattr(prob, field) is None]
-    base = replace(prob, **{field: not saving for field, saving in decide})
+    # the undecided choices; True is the memory-saving side of each
+    decide = [field for field in ("regather_activations", "reshard_after_forward") if getattr(prob, field) is None]
+    base = replace(prob, **{field: False for field in decide})
     if checkpointing != "auto":
         kinds = [checkpointing]
     else:
@@ -348,7 +348,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     if decide and limited:
         again = [next(iter(best.checkpointed.values()), NONE)] if best.choice else kinds
         # each memory-saving choice alone, then all of them
-        variants = [{field: saving} for field, saving in decide] + ([dict(decide)] if len(decide) > 1 else [])
+        variants = [{field: True} for field in decide] + ([{field: True for field in decide}] if len(decide) > 1 else [])
         for variant in variants:
             sols += [_solve(replace(base, **variant), roles, memory_limit, time_limit, minimize_memory, gap, kind)
                      for kind in again]
