@@ -52,13 +52,13 @@ both sides: the gloo work items ("gloo:*" profiler events) one step launches, by
 op that launched each (gloo itself runs a reduce-scatter as an all-reduce of the whole buffer: twice
 a ring reduce-scatter's bytes).
 "predicted ms" is the plan's `predicted.step_time` on the hardware it was planned for (printed
-below the table; the planner's default for a CPU mesh is the "cpu" preset, rough figures for
-loopback gloo; `--calibrate` measures the ranks first with autopar.calibrate and plans with that),
+below the table; the planner's default for a CPU mesh is the "cpu-gloo" preset, gloo's loopback
+links as autopar.calibrate measured them on a 2-core VM; `--calibrate` measures the ranks first with autopar.calibrate and plans with that),
 "prediction error" that against autopar's measured step.
 "MFU" is model FLOPs utilization: the GPT's model FLOPs per step (6 per matmul weight per token for
 forward and backward, plus attention's 12 * layers * n_embd * seq per token, PaLM's convention,
 causal masking not subtracted; gpt_flops_per_step) over the step's time, the ranks and the peak FLOP/s
-of the hardware the plan was priced on at the compute dtype. On CPU ranks that peak is the "cpu"
+of the hardware the plan was priced on at the compute dtype. On CPU ranks that peak is the "cpu-gloo"
 preset's rough figure (or the calibrated one), so MFU there compares the two sides, nothing more.
 
 bf16-mixed on the native side is what each PyTorch tool offers for it: DDP and DTensor TP run forward
@@ -310,7 +310,9 @@ class Side:
         self.sync()
         self.times.append(time.perf_counter() - t0)
         self.faults.append(_minor_faults() - f0)
-        self.losses.append(loss)
+        # a float, not the tensor: a 0-d tensor kept from every step pins a small block among the freed
+        # activations, and the heap, fragmented, grows and takes page faults on either side by chance
+        self.losses.append(loss_value(loss))
 
 
 def _minor_faults() -> int:
@@ -399,7 +401,7 @@ def measure(rank: int, args, strategy: str) -> dict:
         PHASE[0] = f"{name} warm-up"
         for _ in range(WARMUP):
             side.timed_step()
-    first = {name: loss_value(s.losses[0]) for name, s in sides.items()}
+    first = {name: s.losses[0] for name, s in sides.items()}
     collectives = {}
     for name, side in sides.items():
         PHASE[0] = f"{name} step under the profiler"
@@ -415,7 +417,7 @@ def measure(rank: int, args, strategy: str) -> dict:
     PHASE[0] = "done"
     return {"times": {n: s.times for n, s in sides.items()}, "faults": {n: s.faults for n, s in sides.items()},
             "first_loss": first,
-            "last_loss": {n: loss_value(s.losses[-1]) for n, s in sides.items()},
+            "last_loss": {n: s.losses[-1] for n, s in sides.items()},
             "collectives": collectives, "reference": reference, "autopar": info, "flops": gpt_flops_per_step(args),
             "precision": args.precision}
 
@@ -663,7 +665,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--hardware", default=None,
                    help=f"cost-model preset ({', '.join(sorted(cm.PRESETS))}) or a JSON hardware spec, as "
-                        "autopar.calibrate(mesh, path) writes; default: the planner's (cpu for a CPU mesh)")
+                        "autopar.calibrate(mesh, path) writes; default: the planner's (cpu-gloo for a CPU mesh)")
     p.add_argument("--calibrate", action="store_true",
                    help="plan with autopar.calibrate(mesh), run on each strategy's ranks before they are timed "
                         "(adds ~10 s per mesh axis)")

@@ -140,7 +140,7 @@ class ParallelModule(torch.nn.Module):
             placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
             names = {ph: fqn for ph, (kind, fqn) in zip(placeholders, self._placeholder_sources)
                      if kind == PARAM and fqn in routed}
-            route_through_buckets(graph_module, names).buckets = buckets
+            route_through_buckets(graph_module, names, buckets)
         return routed
 
     def no_sync(self):
@@ -308,17 +308,20 @@ class ParallelModule(torch.nn.Module):
         params = dict(self.store.named_parameters())
         buffers = dict(self.store.named_buffers())
         it = iter(local_inputs)
-        args = []
+        args, here = [], []   # here: (position, name) of the weights routed before the graph
         for kind, fqn in self._placeholder_sources:
             if kind == PARAM:
-                routed = fqn in self._routed and not through_buckets   # the graph routes it at its first use
-                args.append(params[fqn] if routed else self._grad_buckets.use(fqn, params[fqn]))
+                if fqn not in self._routed or through_buckets:   # else the graph routes it at its first use
+                    here.append((len(args), fqn))
+                args.append(params[fqn])
             elif kind == BUFFER:
                 args.append(buffers[fqn])
             elif kind == CONSTANT:
                 args.append(self._constants[fqn])
             else:
                 args.append(next(it))
+        for (k, _), view in zip(here, self._grad_buckets.use([n for _, n in here], [args[k] for k, _ in here])):
+            args[k] = view
         return graph_module, gathered, args
 
     def _graph_for_mode(self):
