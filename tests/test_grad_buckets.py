@@ -201,7 +201,14 @@ def _two_heads(rank, model, x):
         opt.zero_grad()
         pm(xl)[0].square().mean().backward()
         opt.step()
-    return pm.state_dict(full=True), pm._grad_buckets.num_buckets()
+    return pm.state_dict(full=True), pm._grad_buckets.num_buckets(), _route_groups(pm)
+
+
+def _route_groups(pm) -> list:
+    """The weights' names each BucketedUse of the training graph routes, in graph order."""
+    slots = pm._grad_buckets.slots
+    return [[slots[i].name for i in node.args[0]] for node in pm.graph_module.graph.nodes
+            if node.op == "call_module" and node.target == "bucketed_use"]
 
 
 def test_a_weight_whose_gradient_never_arrives_adds_nothing_to_its_bucket():
@@ -213,8 +220,10 @@ def test_a_weight_whose_gradient_never_arrives_adds_nothing_to_its_bucket():
         opt.zero_grad()
         ref(x)[0].square().mean().backward()
         opt.step()
-    for params, num_buckets in run_threaded(2, _two_heads, model, x):
+    for params, num_buckets, groups in run_threaded(2, _two_heads, model, x):
         assert num_buckets == 1   # head b shares the bucket of the weights whose gradients come
+        # and its autograd node: the node gets None for b's gradients beside a's
+        assert any("b.weight" in g and "a.weight" in g for g in groups), groups
         for n, p in ref.named_parameters():
             torch.testing.assert_close(params[n], p.detach(), atol=ATOL, rtol=0, msg=lambda m: f"{n}: {m}")
 
@@ -443,3 +452,42 @@ def test_another_threads_export_does_not_route_a_weight_through_the_buckets_twic
     monkeypatch.setattr(torch.compiler, "is_compiling", flipping)
     res = run_threaded(2, _parallel, model, x, y, (2,), ("dp",), "ddp", 1, 25 * 2**20, False)
     _check(res, grads, params)
+
+
+def _routing(rank, model, x, y, group_bytes):
+    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.runtime import grad_buckets
+    grad_buckets.ROUTE_GROUP_BYTES = group_bytes   # read when the module is built; threads share it
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="ddp", bucket_bytes=8192)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    (xi,), (yi,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+    gpt_loss(pm(xi), yi).backward()
+    grads = pm.full_grads()
+    opt.step()
+    b = pm._grad_buckets
+    sizes = {s.name: (s.param.numel() * s.param.element_size(), s.bucket) for s in b.slots}
+    return {"grads": grads, "params": pm.state_dict(full=True), "groups": _route_groups(pm), "sizes": sizes}
+
+
+@pytest.mark.parametrize("group_bytes", [0, 2048, 2**20])
+def test_weights_go_through_the_buckets_in_groups_of_one_bucket_up_to_the_group_size(monkeypatch, group_bytes):
+    """One autograd node routes a group of weights (grad_buckets.ROUTE_GROUP_BYTES): consecutive in the order
+    of first use, of one bucket, no more bytes than the group size unless a weight alone is larger. Every
+    bucketed weight goes through exactly one, and training matches one device whatever the grouping."""
+    from autopar.runtime import grad_buckets
+    monkeypatch.setattr(grad_buckets, "ROUTE_GROUP_BYTES", grad_buckets.ROUTE_GROUP_BYTES)   # restored after
+    model, x, y = _gpt()
+    grads, params = _reference(model, x, y)
+    res = run_threaded(2, _routing, model, x, y, group_bytes)
+    _check(res, grads, params)
+    for r in res:
+        groups, sizes = r["groups"], r["sizes"]
+        assert sorted(n for g in groups for n in g) == sorted(sizes)   # each bucketed weight once
+        for g in groups:
+            assert len({sizes[n][1] for n in g}) == 1, f"{g} straddles buckets"
+            assert len(g) == 1 or sum(sizes[n][0] for n in g) <= group_bytes, g
+        if group_bytes == 0:
+            assert all(len(g) == 1 for g in groups)
+        else:   # the case is made: some group holds several weights (a matrix with its bias at least)
+            assert max(len(g) for g in groups) > 1 and len(groups) < len(sizes)
