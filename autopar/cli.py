@@ -80,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--precision", default="bf16-mixed",
                        help="bf16-mixed (default: what large models train with) or fp32")
         s.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd or sgd-momentum")
+        s.add_argument("--bucket-mb", type=float, default=None, metavar="MIB",
+                       help="gradient bucket size in MiB (default: DDP's 25): the data-parallel all-reduces a "
+                            "step, and the bytes each holds, which the plan's communication and memory count")
+        s.add_argument("--reshard-after-forward", default=None, choices=("true", "false", "auto"),
+                       help="FSDP weights: true gathers each again in backward, false keeps it whole from "
+                            "forward to backward (one all-gather fewer a layer, its bytes more), auto lets the "
+                            "search pick (default: true for a named strategy, auto under --strategy auto)")
         if name == "plan":
             s.add_argument("--strategy", default="auto", choices=STRATEGIES, help="default: auto")
             s.add_argument("--pipeline", default=None, metavar="AXIS|auto",
@@ -148,8 +155,15 @@ def _inputs(config, args) -> tuple:
 
 
 def _options(args) -> dict:
-    return {"hardware": args.hardware, "memory_limit": args.memory, "optimizer": args.optimizer,
-            "precision": None if args.precision in ("fp32", "float32", "none") else args.precision}
+    options = {"hardware": args.hardware, "memory_limit": args.memory, "optimizer": args.optimizer,
+               "precision": None if args.precision in ("fp32", "float32", "none") else args.precision}
+    if args.bucket_mb is not None:
+        if not args.bucket_mb > 0:
+            raise CliError(f"--bucket-mb {args.bucket_mb}: must be a positive number of MiB")
+        options["bucket_bytes"] = max(1, int(args.bucket_mb * 2**20))
+    if args.reshard_after_forward is not None:
+        options["reshard_after_forward"] = {"true": True, "false": False, "auto": "auto"}[args.reshard_after_forward]
+    return options
 
 
 def _progress(message: str, start: float) -> None:

@@ -74,3 +74,20 @@ def test_bad_input_says_what(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:   # argparse: usage and exit status 2
         main(["plan", str(LLAMA_8B), "--mesh", "dp"])
     assert e.value.code == 2
+
+
+def test_bucket_size_and_reshard_choice_reach_the_plan(tmp_path, capsys):
+    """--bucket-mb and --reshard-after-forward are autopar.plan's bucket_bytes and reshard_after_forward:
+    the saved plan holds what was asked, or the defaults; a size that is not positive is refused."""
+    model = _small_llama_dir(tmp_path)
+    plans = {}
+    for name, extra in (("default", []), ("small", ["--bucket-mb", "0.01", "--reshard-after-forward", "false"])):
+        path = tmp_path / f"{name}.json"
+        assert main(["plan", str(model), "--mesh", "dp=2", "--strategy", "fsdp", "--batch", "4", "--seq", "32",
+                     "--hardware", "cpu", "--json", str(path), *extra]) == 0
+        plans[name] = autopar.Plan.from_json(path.read_text())
+    capsys.readouterr()
+    assert plans["default"].bucket_bytes == 25 * 2**20 and plans["default"].reshard_after_forward is True
+    assert plans["small"].bucket_bytes == int(0.01 * 2**20) and plans["small"].reshard_after_forward is False
+    assert main(["plan", str(model), "--mesh", "dp=2", "--bucket-mb", "0"]) == 2
+    assert "--bucket-mb 0.0: must be a positive number of MiB" in capsys.readouterr().err
