@@ -491,3 +491,37 @@ def test_weights_go_through_the_buckets_in_groups_of_one_bucket_up_to_the_group_
             assert all(len(g) == 1 for g in groups)
         else:   # the case is made: some group holds several weights (a matrix with its bias at least)
             assert max(len(g) for g in groups) > 1 and len(groups) < len(sizes)
+
+
+def _frozen_first(rank, model, x):
+    """ddp on 2 ranks, the first weight of the bucketed group frozen after parallelize: 3 SGD steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="ddp")
+    groups = _route_groups(pm)
+    dict(pm.named_parameters())[groups[0][0]].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=LR)
+    (xl,) = pm.plan.local_inputs(x)
+    for _ in range(3):
+        opt.zero_grad()
+        pm(xl)[0].square().mean().backward()
+        opt.step()
+    return pm.state_dict(full=True), groups
+
+
+def test_a_weight_frozen_after_parallelize_leaves_the_rest_of_its_group_reduced():
+    """A weight frozen after parallelize gets no gradient, so its group's node is applied to the others
+    alone: their gradients are still reduced (else each rank would step on its own shard's gradient)."""
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(8, 8)
+    ref = copy.deepcopy(model)
+    ref.body.weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    for _ in range(3):
+        opt.zero_grad()
+        ref(x)[0].square().mean().backward()
+        opt.step()
+    for params, groups in run_threaded(2, _frozen_first, model, x):
+        assert groups[0][0] == "body.weight" and len(groups[0]) > 1, groups   # the case is made
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), atol=ATOL, rtol=0, msg=lambda m: f"{n}: {m}")

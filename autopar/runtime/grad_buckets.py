@@ -123,27 +123,33 @@ class GradBuckets:
     def use(self, names: list, params: list) -> list:
         """The weights as forward reads them: those whose gradient is bucketed routed through one
         DeferredReduce, the others as they are."""
+        ks = [k for k, name in enumerate(names) if name in self._slot_of]
         out = list(params)
-        slots, routed = [], []
-        for k, (name, param) in enumerate(zip(names, params)):
-            i = self._slot_of.get(name)
-            if i is not None and param.requires_grad:
-                slots.append(i)
-                routed.append(k)
-        if routed and torch.is_grad_enabled():
-            for k, view in zip(routed, self.use_slots(tuple(slots), [params[k] for k in routed])):
-                out[k] = view
+        for k, view in zip(ks, self.use_slots(tuple(self._slot_of[names[k]] for k in ks), [params[k] for k in ks])):
+            out[k] = view
         return out
 
     def use_slots(self, slots: tuple, params) -> tuple:
-        """`params`, the weights of `slots` (indices into self.slots), through one DeferredReduce."""
-        for i, param in zip(slots, params):
-            slot = self.slots[i]
+        """`params`, the weights of `slots` (indices into self.slots), as forward reads them: through one
+        DeferredReduce, but for a weight that takes no gradient now (frozen after parallelize, or grad
+        disabled), which autograd would not hand to the node."""
+        if not torch.is_grad_enabled():
+            return tuple(params)
+        ks = [k for k, p in enumerate(params) if p.requires_grad]
+        if not ks:
+            return tuple(params)
+        for k in ks:
+            slot = self.slots[slots[k]]
             # the parameter forward reads now: to_empty (a meta-built model) replaces the ones made at construction
-            slot.param = param
+            slot.param = params[k]
             slot.outstanding += 1
             self.buckets[slot.bucket].outstanding += 1
-        return DeferredReduce.apply(self, slots, *params)
+        if len(ks) == len(params):
+            return DeferredReduce.apply(self, tuple(slots), *params)
+        out = list(params)
+        for k, view in zip(ks, DeferredReduce.apply(self, tuple(slots[k] for k in ks), *(params[k] for k in ks))):
+            out[k] = view
+        return tuple(out)
 
     def slot(self, name: str) -> int | None:
         """The index of the weight's slot, None for a weight these buckets do not reduce."""
@@ -354,8 +360,7 @@ class BucketedUse(torch.nn.Module):
         self.buckets: GradBuckets | None = None   # set by the ParallelModule that owns the buckets
 
     def forward(self, slots: tuple, *params: torch.Tensor) -> tuple:
-        if (self.buckets is None or torch.compiler.is_dynamo_compiling() or not torch.is_grad_enabled()
-                or not params[0].requires_grad):
+        if self.buckets is None or torch.compiler.is_dynamo_compiling():
             return params
         return self.buckets.use_slots(slots, params)
 
