@@ -53,7 +53,8 @@ op that launched each (gloo itself runs a reduce-scatter as an all-reduce of the
 a ring reduce-scatter's bytes).
 "predicted ms" is the plan's `predicted.step_time` on the hardware it was planned for (printed
 below the table; the planner's default for a CPU mesh is the "cpu-gloo" preset, gloo's loopback
-links as autopar.calibrate measured them on a 2-core VM; `--calibrate` measures the ranks first with autopar.calibrate and plans with that),
+links as autopar.calibrate measured them on a 2-core VM; `--calibrate` measures the ranks first with
+autopar.calibrate and plans with that),
 "prediction error" that against autopar's measured step.
 "MFU" is model FLOPs utilization: the GPT's model FLOPs per step (6 per matmul weight per token for
 forward and backward, plus attention's 12 * layers * n_embd * seq per token, PaLM's convention,

@@ -144,8 +144,6 @@ class GradBuckets:
             slot.param = params[k]
             slot.outstanding += 1
             self.buckets[slot.bucket].outstanding += 1
-        if len(ks) == len(params):
-            return DeferredReduce.apply(self, tuple(slots), *params)
         out = list(params)
         for k, view in zip(ks, DeferredReduce.apply(self, tuple(slots[k] for k in ks), *(params[k] for k in ks))):
             out[k] = view

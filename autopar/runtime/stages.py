@@ -168,12 +168,7 @@ class StageModule(torch.nn.Module):
         table = pm._weight_table()
         inputs = [_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in inputs]
         # a weight read through the gradient buckets (grad_buckets.py) when its data-axis reduction is theirs
-        weights = [table[w] for w in self._weights]
-        params = [k for k, w in enumerate(self._weights) if w[0] == PARAM]
-        for k, view in zip(params, pm._grad_buckets.use([self._weights[k][1] for k in params],
-                                                        [weights[k] for k in params])):
-            weights[k] = view
-        args = inputs + weights
+        args = inputs + pm._grad_buckets.use([w[1] for w in self._weights], [table[w] for w in self._weights])
         try:
             with pm._gathered.hooks():
                 flat = self.graph_module(*args)
