@@ -58,6 +58,19 @@ def wake_threaded_ranks(exc: BaseException) -> None:
     _multi_threaded_pg().ProcessLocalGroup.exception_handle(exc)
 
 
+def destroy_threaded_group() -> None:
+    """Leave the threaded pg in a rank thread (dist.destroy_process_group).
+
+    On torch before 2.13 that call reads `comms` from the threaded pg's world, which that world lacks
+    (seen on 2.11: AttributeError in every rank thread at the end of a run). The rank's groups then
+    stay in its thread-local world, which uninstall_threaded_pg drops with the rest."""
+    try:
+        dist.destroy_process_group()
+    except AttributeError as e:
+        if "comms" not in str(e):
+            raise
+
+
 def current_world():
     """torch.distributed's module-level state (its "world"), which the threaded pg swaps for its own."""
     return dist.distributed_c10d._world

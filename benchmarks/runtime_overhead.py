@@ -117,9 +117,15 @@ KINDS = (("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"), ("all
          ("send", "send"), ("recv", "recv"))
 
 
-def world_size(strategy: str) -> int:
+def mesh_shape(strategy: str, dp: int | None = None) -> tuple:
+    """The strategy's mesh shape, its "dp" axis resized to `dp` where given (--dp)."""
+    shape, names = STRATEGIES[strategy]
+    return tuple(dp if dp is not None and name == "dp" else size for size, name in zip(shape, names))
+
+
+def world_size(strategy: str, dp: int | None = None) -> int:
     n = 1
-    for size in STRATEGIES[strategy][0]:
+    for size in mesh_shape(strategy, dp):
         n *= size
     return n
 
@@ -292,8 +298,10 @@ class Side:
         # a GPU runs the step's kernels after step() returns: wait for them before reading the clock
         self.sync = torch.cuda.synchronize if inputs[0].is_cuda else (lambda: None)
         self.times, self.losses, self.faults = [], [], []
+        self.num_steps = 0   # all steps, the untimed ones under the profiler too
 
     def step(self) -> torch.Tensor:
+        self.num_steps += 1
         self.opt.zero_grad(set_to_none=True)
         with self.loss_context():
             loss = gpt_loss(self.module(*self.inputs), self.targets)
@@ -344,6 +352,60 @@ def count_collectives(side: Side) -> dict:
     return {**counts, "total": total}
 
 
+def _union(intervals: list) -> list:
+    """Sorted, merged (start, end) intervals."""
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def _intersection_length(xs: list, ys: list) -> float:
+    """Total length of the overlap of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        total += max(0.0, min(xs[i][1], ys[j][1]) - max(xs[i][0], ys[j][0]))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def stream_overlap(side: Side) -> dict:
+    """On a GPU: how much of one step's communication ran beside its compute, read off a profiler trace.
+
+    The compute stream is the one with the most kernel time; every other stream's work (NCCL's
+    kernels and copies: neither side uses a stream of its own) is communication. Returns the ms of
+    GPU time the communication streams were busy, the ms of it while the compute stream ran a
+    kernel too, and the compute stream's busy ms."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        side.step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    by_stream = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in e.get("args", {}):
+            by_stream[e["args"]["stream"]].append((e["ts"], e["ts"] + e.get("dur", 0)))
+    if not by_stream:
+        return {}
+    busy = {s: _union(iv) for s, iv in by_stream.items()}
+    compute = max(busy, key=lambda s: sum(b - a for a, b in busy[s]))
+    comm = _union([iv for s, ivs in busy.items() if s != compute for iv in ivs])
+    return {"comm_ms": sum(b - a for a, b in comm) / 1e3,
+            "overlapped_ms": _intersection_length(comm, busy[compute]) / 1e3,
+            "compute_ms": sum(b - a for a, b in busy[compute]) / 1e3, "streams": len(busy)}
+
+
 # ----------------------------------------------------------------------------- one rank
 
 def build_sides(args, strategy, mesh, model, idx, targets) -> tuple:
@@ -387,7 +449,7 @@ PHASE = ["starting"]   # what this rank is doing, for the error report of a rank
 def measure(rank: int, args, strategy: str) -> dict:
     """Everything one rank measures for one strategy (see the module docstring for the protocol)."""
     from torch.distributed.device_mesh import init_device_mesh
-    shape, names = STRATEGIES[strategy]
+    shape, names = mesh_shape(strategy, args.dp), STRATEGIES[strategy][1]
     mesh = init_device_mesh(args.device, shape, mesh_dim_names=names)
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     model, (idx, targets) = build_model(args, device), make_batch(args, device)
@@ -403,10 +465,15 @@ def measure(rank: int, args, strategy: str) -> dict:
         for _ in range(WARMUP):
             side.timed_step()
     first = {name: s.losses[0] for name, s in sides.items()}
-    collectives = {}
+    collectives, overlap = {}, {}
     for name, side in sides.items():
         PHASE[0] = f"{name} step under the profiler"
         collectives[name] = count_collectives(side)
+        if args.device == "cuda":
+            try:
+                overlap[name] = stream_overlap(side)
+            except Exception as e:   # a trace this code cannot read costs its line in the report, not the run
+                overlap[name] = {"error": f"{type(e).__name__}: {e}"}
         side.times.clear()
         side.faults.clear()
     for r in range(args.rounds):
@@ -419,7 +486,8 @@ def measure(rank: int, args, strategy: str) -> dict:
     return {"times": {n: s.times for n, s in sides.items()}, "faults": {n: s.faults for n, s in sides.items()},
             "first_loss": first,
             "last_loss": {n: s.losses[-1] for n, s in sides.items()},
-            "collectives": collectives, "reference": reference, "autopar": info, "flops": gpt_flops_per_step(args),
+            "num_steps": {n: s.num_steps for n, s in sides.items()},
+            "collectives": collectives, "overlap": overlap, "reference": reference, "autopar": info, "flops": gpt_flops_per_step(args),
             "precision": args.precision}
 
 
@@ -454,7 +522,7 @@ def run_rank(rank: int, world: int, port: int, args, strategy: str, result_dir: 
 def spawn(strategy: str, args) -> list:
     """Run measure() on the strategy's ranks; their results in rank order, or RuntimeError naming a failure."""
     from autopar.testing.harness import free_port
-    world = world_size(strategy)
+    world = world_size(strategy, args.dp)
     with tempfile.TemporaryDirectory(prefix="runtime_overhead_") as result_dir:
         # children read OMP_NUM_THREADS when they import torch, before run_rank runs
         saved = os.environ.get("OMP_NUM_THREADS")
@@ -539,7 +607,7 @@ def summarize(strategy: str, results: list, steps: int) -> dict:
     row = {"strategy": strategy, "ranks": world, "native_ms": native_ms, "native_iqr": native_iqr,
            "precision": r0["precision"],
            "native_coll": r0["collectives"]["native"], "info": info, "first": first, "last": last,
-           "reference": r0["reference"],
+           "reference": r0["reference"], "num_steps": r0["num_steps"]["native"], "overlap": r0["overlap"],
            "faults": {side: [max(f) for f in zip(*(r["faults"][side] for r in results))] for side in r0["faults"]}}
     diffs = [rel(first["native"], r0["reference"])]
     if "autopar" in first:
@@ -601,7 +669,8 @@ def print_details(rows: list, args):
     print()
     hardware = {row["info"]["hardware"] for row in rows if "hardware" in row.get("info", {})}
     how = ("autopar.calibrate(mesh) on the same ranks before the sides ran (--calibrate)" if args.calibrate else
-           "given by --hardware" if args.hardware is not None else "the planner's default for a CPU mesh")
+           "given by --hardware" if args.hardware is not None else
+           "the planner's default for a CPU mesh" if args.device == "cpu" else "this benchmark's default on GPUs")
     print(f"predicted ms: plan.predicted.step_time for hardware {', '.join(sorted(hardware)) or '-'} ({how}); "
           "prediction error: predicted / autopar ms - 1")
     peaks = {row["info"]["peak_flops"] for row in rows if "peak_flops" in row.get("info", {})}
@@ -630,8 +699,15 @@ def print_details(rows: list, args):
               f"communication {info['predicted_exposed'] * 1e3:.1f}")
         print(f"{row['strategy']}: loss step 1 autopar {row['first']['autopar']:.6f} native "
               f"{row['first']['native']:.6f} one device {row['reference']:.6f}; after "
-              f"{WARMUP + 1 + args.rounds * args.steps} steps autopar {row['last']['autopar']:.6f} "
+              f"{row['num_steps']} steps autopar {row['last']['autopar']:.6f} "
               f"native {row['last']['native']:.6f} (rel diff {rel(row['last']['autopar'], row['last']['native']):.1e})")
+        for side, o in row["overlap"].items():
+            if "error" in o:
+                print(f"{row['strategy']}: {side} GPU streams not read: {o['error']}")
+            elif o:
+                print(f"{row['strategy']}: {side} GPU time of one step: compute stream busy {o['compute_ms']:.1f} ms; "
+                      f"NCCL's streams busy {o['comm_ms']:.1f} ms, {o['overlapped_ms']:.1f} ms of it beside compute "
+                      f"({o['streams']} streams)")
         for w in info["warnings"]:
             print(f"{row['strategy']}: autopar warning: {w}")
     print()
@@ -659,6 +735,9 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, help="global batch (sequences)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: a GPU per rank and NCCL; auto: cuda where there are GPUs for every rank, else cpu")
+    p.add_argument("--dp", type=int, default=None,
+                   help="size of the strategies' data axis (ddp, fsdp, zero1, and fsdp+tp's dp); default 2. "
+                        "--dp 1 times the runtime alone, no gradient traffic, e.g. on a machine with one GPU")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="both sides' precision; default bf16-mixed on cuda, fp32 on cpu")
     p.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
@@ -688,7 +767,9 @@ def parse_args(argv=None):
     if args.hidden % args.heads or any(args.heads % n for n in tp_degrees):
         p.error(f"--heads {args.heads} must divide --hidden {args.hidden}, and the tp degree "
                 f"{max(tp_degrees, default=1)} must divide --heads (the native TP splits whole heads)")
-    ranks = max(world_size(s) for s in args.strategies.split(","))
+    if args.dp is not None and args.dp < 1:
+        p.error(f"--dp {args.dp}: the data axis needs at least one rank")
+    ranks = max(world_size(s, args.dp) for s in args.strategies.split(","))
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.device_count() >= ranks else "cpu"
     elif args.device == "cuda" and torch.cuda.device_count() < ranks:
@@ -715,7 +796,7 @@ def main():
         try:
             rows.append(summarize(strategy, spawn(strategy, args), args.steps))
         except RuntimeError as e:
-            rows.append({"strategy": strategy, "ranks": world_size(strategy), "failed": str(e)})
+            rows.append({"strategy": strategy, "ranks": world_size(strategy, args.dp), "failed": str(e)})
         print(f"{strategy}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print_table(rows, args)
 

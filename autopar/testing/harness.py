@@ -178,11 +178,11 @@ def single_device_reference(model_fn, inputs, targets, loss_fn, steps=3, lr=1e-2
 
 def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: tuple, inputs, targets,
                     loss_fn, steps: int = 3, lr: float = 1e-2, plan_kwargs: dict | None = None,
-                    optimizer=None) -> dict:
+                    optimizer=None, device: str = "cpu") -> dict:
     """The parallel counterpart of single_device_reference, run on one rank.
 
-    `model` is the same freshly seeded single-device model (a copy is taken),
-    inputs/targets are the global batch. Records this rank's outputs of step
+    `model` is the same freshly seeded single-device model (a copy is taken, and moved to `device`:
+    "cuda" runs every rank on this process's current GPU), inputs/targets are the global batch. Records this rank's outputs of step
     1, the whole gradients of step 1, the whole parameters after all steps,
     the local losses, the plan and the collectives logged during step 1.
     """
@@ -192,9 +192,10 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
 
     import autopar
 
-    model = copy.deepcopy(model)
-    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
+    model = copy.deepcopy(model).to(device)
+    inputs = tuple(x.to(device) for x in (inputs if isinstance(inputs, tuple) else (inputs,)))
+    targets = targets.to(device)
+    mesh = init_device_mesh(device, mesh_shape, mesh_dim_names=axis_names)
     pm = autopar.parallelize(model, mesh, inputs, record_comm=True, **(plan_kwargs or {}))
     local_in = pm.plan.local_inputs(*inputs)
     (local_targets,) = pm.plan.local_targets(targets)

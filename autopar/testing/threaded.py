@@ -10,7 +10,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .._compat import current_world, install_threaded_pg, reset_threaded_pg, uninstall_threaded_pg, wake_threaded_ranks
+from .._compat import (current_world, destroy_threaded_group, install_threaded_pg, reset_threaded_pg,
+                       uninstall_threaded_pg, wake_threaded_ranks)
 
 __all__ = ["RankError", "run_threaded"]
 
@@ -154,7 +155,7 @@ class _ThreadedRun:
             self.wake_all(e)
         finally:
             if current_world() is self._world and dist.is_initialized():
-                dist.destroy_process_group()
+                destroy_threaded_group()
 
     def start_and_join(self) -> list:
         """Run the rank threads on a freshly installed threaded pg and uninstall it after; returns the hung ranks."""

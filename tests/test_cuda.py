@@ -1,0 +1,104 @@
+"""On a GPU: the emitted module trains like one device with CUDA tensors, in float32 and bf16-mixed.
+
+The rest of the suite runs on CPU ranks. These tests move the same whole-model comparison
+(tests/test_equivalence.py's) onto a GPU, where tensors the runtime makes without naming a device,
+a CPU-only op or a dtype the GPU kernels treat differently would show. All ranks are threads of
+this process sharing one GPU (run_threaded), so one GPU is enough; NCCL itself is not exercised
+(benchmarks/runtime_overhead.py --device cuda is, on as many GPUs as ranks).
+
+CI has no GPU: there these tests are skipped. Run them on a GPU machine with
+`pytest tests/test_cuda.py`.
+
+Tolerance: float32 GEMMs on a GPU pick their kernel, and with it the order of a sum, by shape; a
+sharded matmul and the whole one then differ by ~1e-6 relative, more than the CPU's exact
+agreement. TF32 is off (PyTorch's default for matmuls), so 1e-4 still catches a gradient averaged
+wrongly (a factor of 2 or 3) or an update applied to the wrong shard (~lr = 1e-2 with SGD).
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from autopar.testing import GPT, GPTConfig, gpt_loss, parallel_record, run_threaded, single_device_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+ATOL = 1e-4
+STEPS = 3
+LR = {torch.optim.SGD: 1e-2, torch.optim.AdamW: 1e-4}
+
+CASES = [("ddp", (2,), ("dp",)), ("fsdp", (2,), ("dp",)), ("fsdp", (3,), ("dp",)), ("zero2", (2,), ("dp",)),
+         ("tp", (2,), ("tp",)), ("tp+sp", (2,), ("tp",)), ("fsdp+tp", (2, 2), ("dp", "tp"))]
+
+
+def _model_and_batch():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x = torch.randint(0, CFG.vocab_size, (6, CFG.block_size))
+    y = torch.randint(0, CFG.vocab_size, (6, CFG.block_size))
+    return model, x, y
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("strategy, shape, axes", CASES, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m, _ in CASES])
+def test_gpt_on_a_gpu_trains_like_one_gpu(strategy, shape, axes, optimizer):
+    model, x, y = _model_and_batch()
+    ref = single_device_reference(lambda: copy.deepcopy(model).cuda(), x.cuda(), y.cuda(), gpt_loss,
+                                  STEPS, LR[optimizer], optimizer=optimizer)
+    res = run_threaded(math.prod(shape), parallel_record, model, shape, axes, x, y, gpt_loss, STEPS,
+                       LR[optimizer], {"strategy": strategy}, optimizer, "cuda", timeout=300)
+    plan = res[0]["plan"]
+    for rank, r in enumerate(res):
+        assert r["outputs"].is_cuda, f"rank {rank}: outputs on {r['outputs'].device}"
+        (expected,) = plan.local_targets(ref["outputs"], rank=rank)
+        torch.testing.assert_close(r["outputs"], expected, atol=ATOL, rtol=0,
+                                   msg=lambda m: f"{strategy} rank {rank} outputs: {m}")
+        assert r["grads"].keys() == ref["grads"].keys()
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(r["grads"][name].to(g.device), g, atol=ATOL, rtol=0,
+                                       msg=lambda m: f"{strategy} rank {rank} grad of {name}: {m}")
+        for name, p in ref["params"].items():
+            assert r["params"][name].is_cuda, f"rank {rank}: {name} on {r['params'][name].device}"
+            torch.testing.assert_close(r["params"][name], p, atol=ATOL, rtol=0,
+                                       msg=lambda m: f"{strategy} rank {rank} {name} after {STEPS} steps: {m}")
+    for step in range(STEPS):   # equal batch shards: the mean of the local losses is the global loss
+        mean = sum(r["losses"][step] for r in res) / len(res)
+        assert mean == pytest.approx(ref["losses"][step], abs=ATOL, rel=0), f"{strategy} loss of step {step + 1}"
+
+
+def _train_bf16(rank, model, strategy, shape, axes, x, y, steps):
+    import autopar
+    from torch.distributed.device_mesh import init_device_mesh
+    pm = autopar.parallelize(copy.deepcopy(model).cuda(), init_device_mesh("cuda", shape, mesh_dim_names=axes),
+                             (x.cuda(),), strategy=strategy, precision="bf16-mixed")
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=3e-3)
+    (local_x,), (local_y,) = pm.plan.local_inputs(x.cuda()), pm.plan.local_targets(y.cuda())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        logits = pm(local_x)
+        loss = gpt_loss(logits, local_y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, logits.dtype, {p.dtype for p in pm.parameters()}
+
+
+@pytest.mark.parametrize("strategy, shape, axes", [("ddp", (2,), ("dp",)), ("fsdp", (2,), ("dp",)),
+                                                   ("tp", (2,), ("tp",)), ("fsdp+tp", (2, 2), ("dp", "tp"))])
+def test_bf16_mixed_on_a_gpu_trains_within_bf16_tolerance_of_float32(strategy, shape, axes):
+    model, x, y = _model_and_batch()
+    steps = 20
+    ref = single_device_reference(lambda: copy.deepcopy(model).cuda(), x.cuda(), y.cuda(), gpt_loss,
+                                  steps, 3e-3, optimizer=torch.optim.AdamW)
+    results = run_threaded(math.prod(shape), _train_bf16, model, strategy, shape, axes, x, y, steps, timeout=300)
+    losses = torch.tensor([r[0] for r in results]).mean(0)
+    want = torch.tensor(ref["losses"])
+    assert losses[-1] < 0.9 * losses[0]
+    torch.testing.assert_close(losses, want, rtol=0.03, atol=0)   # bf16: ~0.4% per op, as on the CPU
+    for _, logits_dtype, param_dtypes in results:
+        assert logits_dtype == torch.bfloat16 and param_dtypes == {torch.float32}
