@@ -43,8 +43,10 @@ class Roles:
     sequence_parallel: bool = False  # tp axes also split what lies between the matmuls
 
     def batch_axes(self) -> dict[int, bool]:
-        """Axes whose batch split is pinned: True = the batch is split there."""
-        return {a: r in DATA_ROLES for a, r in enumerate(self.roles) if r is not None}
+        """Axes whose batch split is pinned: True = the batch is split there (never on an axis of one rank,
+        where no layout splits anything: sharding/strategies.py)."""
+        return {a: r in DATA_ROLES and (not self.axis_sizes or self.axis_sizes[a] > 1)
+                for a, r in enumerate(self.roles) if r is not None}
 
 
 def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
@@ -119,8 +121,8 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
         return _even_split(info, strategy, a, roles.axis_sizes)
 
     for a, role in enumerate(roles.roles):
-        if (role == TP and info.meta is not None and info.meta.ndim >= 2
-                and not any(tp_split(t, a) for t in strategies)):
+        if (role == TP and roles.axis_sizes[a] > 1 and info.meta is not None and info.meta.ndim >= 2
+                and not any(tp_split(t, a) for t in strategies)):   # (one rank: nothing to split)
             raise ShardingError(
                 f"parameter {info.target_name!r} of shape {tuple(info.meta.hint)}: tensor-parallel axis "
                 f"{roles.axis_names[a]!r} of size {roles.axis_sizes[a]} divides none of its dims, so it cannot "

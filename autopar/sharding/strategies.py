@@ -112,7 +112,6 @@ def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategie
     args = tensor_args(node)
     in_metas = [_metas(cap.info[a.name].meta)[0] if cap.info[a.name].meta is not None else None for a in args]
     out_meta = _metas(info.meta)[0]
-    n = mesh.num_axes
     rule = rule_for(node)
     fallback = False
     spec = None
@@ -128,7 +127,10 @@ def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategie
     if spec is None:
         fallback = rule is None
         spec = OpSpec(tuple("" for _ in args), "", replicate_only=True)
-    per_axis = [_axis_options(spec, len(args)) for _ in range(n)]
+    # an axis of one rank splits nothing: a layout other than R there would be R under another name, and
+    # each change between the two a collective over one rank (a copy, at best)
+    per_axis = [_axis_options(spec, len(args)) if size > 1 else [((R,) * len(args), R)]
+                for size in mesh.axis_sizes]
     strategies = []
     for s in _combine(per_axis, len(args)):
         if not _divides(out_meta, s.output, mesh.axis_sizes):
@@ -190,7 +192,7 @@ def placeholder_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_d
     else:
         choices = [R]
     out = []
-    for combo in itertools.product(choices, repeat=n):
+    for combo in itertools.product(*[choices if size > 1 else [R] for size in mesh.axis_sizes]):
         if _divides(meta, combo, mesh.axis_sizes) or (
                 info.kind == PARAM and can_split_unevenly(meta.hint, combo, mesh.axis_sizes)):
             out.append(Strategy((), tuple(combo)))
@@ -226,9 +228,8 @@ def output_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec, batch_dim: i
     over the batch axes; the others whole on every rank."""
     args = tensor_args(node)
     batched, _ = batch_outputs(node, cap, batch_dim)
-    n = mesh.num_axes
     out = []
-    for combo in itertools.product([R, S(batch_dim)], repeat=n):
+    for combo in itertools.product(*[[R, S(batch_dim)] if size > 1 else [R] for size in mesh.axis_sizes]):
         ins = []
         ok = True
         for a in args:
