@@ -8,6 +8,7 @@
     python benchmarks/runtime_overhead.py --calibrate                      # calibrate on the ranks, then plan
     python benchmarks/runtime_overhead.py --strategies ddp --bucket-mb 4   # both sides with 4 MiB gradient buckets
     python benchmarks/runtime_overhead.py --model 1b                       # on GPUs: NCCL, bf16-mixed, a ~1B GPT
+    python benchmarks/runtime_overhead.py --model 1b --batch 4 --dp 1 --strategies ddp,fsdp,zero1   # one GPU
     python benchmarks/runtime_overhead.py --precision bf16-mixed           # bf16 compute on CPU ranks too
 
 For each strategy, `world` real processes (torch.multiprocessing, spawn) join a gloo process group,
