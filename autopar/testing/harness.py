@@ -182,9 +182,9 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
     """The parallel counterpart of single_device_reference, run on one rank.
 
     `model` is the same freshly seeded single-device model (a copy is taken, and moved to `device`:
-    "cuda" runs every rank on this process's current GPU), inputs/targets are the global batch. Records this rank's outputs of step
-    1, the whole gradients of step 1, the whole parameters after all steps,
-    the local losses, the plan and the collectives logged during step 1.
+    "cuda" runs every rank on this process's current GPU), inputs/targets are the global batch.
+    Records this rank's outputs of step 1, the whole gradients of step 1, the whole parameters after
+    all steps, the local losses, the plan and the collectives logged during step 1.
     """
     import copy
 
