@@ -98,6 +98,8 @@ COMMANDS: dict = {
     "torchrun --nproc-per-node 4 examples/train_gpt.py": Run(["--steps", "3"], _train_gpt, gloo=True),
     "bash scripts/test.sh": "it is this test suite (CI's .ci/run runs it)",
     "bash scripts/test.sh -x -q tests/test_plan.py": "it is part of this test suite",
+    "bash scripts/gpu_check.sh": "needs a GPU, which CI lacks; it runs tests/test_cuda.py (in this suite, skipped "
+                                 "without CUDA) and benchmarks/runtime_overhead.py on the GPUs",
     "python benchmarks/search_time.py": Run(["--layers", "1", "--batch", "1", "--seq", "256"]),
     "python examples/plan_offline.py": Run(check=lambda out, _, err: "autopar plan" in out and "batch" in out),
     "python examples/plan_llama3_8b.py": Run(["--layers", "1", "--batch", "8", "--seq", "512"],
