@@ -379,10 +379,11 @@ def _intersection_length(xs: list, ys: list) -> float:
 def stream_overlap(side: Side) -> dict:
     """On a GPU: how much of one step's communication ran beside its compute, read off a profiler trace.
 
-    The compute stream is the one with the most kernel time; every other stream's work (NCCL's
-    kernels and copies: neither side uses a stream of its own) is communication. Returns the ms of
-    GPU time the communication streams were busy, the ms of it while the compute stream ran a
-    kernel too, and the compute stream's busy ms."""
+    The compute stream is the one with the most kernel time; every other stream's work is counted as
+    communication: NCCL's kernels and copies, and on the native fsdp side FSDP2's copy-in and
+    copy-out streams (autopar has no stream of its own). Returns the ms of GPU time those streams
+    were busy, the ms of it while the compute stream ran a kernel too, and the compute stream's
+    busy ms."""
     import json
 
     from torch.profiler import ProfilerActivity, profile
@@ -707,7 +708,8 @@ def print_details(rows: list, args):
                 print(f"{row['strategy']}: {side} GPU streams not read: {o['error']}")
             elif o:
                 print(f"{row['strategy']}: {side} GPU time of one step: compute stream busy {o['compute_ms']:.1f} ms; "
-                      f"NCCL's streams busy {o['comm_ms']:.1f} ms, {o['overlapped_ms']:.1f} ms of it beside compute "
+                      f"other streams (NCCL's, FSDP2's) busy {o['comm_ms']:.1f} ms, "
+                      f"{o['overlapped_ms']:.1f} ms of it beside compute "
                       f"({o['streams']} streams)")
         for w in info["warnings"]:
             print(f"{row['strategy']}: autopar warning: {w}")
