@@ -393,7 +393,8 @@ def stream_overlap(side: Side) -> dict:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     by_stream = collections.defaultdict(list)
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in e.get("args", {}):
@@ -489,8 +490,8 @@ def measure(rank: int, args, strategy: str) -> dict:
             "first_loss": first,
             "last_loss": {n: s.losses[-1] for n, s in sides.items()},
             "num_steps": {n: s.num_steps for n, s in sides.items()},
-            "collectives": collectives, "overlap": overlap, "reference": reference, "autopar": info, "flops": gpt_flops_per_step(args),
-            "precision": args.precision}
+            "collectives": collectives, "overlap": overlap, "reference": reference, "autopar": info,
+            "flops": gpt_flops_per_step(args), "precision": args.precision}
 
 
 def run_rank(rank: int, world: int, port: int, args, strategy: str, result_dir: str):

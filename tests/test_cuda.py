@@ -2,7 +2,8 @@
 
 The rest of the suite runs on CPU ranks. These tests move the same whole-model comparison
 (tests/test_equivalence.py's) onto a GPU, where tensors the runtime makes without naming a device,
-a CPU-only op or a dtype the GPU kernels treat differently would show. All ranks are threads of
+a CPU-only op or a dtype the GPU kernels treat differently would show; and Hugging Face Llama
+called with `labels=` (its loss inside forward) with SGD. All ranks are threads of
 this process sharing one GPU (run_threaded), so one GPU is enough; NCCL itself is not exercised
 (benchmarks/runtime_overhead.py --device cuda is, on as many GPUs as ranks).
 
@@ -102,3 +103,50 @@ def test_bf16_mixed_on_a_gpu_trains_within_bf16_tolerance_of_float32(strategy, s
     torch.testing.assert_close(losses, want, rtol=0.03, atol=0)   # bf16: ~0.4% per op, as on the CPU
     for _, logits_dtype, param_dtypes in results:
         assert logits_dtype == torch.bfloat16 and param_dtypes == {torch.float32}
+
+
+def _train_with_labels(rank, model, inputs, strategy, shape, axes, steps):
+    import autopar
+    from torch.distributed.device_mesh import init_device_mesh
+    inputs = tuple(t.cuda() for t in inputs)
+    pm = autopar.parallelize(copy.deepcopy(model).cuda(), init_device_mesh("cuda", shape, mesh_dim_names=axes),
+                             inputs, strategy=strategy)
+    opt = autopar.ShardedOptimizer(pm, torch.optim.SGD, lr=LR[torch.optim.SGD])
+    local = pm.plan.local_inputs(*inputs)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = pm(*local).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+
+
+@pytest.mark.parametrize("strategy, shape, axes", [("fsdp+tp", (2, 2), ("dp", "tp")), ("tp+sp", (2,), ("tp",))])
+def test_hf_llama_called_with_labels_on_a_gpu_trains_like_one_gpu(strategy, shape, axes):
+    """A model written elsewhere, used as its authors use it: Hugging Face Llama computing its loss from
+    `labels=` inside forward (some ignored), with SGD, which a wrong gradient scale would move off."""
+    pytest.importorskip("transformers")
+    from autopar.testing import WithLabels, tiny_llama
+    torch.manual_seed(0)
+    model = WithLabels(tiny_llama().model)
+    x = torch.randint(0, 64, (8, 16))
+    labels = x.clone()
+    labels[1, :13] = -100   # ignored targets, unevenly spread over the batch shards
+    ref_model = copy.deepcopy(model).cuda()
+    opt = torch.optim.SGD(ref_model.parameters(), lr=LR[torch.optim.SGD])
+    ref_losses = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = ref_model(x.cuda(), labels.cuda()).loss
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    results = run_threaded(math.prod(shape), _train_with_labels, model, (x, labels), strategy, shape, axes, STEPS,
+                           timeout=300)
+    for rank, (losses, params) in enumerate(results):
+        assert losses == pytest.approx(ref_losses, abs=ATOL), f"{strategy} rank {rank} losses"
+        for name, p in ref_model.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), atol=ATOL, rtol=0,
+                                       msg=lambda m: f"{strategy} rank {rank} {name} after {STEPS} steps: {m}")
