@@ -26,15 +26,19 @@ from .search.pipeline import check_request
 log = logging.getLogger("autopar")   # progress (INFO), as planner.py's
 
 
-def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_limit=None,
-         strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
+def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict | None = None, hardware=None,
+         memory_limit=None, strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
          dynamic_shapes=AUTO, links=None, time_limit: float = 60.0, trace_every_layer: bool = False,
          pipeline_axis: str | None = None, microbatches: int | None = None, schedule: str | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, reshard_after_forward: bool | str | None = None, **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
 
     `mesh` is a DeviceMesh with named axes or a mapping {axis_name: size}; the
-    model may live on the meta device. `precision` (an autopar.Precision, or
+    model may live on the meta device. The model is called as
+    `model(*example_inputs, **example_kwargs)`: keyword inputs as torch.export's
+    `kwargs` (how Hugging Face models are called: `example_kwargs=batch`); each
+    input is one tensor, or a Python constant (a flag, None) that the plan
+    keeps as given. `precision` (an autopar.Precision, or
     None for the model's own dtype) and `optimizer` ("adamw", "adam", "sgd",
     "sgd-momentum" or a torch optimizer) set the bytes each parameter costs;
     AdamW is the default because it is what large models train with.
@@ -78,10 +82,10 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
     optimizer_spec(optimizer)
     check_mode(checkpointing)
     check_reshard(strategy, reshard_after_forward)
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
-    check_request(mesh_spec(mesh), pipeline_axis, microbatches, schedule, _first_batch(example_inputs))
-    cap, t_capture, recapture = _capture(model, example_inputs, precision, dynamic_shapes, trace_every_layer)
+    example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
+    check_request(mesh_spec(mesh), pipeline_axis, microbatches, schedule, _first_batch(example_inputs, example_kwargs))
+    cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, precision, dynamic_shapes,
+                                         trace_every_layer)
     return plan_captured(cap, mesh, hardware=hardware, memory_limit=memory_limit, strategy=strategy,
                           precision=precision, optimizer=optimizer, checkpointing=checkpointing, links=links,
                           time_limit=time_limit, t_capture=t_capture, pipeline_axis=pipeline_axis,
@@ -89,24 +93,24 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, hardware=None, memory_
                           reshard_after_forward=reshard_after_forward, recapture=recapture)
 
 
-def compare(model: torch.nn.Module, example_inputs, mesh, *, strategies=None, dynamic_shapes=AUTO,
-            trace_every_layer: bool = False, **options) -> dict:
+def compare(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict | None = None, strategies=None,
+            dynamic_shapes=AUTO, trace_every_layer: bool = False, **options) -> dict:
     """Each strategy's plan for one model and mesh, from one capture: {strategy: the Plan, or the
     AutoparError saying why that strategy does not apply here (a tp degree that does not divide the
     heads, a memory_limit it cannot meet)}. The table engineers draw by hand before a launch.
 
-    `strategies`: "auto" and every named strategy by default. The other options are autopar.plan's
-    (hardware, memory_limit, precision, optimizer, ...), the same for every strategy.
+    `strategies`: "auto" and every named strategy by default. `example_kwargs` and the other options are
+    autopar.plan's (hardware, memory_limit, precision, optimizer, ...), the same for every strategy.
     """
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+    example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     unknown = set(options) - _PLAN_OPTIONS
     if unknown:
         raise AutoparError(f"unknown option(s) {sorted(unknown)} for autopar.compare")
     precision = options.get("precision")
     precision_of(precision)
     optimizer_spec(options.get("optimizer", "adamw"))
-    cap, t_capture, recapture = _capture(model, example_inputs, precision, dynamic_shapes, trace_every_layer)
+    cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, precision, dynamic_shapes,
+                                         trace_every_layer)
     out = {}
     strategies = strategies or STRATEGIES
     for i, strategy in enumerate(strategies):
@@ -124,14 +128,26 @@ _PLAN_OPTIONS = {"hardware", "memory_limit", "precision", "optimizer", "checkpoi
                  "pipeline_axis", "microbatches", "schedule", "bucket_bytes", "reshard_after_forward"}
 
 
-def _capture(model, example_inputs: tuple, precision, dynamic_shapes, trace_every_layer: bool):
+def _capture(model, example_inputs: tuple, example_kwargs: dict, precision, dynamic_shapes, trace_every_layer: bool):
     """(the captured model, seconds it took, the recapture a pipelined plan needs)."""
     t0 = time.perf_counter()
     log.info("capturing %s with torch.export", type(model).__name__)
     capture_fn = _at_compute_dtype(capture if trace_every_layer else capture_repeated, model, precision)
-    cap = capture_fn(model, example_inputs, dynamic_shapes)
+    cap = capture_fn(model, example_inputs, dynamic_shapes, example_kwargs)
     log.info("captured %d nodes in %.1f s", len(cap.info), time.perf_counter() - t0)
-    return cap, time.perf_counter() - t0, _recapture(capture_fn, model, example_inputs, dynamic_shapes)
+    return cap, time.perf_counter() - t0, _recapture(capture_fn, model, example_inputs, example_kwargs, dynamic_shapes)
+
+
+def _call_inputs(example_inputs, example_kwargs) -> tuple[tuple, dict]:
+    """(positional inputs as a tuple, keyword inputs as a dict), checked before any capture."""
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    if example_kwargs is None:
+        return example_inputs, {}
+    if not isinstance(example_kwargs, dict) or not all(isinstance(k, str) for k in example_kwargs):
+        raise AutoparError(f"example_kwargs must be a dict of keyword name -> input (as the model is called: "
+                           f"model(**example_kwargs)), got {type(example_kwargs).__name__}")
+    return example_inputs, dict(example_kwargs)
 
 
 def _at_compute_dtype(capture_fn, model: torch.nn.Module, precision):
@@ -139,33 +155,42 @@ def _at_compute_dtype(capture_fn, model: torch.nn.Module, precision):
     return at_compute_dtype(capture_fn, model, precision_of(precision).compute)
 
 
-def _first_batch(example_inputs: tuple):
-    t = example_inputs[0] if example_inputs else None
-    return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+def _first_batch(example_inputs: tuple, example_kwargs: dict):
+    """Dim 0 of the first tensor input (positional first), the batch the plan is made for."""
+    t = next((v for v in [*example_inputs, *example_kwargs.values()] if isinstance(v, torch.Tensor)), None)
+    return t.shape[0] if t is not None and t.dim() > 0 else None
+
+
+def _microbatch(t, m: int):
+    return t[: t.shape[0] // m] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
 
 
 def microbatch_inputs(example_inputs: tuple, m: int) -> tuple:
     """The first 1/m of the batch (dim 0) of every tensor input: one microbatch, as a pipeline stage runs."""
-    return tuple(t[: t.shape[0] // m] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in example_inputs)
+    return tuple(_microbatch(t, m) for t in example_inputs)
 
 
-def _recapture(capture_fn, model, example_inputs: tuple, dynamic_shapes):
+def _recapture(capture_fn, model, example_inputs: tuple, example_kwargs: dict, dynamic_shapes):
     """capture at 1/m of the batch, once per m: a pipelined plan is made for the graph of one microbatch."""
     done: dict = {}
 
     def at(m: int) -> Captured:
         if m not in done:
-            done[m] = capture_fn(model, microbatch_inputs(example_inputs, m), dynamic_shapes)
+            done[m] = capture_fn(model, microbatch_inputs(example_inputs, m), dynamic_shapes,
+                                 {k: _microbatch(v, m) for k, v in example_kwargs.items()})
         return done[m]
     return at
 
 
-def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | None = None,
-                dynamic_shapes=AUTO, record_comm: bool = False, **plan_kwargs) -> ParallelModule:
+def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwargs: dict | None = None,
+                plan: Plan | None = None, dynamic_shapes=AUTO, record_comm: bool = False,
+                **plan_kwargs) -> ParallelModule:
     """Run on every rank: returns this rank's module, holding only its shards.
 
-    `example_inputs` are global (whole-batch) example inputs; the returned
-    module takes this rank's shard of the inputs (`model.plan.local_inputs`).
+    `example_inputs` and `example_kwargs` are global (whole-batch) example
+    inputs, positional and keyword (as autopar.plan takes them); the returned
+    module takes this rank's shard of each, called the same way:
+    `pm(*plan.local_inputs(*args), **plan.local_kwargs(**kwargs))`.
     `record_comm=True` logs every collective (model.comm.log) for audits.
     """
     import torch.distributed as dist
@@ -177,12 +202,12 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     if not dist.is_initialized():
         raise MeshError("torch.distributed is not initialized; run under torchrun and call "
                         "init_device_mesh first")
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+    _check_plan_options(plan_kwargs)   # before the capture, which takes seconds
+    example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     spec = mesh_spec(mesh)
     capture_fn = _at_compute_dtype(capture, model, plan.precision if plan is not None else plan_kwargs.get("precision"))
-    cap = capture_fn(model, example_inputs, dynamic_shapes)
-    recapture = _recapture(capture_fn, model, example_inputs, dynamic_shapes)
+    cap = capture_fn(model, example_inputs, dynamic_shapes, example_kwargs)
+    recapture = _recapture(capture_fn, model, example_inputs, example_kwargs, dynamic_shapes)
     if plan is None:
         plan = _plan_on_rank0(cap, mesh, plan_kwargs, recapture)
     if plan.pipeline is not None:   # its graph is one microbatch's
@@ -197,7 +222,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     grad_nodes = needs_grad(cap)
     gm, gathered = rewrite(cap, plan, comm, grad_nodes)
     if plan.pipeline is None:
-        other_mode = _other_mode(model, example_inputs, dynamic_shapes, cap, plan, comm)
+        other_mode = _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap, plan, comm)
     else:   # stages are cut from one graph; say so rather than run the other mode with the wrong one
         other_mode = ("a pipelined module runs only the graph of the mode it was parallelized in"
                       if mode_dependent_ops(cap.graph) else None)
@@ -206,7 +231,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, *, plan: Plan | No
     return pm.train(model.training)
 
 
-def _other_mode(model, example_inputs, dynamic_shapes, cap: Captured, plan: Plan, comm):
+def _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap: Captured, plan: Plan, comm):
     """The local graph for the mode the model was not captured in (eval for a training model).
 
     Dropout, random ops and batch norm are traced in the mode the model is in,
@@ -220,7 +245,7 @@ def _other_mode(model, example_inputs, dynamic_shapes, cap: Captured, plan: Plan
     was = model.training
     try:
         model.train(not was)
-        other = _at_compute_dtype(capture, model, plan.precision)(model, example_inputs, dynamic_shapes)
+        other = _at_compute_dtype(capture, model, plan.precision)(model, example_inputs, dynamic_shapes, example_kwargs)
     except CaptureError as e:
         return f"the model does not capture in {'eval' if was else 'train'} mode: {e}"
     finally:
@@ -238,12 +263,6 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict, recapture) -> Plan:
     waits forever for a plan that will not come.
     """
     import torch.distributed as dist
-    known = {"hardware", "memory_limit", "strategy", "links", "time_limit", "precision", "optimizer",
-             "checkpointing", "pipeline_axis", "microbatches", "schedule", "bucket_bytes", "reshard_after_forward"}
-    unknown = sorted(set(plan_kwargs) - known)
-    if unknown:
-        raise AutoparError(f"unknown option(s) {unknown} for autopar.parallelize; it takes plan=, "
-                           f"dynamic_shapes=, record_comm= and the planning options {sorted(known)}")
     message = [None]
     if dist.get_rank() == 0:
         try:
@@ -255,6 +274,14 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict, recapture) -> Plan:
     if kind == "error":
         raise payload
     return Plan.from_json(payload)
+
+
+def _check_plan_options(plan_kwargs: dict) -> None:
+    known = _PLAN_OPTIONS | {"strategy"}
+    unknown = sorted(set(plan_kwargs) - known)
+    if unknown:
+        raise AutoparError(f"unknown option(s) {unknown} for autopar.parallelize; it takes example_kwargs=, plan=, "
+                           f"dynamic_shapes=, record_comm= and the planning options {sorted(known)}")
 
 
 def _check_plan_matches(plan: Plan, cap: Captured, spec: MeshSpec) -> None:

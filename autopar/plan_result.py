@@ -73,28 +73,49 @@ class Plan:
     # an FSDP weight an op keeps for backward: kept as its shard and gathered again in backward (True, FSDP2's
     # default), or kept whole from forward to backward (False; runtime/rewrite.py)
     reshard_after_forward: bool = True
+    # per entry of input_placements, how the model is called with it: a position (int) or a keyword (str);
+    # () for a plan of a format before keyword inputs, whose inputs are all positional
+    input_keys: tuple = ()
 
     # ------------------------------------------------------------ inputs
     def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:
-        """This rank's shard of each global input, as a tuple (of one for a one-input model).
+        """This rank's shard of each global positional input, as a tuple (of one for a one-input model).
 
         Always a tuple, so one call works for any number of inputs:
         `pm(*pm.plan.local_inputs(*global_inputs))`.
         """
-        if len(global_inputs) != len(self.input_placements):
-            raise PlanError(f"the plan was made for {len(self.input_placements)} inputs, got {len(global_inputs)}")
+        placements = self._placements_by_key()
+        num_positional = sum(1 for k in placements if isinstance(k, int))
+        if len(global_inputs) != num_positional:
+            raise PlanError(f"the plan was made for {num_positional} positional inputs, got {len(global_inputs)}"
+                            + ("; pass keyword inputs through plan.local_kwargs" if len(placements) > num_positional
+                               else ""))
         coords = self._coords(rank)
-        out = []
-        for t, pl in zip(global_inputs, self.input_placements):
-            if isinstance(t, torch.Tensor) and t.dim() > 0:
-                for d, n in _split_sizes(pl, t, self.mesh):
-                    if t.shape[d] % n:
-                        raise PlanError(f"input of shape {tuple(t.shape)}: dim {d} ({t.shape[d]}) does not divide "
-                                        f"into {n} shards for placements {pl}; use a batch divisible by {n}")
-                out.append(shard_full_tensor(t, pl, coords, self.mesh.axis_sizes).contiguous())
-            else:
-                out.append(t)
-        return tuple(out)
+        return tuple(self._local(t, placements[i], coords, f"input {i}") for i, t in enumerate(global_inputs))
+
+    def local_kwargs(self, rank: int | None = None, **global_kwargs) -> dict:
+        """This rank's shard of each global keyword input, as a dict: `pm(**pm.plan.local_kwargs(**batch))`.
+
+        Tensors the model was not planned with (a keyword it was captured without) and non-tensors pass
+        as they are: the module says what it cannot take."""
+        placements = self._placements_by_key()
+        coords = self._coords(rank)
+        return {k: self._local(t, placements[k], coords, f"keyword input {k!r}") if k in placements else t
+                for k, t in global_kwargs.items()}
+
+    def _placements_by_key(self) -> dict:
+        keys = self.input_keys or range(len(self.input_placements))
+        return dict(zip(keys, self.input_placements))
+
+    def _local(self, t, placements: tuple, coords: tuple, what: str):
+        """This rank's shard of the whole tensor `t` (anything else as it is)."""
+        if not (isinstance(t, torch.Tensor) and t.dim() > 0):
+            return t
+        for d, n in _split_sizes(placements, t, self.mesh):
+            if t.shape[d] % n:
+                raise PlanError(f"{what} of shape {tuple(t.shape)}: dim {d} ({t.shape[d]}) does not divide "
+                                f"into {n} shards for placements {placements}; use a batch divisible by {n}")
+        return shard_full_tensor(t, placements, coords, self.mesh.axis_sizes).contiguous()
 
     def data_shard(self, rank: int | None = None) -> tuple[int, int]:
         """(index, count): this rank reads share `index` of `count` equal shares of the batch (dim 0 of the
@@ -249,7 +270,7 @@ class Plan:
             "predicted": pred(self.predicted, False), "symbolic": pred(self.symbolic, True),
             "pipeline": self.pipeline.to_dict() if self.pipeline is not None else None,
             "bucket_bytes": self.bucket_bytes, "regather_activations": self.regather_activations,
-            "reshard_after_forward": self.reshard_after_forward,
+            "reshard_after_forward": self.reshard_after_forward, "input_keys": list(self.input_keys),
             "symbols": self.symbols, "stats": {k: v for k, v in self.stats.items() if isinstance(v, (int, float, str))},
         }
         return json.dumps(d, indent=1)
@@ -289,7 +310,7 @@ class Plan:
             pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
             bucket_bytes=d.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
             regather_activations=d.get("regather_activations", False),
-            reshard_after_forward=d.get("reshard_after_forward", True))
+            reshard_after_forward=d.get("reshard_after_forward", True), input_keys=tuple(d.get("input_keys", ())))
 
 
 @dataclass
@@ -343,7 +364,8 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
                 precision=searched.policy.to_dict(),
                 optimizer={"name": searched.optimizer.name, "states_per_param": searched.optimizer.states_per_param},
                 checkpointed=sol.checkpointed, pipeline=searched.pipeline, bucket_bytes=prob.bucket_bytes,
-                regather_activations=sol.regather_activations, reshard_after_forward=sol.reshard_after_forward)
+                regather_activations=sol.regather_activations, reshard_after_forward=sol.reshard_after_forward,
+                input_keys=tuple(cap.input_keys))
 
 
 

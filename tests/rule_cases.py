@@ -564,14 +564,15 @@ def compare_and_logic(draw):
 
 @case("aten.index.Tensor")
 def advanced_index(draw):
-    """x[i, j] with broadcasting index tensors (HF builds its causal masks this way)."""
+    """x[i, j] with broadcasting index tensors (HF builds its causal masks this way), and x[:, j] (a whole
+    leading dim, as capture/iota_index.py rewrites HF's padding mask)."""
     seeded(draw)
     rows, cols, extra = draw(SIZES), draw(SIZES), shape(draw, 0, 2)
     x = randn((rows, cols) + extra)
     batch = draw(st.sampled_from([1, 2, 4]))
     i = torch.randint(0, rows, (batch, 1))
     j = torch.randint(0, cols, (draw(st.sampled_from([1, 4])),))
-    return Fn(lambda self, x, i, j: (x[i, j], x[i]), ), (x, i, j)
+    return Fn(lambda self, x, i, j: (x[i, j], x[i], x[:, j]), ), (x, i, j)
 
 
 @case("aten.diff.default")

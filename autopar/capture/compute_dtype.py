@@ -58,7 +58,16 @@ def cast_inputs(inputs: tuple, dtype: torch.dtype | None) -> tuple:
     bf16 weights in the first matmul. Integer inputs (token ids) pass as they are."""
     if dtype is None:
         return inputs
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else t for t in inputs)
+    return tuple(_cast(t, dtype) for t in inputs)
+
+
+def cast_kwargs(kwargs: dict, dtype: torch.dtype | None) -> dict:
+    """cast_inputs for keyword inputs."""
+    return kwargs if dtype is None else {k: _cast(t, dtype) for k, t in kwargs.items()}
+
+
+def _cast(t, dtype: torch.dtype):
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else t
 
 
 def own_param_dtypes(model: torch.nn.Module) -> dict:
@@ -67,16 +76,17 @@ def own_param_dtypes(model: torch.nn.Module) -> dict:
 
 
 def at_compute_dtype(capture_fn, model: torch.nn.Module, dtype: torch.dtype | None):
-    """`capture_fn(model, example_inputs, dynamic_shapes)`, tracing the model with its floating weights and
+    """`capture_fn(model, example_inputs, dynamic_shapes, example_kwargs)`, tracing the model with its floating weights and
     inputs in `dtype` and recording it (`Captured.compute_dtype`, `.param_dtypes`); `capture_fn` itself
     when `dtype` is None or the model's own."""
     own = own_param_dtypes(model)
     if dtype is None or {d for d in own.values() if d.is_floating_point} <= {dtype}:
         return capture_fn
 
-    def traced(model, example_inputs, dynamic_shapes):
+    def traced(model, example_inputs, dynamic_shapes, example_kwargs=None):
         # the lock around the swap too: a thread tracing the same model must not see it half restored
         with trace_lock, traced_in(model, dtype):
-            cap = capture_fn(model, cast_inputs(example_inputs, dtype), dynamic_shapes)
+            cap = capture_fn(model, cast_inputs(example_inputs, dtype), dynamic_shapes,
+                             cast_kwargs(example_kwargs or {}, dtype))
         return dataclasses.replace(cap, compute_dtype=dtype, param_dtypes=own)
     return traced

@@ -18,6 +18,8 @@ import torch.fx as fx
 
 from .._compat import symint_expr, symint_hint, trace_lock
 from ..errors import CaptureError
+from .caches import caches_left_out
+from .iota_index import rewrite_row_counts
 from .losses import split_losses
 
 PARAM, BUFFER, INPUT, CONSTANT, OP, OUTPUT = "param", "buffer", "input", "constant", "op", "output"
@@ -55,6 +57,10 @@ class Captured:
     symbols: dict[str, sympy.Symbol]        # Dim name -> symbol
     hints: dict[sympy.Symbol, int]          # symbol -> example size
     input_names: list[str] = field(default_factory=list)  # user-input placeholders, in order
+    # per user-input placeholder, where the call passes it: a position in forward's arguments (int) or a
+    # keyword (str); and the inputs that are no tensor (None, flags), which the graph has baked in
+    input_keys: list = field(default_factory=list)
+    constant_inputs: dict = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)   # tied parameter name -> canonical name
     ranges: dict = field(default_factory=dict)  # dynamic dim symbol -> (least, most or None) sizes allowed
     # traced with floating weights in this dtype (compute_dtype.py; None: the model's own), and the
@@ -81,24 +87,55 @@ def _module_path(node: fx.Node) -> str:
     return path.replace("L['self'].", "").replace("L['self']", "")
 
 
-def _dim_names(dynamic_shapes, example_inputs) -> dict[tuple[int, int], str]:
-    """(input index, dim) -> Dim name, from a torch.export dynamic_shapes spec."""
+def _dim_names(dynamic_shapes, keys: list) -> dict[tuple[int, int], str]:
+    """(user input index, dim) -> Dim name, from a torch.export dynamic_shapes spec.
+
+    `keys`: each user input's key (input_leaves). A dict spec is keyed by forward's parameter names:
+    a keyword input's spec is under its name (or inside the dict of a **kwargs parameter), and the
+    positional inputs' specs are the other entries, in order."""
     if dynamic_shapes is None:
         return {}
-    specs = list(dynamic_shapes.values()) if isinstance(dynamic_shapes, dict) else list(dynamic_shapes)
+    keywords = {k for k in keys if isinstance(k, str)}
+    if isinstance(dynamic_shapes, dict):
+        positional = [v for k, v in dynamic_shapes.items() if k not in keywords and not (
+            isinstance(v, dict) and keywords & set(v))]
+        by_keyword = {k: v for k, v in dynamic_shapes.items() if k in keywords}
+        for v in dynamic_shapes.values():   # a **kwargs parameter's dict of specs
+            if isinstance(v, dict) and keywords & set(v):
+                by_keyword.update({k: v[k] for k in keywords & set(v)})
+    else:
+        positional, by_keyword = list(dynamic_shapes), {}
     names = {}
-    for i, spec in enumerate(specs):
-        if isinstance(spec, dict):
-            items = spec.items()
-        elif isinstance(spec, (list, tuple)):
-            items = enumerate(spec)
-        else:
-            continue
+    for i, key in enumerate(keys):
+        spec = by_keyword.get(key) if isinstance(key, str) else positional[key] if key < len(positional) else None
+        items = spec.items() if isinstance(spec, dict) else enumerate(spec) if isinstance(spec, (list, tuple)) else ()
         for d, dim in items:
             name = getattr(dim, "__name__", None)
             if name:
                 names[(i, d)] = name
     return names
+
+
+def input_leaves(example_inputs: tuple, example_kwargs: dict) -> tuple[list, list, dict]:
+    """The user inputs as torch.export flattens (args, kwargs): (keys, values) of those that become graph
+    placeholders, in order -- tensors and Python constants other than None -- and the constants by key
+    (None included: a keyword given as None has no placeholder). Keys are positions (int) or keywords (str).
+
+    autopar takes each input as one tensor or one constant: a list or dict of tensors would need
+    its structure carried through the plan's input layouts, so it is refused here, by name."""
+    keys, values, constants = [], [], {}
+    for key, value in [*enumerate(example_inputs), *example_kwargs.items()]:
+        if isinstance(value, (list, tuple, dict)):
+            what = f"keyword input {key!r}" if isinstance(key, str) else f"input {key}"
+            raise CaptureError(f"{what} is a {type(value).__name__}: autopar takes each input as a tensor or a "
+                               "Python constant; pass the tensors it holds as separate inputs")
+        if not isinstance(value, torch.Tensor):
+            constants[key] = value
+            if value is None:
+                continue
+        keys.append(key)
+        values.append(value)
+    return keys, values, constants
 
 
 # dynamic_shapes="auto" (the default of plan and parallelize): every dim of every tensor input may
@@ -118,41 +155,51 @@ def _auto_dynamic_shapes(example_inputs):
     return None
 
 
-def _auto_spec(model, example_inputs: tuple):
+def _auto_spec(model, example_inputs: tuple, example_kwargs: dict):
     """The "auto" spec keyed by forward's parameter names, the form export matches against the
-    signature (a forward(*xs) takes one tuple, not len(xs) inputs)."""
+    signature (a forward(*xs) takes one tuple, not len(xs) inputs; a forward(**kwargs) one dict)."""
     import inspect
     try:
-        bound = inspect.signature(model.forward).bind(*example_inputs)
+        bound = inspect.signature(model.forward).bind(*example_inputs, **example_kwargs)
     except (TypeError, ValueError):
+        if example_kwargs:
+            return {**dict(enumerate(_auto_dynamic_shapes(example_inputs))),
+                    **_auto_dynamic_shapes(example_kwargs)} if example_inputs else _auto_dynamic_shapes(example_kwargs)
         return _auto_dynamic_shapes(example_inputs)
     return {name: _auto_dynamic_shapes(value) for name, value in bound.arguments.items()}
 
 
-def _auto_dim_names(example_inputs: tuple) -> dict[tuple[int, int], str]:
+def _auto_dim_names(values: list) -> dict[tuple[int, int], str]:
     """Names for the dims export makes dynamic on its own: "batch" for dim 0, "seq" for dim 1."""
     names = {}
-    for i, t in enumerate(example_inputs):
+    for i, t in enumerate(values):
         if isinstance(t, torch.Tensor):
             for d in range(t.dim()):
                 names[(i, d)] = {0: "batch", 1: "seq"}.get(d, f"input{i}_dim{d}")
     return names
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO) -> Captured:
-    """Export `model` and annotate every node. Raises CaptureError naming the cause.
+def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO, example_kwargs=None) -> Captured:
+    """Export `model` called as `model(*example_inputs, **example_kwargs)` and annotate every node.
+    Raises CaptureError naming the cause.
 
     `dynamic_shapes`: as torch.export takes it, or "auto" (see AUTO)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    example_kwargs = dict(example_kwargs or {})
+    keys, values, constants = input_leaves(example_inputs, example_kwargs)
     auto = isinstance(dynamic_shapes, str) and dynamic_shapes == AUTO
-    ep = _export(model, example_inputs, _auto_spec(model, example_inputs) if auto else dynamic_shapes)
+    spec = _auto_spec(model, example_inputs, example_kwargs) if auto else dynamic_shapes
+    ep = _export(model, example_inputs, example_kwargs, spec)
     canonical = _canonical_names(model)
     kinds = _placeholder_kinds(ep, canonical)
     graph = _renumbered(ep.graph)
-    dim_names = _auto_dim_names(example_inputs) if auto else _dim_names(dynamic_shapes, example_inputs)
     input_nodes = [n for n in graph.nodes if n.op == "placeholder" and kinds.get(n.name, (None,))[0] == INPUT]
-    rename, hints = _dim_symbols(input_nodes, example_inputs, dim_names)
+    if len(input_nodes) != len(keys):   # export flattened the inputs otherwise than input_leaves did
+        raise CaptureError(f"torch.export made {len(input_nodes)} input placeholders of the {len(keys)} inputs "
+                           f"{keys}; pass each input as one tensor or one Python constant")
+    dim_names = _auto_dim_names(values) if auto else _dim_names(dynamic_shapes, keys)
+    rename, hints = _dim_symbols(input_nodes, values, dim_names)
     info = _node_infos(graph, kinds, _MetaReader(rename, hints))
     symbols = {str(s): s for s in hints}
     ranges = {}
@@ -160,16 +207,19 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO) 
         if expr in rename:
             ranges[rename[expr]] = (_as_int(vr.lower), _as_int(vr.upper))
     aliases = {a: c for a, c in canonical.items() if a != c}
-    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], aliases, ranges)
+    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], keys, constants, aliases, ranges)
 
 
-def _export(model, example_inputs: tuple, dynamic_shapes):
-    """torch.export's training graph, with mean losses split (losses.py); CaptureError on failure."""
+def _export(model, example_inputs: tuple, example_kwargs: dict, dynamic_shapes):
+    """torch.export's training graph, with mean losses split (losses.py) and the KV caches a model
+    returns left out (caches.py); CaptureError on failure."""
     try:
-        with trace_lock:  # export keeps module-level state: one trace at a time per process
-            ep = torch.export.export(model, example_inputs, strict=False, dynamic_shapes=dynamic_shapes)
+        with trace_lock, caches_left_out(model):  # export keeps module-level state: one trace at a time per process
+            ep = torch.export.export(model, example_inputs, example_kwargs or None, strict=False,
+                                     dynamic_shapes=dynamic_shapes)
             # under the lock too: it enters the export's fake mode, and mode stacks are per process
             split_losses(ep.graph)   # before anything reads the graph: plans see the split form
+            rewrite_row_counts(ep.graph)   # HF's padding mask: a gather along the batch that is a slice
     except Exception as e:  # export raises many types; the user needs cause + place
         raise CaptureError(_explain_export_failure(model, e)) from e
     return ep

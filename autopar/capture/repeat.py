@@ -49,8 +49,8 @@ class RepeatedProgram:
     state_dict: dict                        # the whole model's parameters and buffers, by name
 
 
-def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO) -> Captured:
-    """`capture(model, example_inputs, dynamic_shapes)` for planning, in the time a model with
+def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO, example_kwargs=None) -> Captured:
+    """`capture(model, example_inputs, dynamic_shapes, example_kwargs)` for planning, in the time a model with
     TRACED layers per stack takes to trace.
 
     The stacks are cut short in place while the model is traced (under the
@@ -62,17 +62,17 @@ def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO) -> C
         example_inputs = (example_inputs,)
     stacks = find_stacks(model)
     if not stacks:
-        return capture(model, example_inputs, dynamic_shapes)
+        return capture(model, example_inputs, dynamic_shapes, example_kwargs)
     try:
         # under the trace lock: another thread's capture must not see the shortened model
         with trace_lock, _shortened(model, stacks):
-            cap = capture(model, example_inputs, dynamic_shapes)
+            cap = capture(model, example_inputs, dynamic_shapes, example_kwargs)
         for path, length in stacks.items():
             cap = expand_stack(cap, path, length)
         _check_tensors(cap, model)
     except (CaptureError, NotRepeated) as e:   # a shortened model that does not trace is no verdict
         log.debug("capturing %s layer by layer: %s", type(model).__name__, e)
-        return capture(model, example_inputs, dynamic_shapes)
+        return capture(model, example_inputs, dynamic_shapes, example_kwargs)
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     return dataclasses.replace(cap, exported=RepeatedProgram(cap.exported, state))
@@ -241,7 +241,7 @@ def expand_stack(cap: Captured, stack: str, length: int) -> Captured:
             out.copy_section(templates[traced.ends[template.name]], block, strides)
         after = after or template.name == traced.last_op
     return Captured(cap.exported, out.graph, out.info, cap.symbols, cap.hints, list(cap.input_names),
-                    dict(cap.aliases), dict(cap.ranges))
+                    list(cap.input_keys), dict(cap.constant_inputs), dict(cap.aliases), dict(cap.ranges))
 
 
 def _layer_templates(cap: Captured, last: tuple) -> dict:

@@ -51,3 +51,46 @@ def check_input_shapes(specs: list, local_inputs) -> None:
                     first = seen[expr]
                     raise InputShapeError(f"{what} is {given}, but dim {first[2]} of input {first[1]!r} is {first[0]} "
                                           f"and the model needs them equal ({expr})")
+
+
+def ordered_inputs(keys: list, constants: dict, args: tuple, kwargs: dict) -> list:
+    """The inputs of a call `pm(*args, **kwargs)` in the graph's placeholder order (`keys`: each placeholder's
+    position or keyword, Captured.input_keys), checked against the call the model was captured with.
+
+    A Python constant (a flag, or None) was baked into the graph as traced (`constants`), so a call that
+    gives another value, a tensor where there was none, or a keyword never seen, would silently compute
+    something else: each is an InputShapeError naming the input."""
+    num_positional = sum(1 for k in [*keys, *constants] if isinstance(k, int))
+    if len(args) != num_positional:
+        raise InputShapeError(f"the parallel module takes {num_positional} positional inputs (this rank's shard of "
+                              f"each, from plan.local_inputs), got {len(args)}")
+    given = {**dict(enumerate(args)), **kwargs}
+    for key, value in given.items():
+        what = f"keyword input {key!r}" if isinstance(key, str) else f"input {key}"
+        if key in constants:
+            if not _same_constant(value, constants[key]):
+                raise InputShapeError(f"{what} is {_short(value)}, but the model was captured with {constants[key]!r} "
+                                      "there, which its graph has baked in; call it with that value, or parallelize "
+                                      "with example inputs that hold this one")
+        elif key not in keys and value is not None:
+            raise InputShapeError(f"{what} was not among the example inputs the model was captured with (keywords "
+                                  f"{sorted(k for k in keys if isinstance(k, str))}); give it in example_kwargs= "
+                                  "when parallelizing, or leave it out")
+    missing = [k for k in keys if k not in given]
+    for key in constants:
+        if key not in given and constants[key] is not None:
+            missing.append(key)
+    if missing:
+        raise InputShapeError(f"keyword input(s) {missing} missing: the model was captured with them "
+                              "(example_kwargs=), and its graph takes them at every call")
+    return [given[k] for k in keys]
+
+
+def _same_constant(value, captured) -> bool:
+    if isinstance(value, torch.Tensor) or isinstance(captured, torch.Tensor):
+        return False
+    return type(value) is type(captured) and value == captured
+
+
+def _short(value) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)

@@ -25,7 +25,7 @@ from ..sharding.placement import R, shard_full_tensor
 from .collectives import Comm
 from .grad_buckets import GradBuckets, route_through_buckets
 from .initialization import init_shards
-from .input_shapes import check_input_shapes, input_shape_specs
+from .input_shapes import check_input_shapes, input_shape_specs, ordered_inputs
 from .regather import GatheredParams
 from .state_dict import export_tensor, load_module_state, stored_layout
 
@@ -110,7 +110,8 @@ class ParallelModule(torch.nn.Module):
                 self._constants[info.target_name] = ep.constants[info.target_name]
             else:
                 self._placeholder_sources.append((INPUT, None))
-        self._num_inputs = sum(1 for k, _ in self._placeholder_sources if k == INPUT)
+        # how a call's positional and keyword inputs map to the graph's placeholders, and the constants it baked in
+        self._input_keys, self._constant_inputs = list(cap.input_keys), dict(cap.constant_inputs)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
         _serve_layer_groups(self, [gathered] + ([other_mode[1]] if isinstance(other_mode, tuple) else []))
         self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
@@ -214,20 +215,22 @@ class ParallelModule(torch.nn.Module):
                 **{(BUFFER, k): v for k, v in self.store.named_buffers()},
                 **{(CONSTANT, k): v for k, v in self._constants.items()}}
 
-    def train_step(self, *local_inputs, loss_fn, targets=None):
-        """Forward and backward of this rank's batch; returns its mean loss (the same on every rank of a
-        pipeline), with every parameter's gradient that of that mean.
+    def train_step(self, *local_inputs, loss_fn, targets=None, **local_kwargs):
+        """Forward and backward of this rank's batch (positional and keyword inputs, as forward takes them);
+        returns its mean loss (the same on every rank of a pipeline), with every parameter's gradient that
+        of that mean.
 
         `loss_fn(outputs, targets)` (or `loss_fn(outputs)` without targets) must average over the batch,
         as cross-entropy does: a pipeline applies it per microbatch and averages the microbatches.
         Call optimizer.zero_grad() before and optimizer.step() after, as with forward/backward.
         """
         if self.plan.pipeline is None:
-            out = self(*local_inputs)
+            out = self(*local_inputs, **local_kwargs)
             loss = loss_fn(out) if targets is None else loss_fn(out, targets)
             loss.backward()
             return loss.detach()
-        return self._pipeline_step(local_inputs, loss_fn, targets)
+        local_inputs = ordered_inputs(self._input_keys, self._constant_inputs, local_inputs, local_kwargs)
+        return self._pipeline_step(tuple(local_inputs), loss_fn, targets)
 
     def _pipeline_step(self, local_inputs, loss_fn, targets):
         import torch.distributed as dist
@@ -275,9 +278,12 @@ class ParallelModule(torch.nn.Module):
         dist.broadcast(loss, group=group, group_src=(pipe.num_stages - 1) % p)
         return loss
 
-    def forward(self, *local_inputs):
+    def forward(self, *local_inputs, **local_kwargs):
+        """The model's forward on this rank's shard of its inputs, called as the model is: positional and
+        keyword inputs (`plan.local_inputs`, `plan.local_kwargs` cut them from the global batch)."""
         # compiled, the weights go through the buckets before the graph (grad_buckets.BucketedUse)
-        graph_module, gathered, args = self._graph_args(local_inputs, torch.compiler.is_dynamo_compiling())
+        graph_module, gathered, args = self._graph_args(local_inputs, local_kwargs,
+                                                        torch.compiler.is_dynamo_compiling())
         try:
             with gathered.hooks():
                 flat = graph_module(*args)
@@ -286,7 +292,7 @@ class ParallelModule(torch.nn.Module):
         return unflatten_outputs(self._output_spec, flat)
 
     @torch.compiler.disable
-    def _graph_args(self, local_inputs, through_buckets: bool = False) -> tuple:
+    def _graph_args(self, local_inputs, local_kwargs, through_buckets: bool = False) -> tuple:
         """The graph of this mode, its GatheredParams, and its arguments: the weights (through the gradient
         buckets where those reduce them, here -- or, for the weights the graph routes (_route_to_buckets),
         at their first use in the graph, unless `through_buckets`) and this rank's inputs, cast as the plan
@@ -299,9 +305,7 @@ class ParallelModule(torch.nn.Module):
             raise PlanError(f"this plan pipelines over axis {self.plan.pipeline.axis!r}: a forward alone cannot run "
                             "its stages; train with model.train_step(*local_inputs, loss_fn=..., targets=...), "
                             "or plan with pipeline_axis=None")
-        if len(local_inputs) != self._num_inputs:
-            raise PlanError(f"the parallel module takes {self._num_inputs} inputs (this rank's shard of each, "
-                            f"from plan.local_inputs), got {len(local_inputs)}")
+        local_inputs = ordered_inputs(self._input_keys, self._constant_inputs, local_inputs, local_kwargs)
         check_input_shapes(self._input_shapes, local_inputs)
         local_inputs = cast_inputs(local_inputs, self._compute_dtype)
         graph_module, gathered = self._graph_for_mode()

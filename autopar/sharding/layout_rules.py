@@ -156,27 +156,31 @@ def diff_rule(node, ins, out):
 
 
 def index_rule(node, ins, out):
-    """x[i0, i1, ...] with index tensors for the leading dims (no None gaps).
+    """x[:, ..., i0, i1, ...]: index tensors for adjacent dims, after leading whole dims (None in aten).
 
-    The output is the index tensors' broadcast shape followed by x's other
-    dims. Index tensors split like elementwise operands of that broadcast;
-    x must be whole along the dims it is indexed on (any rank may need any
-    row), and its other dims pass through.
+    The output is x's leading dims, then the index tensors' broadcast shape,
+    then x's other dims. Index tensors split like elementwise operands of that
+    broadcast; x must be whole along the dims it is indexed on (any rank may
+    need any row); its leading and trailing dims pass through.
     """
-    indices = node.args[1]
-    if any(i is None for i in indices) or len(ins) != 1 + len(indices):
+    indices = list(node.args[1])
+    lead = next((k for k, i in enumerate(indices) if i is not None), len(indices))
+    advanced = indices[lead:]
+    if not advanced or any(i is None for i in advanced) or len(ins) != 1 + len(advanced):
         return OpSpec(tuple("" for _ in ins), "", replicate_only=True)
     new = Letters()
     x = ins[0]
-    nb = out.ndim - (x.ndim - len(indices))
+    nb = out.ndim - (x.ndim - lead - len(advanced))   # the leading dims and the broadcast shape
     out_l = new(out.ndim)
     no_shard = set()
     x_l = ""
     for d in range(x.ndim):
-        if d < len(indices):
+        if d < lead:
+            x_l += out_l[d]
+        elif d < lead + len(advanced):
             c = new(); no_shard.add(c); x_l += c
         else:
-            x_l += out_l[nb + d - len(indices)]
+            x_l += out_l[nb + d - lead - len(advanced)]
     idx_l = []
     for m in ins[1:]:
         s = ""
