@@ -3,13 +3,16 @@
     python examples/finetune_hf.py --make-tiny /tmp/tiny-llama     # once: a small random Llama to try it on
     torchrun --nproc-per-node 4 examples/finetune_hf.py --model /tmp/tiny-llama --text README.md --steps 5
 
-The model is built on the meta device from the directory's config.json (no memory for weights), planned
-by autopar for a 2-axis mesh of the ranks, and `autopar.load_hf_checkpoint` fills each rank's shards,
-reading from the safetensors files only the slices it holds. The loss is the model's own: HF's `labels=`.
+The model is used as its authors ship it: built from the directory's config.json (its default
+`use_cache=True` included) on the meta device (no memory for weights), called with keywords as every HF
+training loop calls it, `out = pm(**batch)`, and trained on `out.loss` (HF's `labels=`). autopar plans it
+for a 2-axis mesh of the ranks, and `autopar.load_hf_checkpoint` fills each rank's shards, reading from the
+safetensors files only the slices it holds.
 
-The text file becomes token ids (the directory's tokenizer if it has one, else its bytes), cut into
-sequences. Each rank reads only its share of every batch, as a data loader would
-(`plan.data_shard()` -> a DistributedSampler), and rank 0 prints the loss of each step.
+Each line of the text file is one example (the directory's tokenizer if it has one, else its bytes),
+cut to --seq tokens and padded on the right as a collator pads: `attention_mask` 0 and `labels` -100 on the
+padding. Each rank reads only its share of every batch, as a data loader would (`plan.data_shard()` -> a
+DistributedSampler), and rank 0 prints the loss of each step.
 """
 import argparse
 import os
@@ -28,17 +31,6 @@ except ImportError:
     raise SystemExit("this example needs Hugging Face transformers: python -m pip install transformers")
 
 
-class CausalLMLoss(torch.nn.Module):
-    """The model as its authors call it for training: input ids and labels in, the mean loss out."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
-
-
 def make_tiny(path: str) -> None:
     """A 2-layer random Llama saved as save_pretrained saves a real one."""
     torch.manual_seed(0)
@@ -48,14 +40,26 @@ def make_tiny(path: str) -> None:
     print(f"a random 2-layer Llama saved to {path}")
 
 
-def token_ids(model_dir: str, text_path: str, vocab_size: int) -> torch.Tensor:
-    with open(text_path, encoding="utf-8") as f:
-        text = f.read()
+def tokenize(model_dir: str, vocab_size: int):
+    """text -> token ids: the directory's tokenizer, or (none there) the text's bytes folded into the vocabulary."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        return torch.tensor(tokenizer(text)["input_ids"])
-    except (OSError, ValueError):   # no tokenizer in the directory: bytes, folded into the vocabulary
-        return torch.tensor(list(text.encode("utf-8"))) % vocab_size
+        return lambda text: tokenizer(text)["input_ids"]
+    except (OSError, ValueError):
+        return lambda text: [b % vocab_size for b in text.encode("utf-8")]
+
+
+def padded_examples(text_path: str, tokenize, seq: int, pad_id: int = 0) -> TensorDataset:
+    """One example per non-empty line, cut to `seq` tokens and padded on the right, as HF's collators do:
+    (input_ids, attention_mask with 0 on padding, labels with -100 on padding)."""
+    with open(text_path, encoding="utf-8") as f:
+        lines = [ids[:seq] for ids in (tokenize(line.strip()) for line in f) if len(ids) > 1]
+    input_ids = torch.full((len(lines), seq), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(lines), seq, dtype=torch.long)
+    for row, ids in enumerate(lines):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        mask[row, :len(ids)] = 1
+    return TensorDataset(input_ids, mask, input_ids.masked_fill(mask == 0, -100))
 
 
 def main():
@@ -84,36 +88,39 @@ def main():
     shape = (2, world // 2) if world % 2 == 0 and world > 2 else (world,)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("x", "y")[:len(shape)])
 
-    config = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    config = AutoConfig.from_pretrained(args.model, local_files_only=True)   # use_cache=True, as shipped
     with torch.device("meta"):
-        model = CausalLMLoss(AutoModelForCausalLM.from_config(config))
-    example = torch.zeros(args.batch, args.seq, dtype=torch.long)
-    pm = autopar.parallelize(model, mesh, (example, example), strategy=args.strategy)
+        model = AutoModelForCausalLM.from_config(config)
+    # a global batch of the shapes training uses: the plan is made for them (the values do not matter)
+    example = {"input_ids": torch.zeros(args.batch, args.seq, dtype=torch.long),
+               "attention_mask": torch.ones(args.batch, args.seq, dtype=torch.long),
+               "labels": torch.zeros(args.batch, args.seq, dtype=torch.long)}
+    pm = autopar.parallelize(model, mesh, example_kwargs=example, strategy=args.strategy)
     pm.to_empty(device="cpu")
-    autopar.load_hf_checkpoint(pm, args.model, key_map=lambda k: "model." + k)
+    autopar.load_hf_checkpoint(pm, args.model)
     if rank == 0:
         print(pm.plan)
 
-    ids = token_ids(args.model, args.text, config.vocab_size)
-    sequences = ids[: len(ids) // args.seq * args.seq].view(-1, args.seq)
+    dataset = padded_examples(args.text, tokenize(args.model, config.vocab_size), args.seq)
     index, count = pm.plan.data_shard()
-    sampler = DistributedSampler(TensorDataset(sequences), num_replicas=count, rank=index, shuffle=True, seed=0)
-    loader = DataLoader(TensorDataset(sequences), batch_size=args.batch // count, sampler=sampler, drop_last=True)
+    sampler = DistributedSampler(dataset, num_replicas=count, rank=index, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=args.batch // count, sampler=sampler, drop_last=True)
     if rank == 0:
-        print(f"\n{len(sequences)} sequences of {args.seq} tokens; this rank reads share {index} of {count}, "
-              f"{args.batch // count} sequences a step")
+        print(f"\n{len(dataset)} examples padded to {args.seq} tokens; this rank reads share {index} of {count}, "
+              f"{args.batch // count} examples a step")
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=args.lr)
     step, epoch = 0, 0
     while step < args.steps:
         sampler.set_epoch(epoch)   # another order each pass over the text, the same on every rank
         epoch += 1
-        for (x,) in loader:
+        for input_ids, attention_mask, labels in loader:   # this rank's share of the batch
+            batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
             opt.zero_grad(set_to_none=True)
-            loss = pm(x, x)   # labels = the inputs: HF shifts them inside
-            loss.backward()
+            out = pm(**batch)   # HF shifts the labels inside; out.past_key_values is None (no cache in training)
+            out.loss.backward()
             opt.step()
             if rank == 0:
-                print(f"step {step}: loss {loss.item():.4f}")
+                print(f"step {step}: loss {out.loss.item():.4f}")
             step += 1
             if step == args.steps:
                 break

@@ -1,12 +1,15 @@
-"""KV caches left out of what a captured model returns.
+"""KV caches: not built while a model is captured, and left out of what it returns.
 
 Every Hugging Face causal LM's default config has `use_cache=True`, so a model
-called as shipped (`model(input_ids=..., labels=...)`) also returns its keys and
-values as a `DynamicCache`: a Python object torch.export cannot return, and one
-a training step never reads. While a model is traced, its outputs are rebuilt
-without such caches (`out.past_key_values` is then None, the field's default).
-Nothing is lost: the keys and values are computed for attention either way, and
-returning them would only keep them alive after the step.
+called as shipped (`model(input_ids=..., labels=...)`) builds a `DynamicCache`
+of its keys and values and returns it: a Python object torch.export cannot
+return, and one a training step never reads. Worse, the cache starts as an
+empty tensor made in forward (a constant the graph would carry, on the meta
+device for a model built there) and each layer copies its keys and values into
+it. So while a model is traced, a forward whose signature takes `use_cache` is
+called with `use_cache=False`: the same numbers, without the copies. Whatever
+cache a model returns anyway is left out of its outputs (`out.past_key_values`
+is then None, the field's default).
 
 transformers is not a dependency: a cache is recognised as an instance of its
 `Cache` class only when the model's code has imported transformers already.
@@ -14,6 +17,7 @@ transformers is not a dependency: a cache is recognised as an instance of its
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Mapping
 
@@ -40,15 +44,29 @@ def without_caches(out, cache_types: tuple):
     return out
 
 
+def _takes_use_cache(model: torch.nn.Module) -> bool:
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _no_cache(module, args, kwargs):
+    return args, {**kwargs, "use_cache": False}
+
+
 @contextlib.contextmanager
 def caches_left_out(model: torch.nn.Module):
-    """While open, `model`'s outputs leave out KV caches (a forward hook, which torch.export traces)."""
+    """While open, `model` is called with use_cache=False where its forward takes it, and its outputs leave
+    out KV caches (forward hooks, which torch.export traces)."""
     cache_types = _cache_types()
-    if not cache_types:
-        yield
-        return
-    handle = model.register_forward_hook(lambda module, args, out: without_caches(out, cache_types))
+    handles = []
+    if _takes_use_cache(model):
+        handles.append(model.register_forward_pre_hook(_no_cache, with_kwargs=True))
+    if cache_types:
+        handles.append(model.register_forward_hook(lambda module, args, out: without_caches(out, cache_types)))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()

@@ -219,3 +219,78 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
             record["comm"] = [r for r in pm.comm.log.records if r[3] != "checkpoint"]
     record["params"] = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
     return record
+
+
+# -----------------------------------------------------------------------------
+# a model called with keywords, its loss inside forward (Hugging Face's `labels=`)
+
+def keyword_reference(model: nn.Module, batch: dict, optimizer, lr: float, steps: int = 3) -> dict:
+    """One device trains `model` (a copy) as a Hugging Face script does: `out = model(**batch)`,
+    `out.loss.backward()`, `opt.step()`. Records each step's loss and the parameters after the steps."""
+    import copy
+    model = copy.deepcopy(model)
+    opt = optimizer(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def keyword_parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, batch: dict, strategy: str,
+                            runs: dict, steps: int = 3) -> dict:
+    """keyword_reference's parallel counterpart on one rank, once per entry of `runs` ({name: (optimizer
+    class, lr)}), each from the same start: `pm(**plan.local_kwargs(**batch))`. One parallelize serves every
+    run (its capture is what takes the time): the starting weights are loaded back between runs.
+    Records {name: {"losses", "params"}} and what the module's outputs held (`past_key_values`, the local
+    logits' shape)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[:len(mesh_shape)])
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, example_kwargs=batch, strategy=strategy)
+    local = pm.plan.local_kwargs(**batch)
+    start = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    record = {"plan": pm.plan}
+    for name, (optimizer, lr) in runs.items():
+        pm.load_state_dict(start)
+        opt = autopar.ShardedOptimizer(pm, optimizer, lr=lr)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            out = pm(**local)
+            out.loss.backward()
+            opt.step()
+            losses.append(out.loss.item())
+        record[name] = {"losses": losses, "params": {k: v.clone() for k, v in pm.state_dict(full=True).items()}}
+    record["past_key_values"] = out.past_key_values
+    record["logits_shape"] = tuple(out.logits.shape)
+    return record
+
+
+def check_keyword_training(model: nn.Module, batch: dict, strategy: str, runs: dict, atol: dict,
+                           mesh_shape: tuple = (2, 2), references: dict | None = None) -> list:
+    """Train `model` with keywords under `strategy` on threaded ranks, once per entry of `runs` ({name:
+    (optimizer class, lr)}), and assert every rank's losses and parameters after the steps equal one
+    device's (keyword_reference, or `references` by run name) to `atol[name]`. Returns the ranks' records."""
+    from .threaded import run_threaded
+    refs = references or {name: keyword_reference(model, batch, opt, lr) for name, (opt, lr) in runs.items()}
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    records = run_threaded(world, keyword_parallel_record, model, mesh_shape, batch, strategy, runs, timeout=300)
+    for rank, rec in enumerate(records):
+        for name, ref in refs.items():
+            where = f"{type(model).__name__} {strategy} {name} rank {rank}"
+            torch.testing.assert_close(torch.tensor(rec[name]["losses"]), torch.tensor(ref["losses"]),
+                                       atol=atol[name], rtol=0, msg=lambda m: f"{where} losses: {m}")
+            for fqn, value in ref["params"].items():
+                torch.testing.assert_close(rec[name]["params"][fqn], value, atol=atol[name], rtol=0,
+                                           msg=lambda m: f"{where} {fqn}: {m}")
+    return records

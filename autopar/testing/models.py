@@ -207,3 +207,42 @@ def tiny_llama(num_layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: i
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
                       use_cache=False, attn_implementation="sdpa")
     return LogitsOnly(LlamaForCausalLM(cfg)).train()
+
+
+def shipped_causal_lm(family: str) -> nn.Module:
+    """A Hugging Face causal LM of `family` ("llama", "qwen2", "gpt2") as its authors ship it: the family's
+    default config (use_cache=True, its default attention implementation, GPT-2's tied embeddings) shrunk
+    to 2 layers of width 32 over a vocabulary of 64, in train mode. Called with keywords and `labels=`.
+
+    GPT-2's default dropout (0.1) is set to 0: a one-device comparison needs the same masks, which no
+    split of the batch draws (tests/test_dropout_rng.py tests dropout on its own)."""
+    import transformers
+    small = dict(vocab_size=64, num_hidden_layers=2)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg).train()
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    cfg = config_class(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=64, **small)
+    return model_class(cfg).train()
+
+
+def padded_batch(batch: int = 4, seq: int = 8, vocab: int = 64, seed: int = 0) -> dict:
+    """A tokenized batch as a Hugging Face collator gives it: input_ids, attention_mask (0 on padding) and
+    labels (-100 on padding). Rows are padded unevenly -- on the right, not at all, on the left, a lot on
+    the left -- so the shards of a split batch hold different numbers of counted tokens."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    pads = [("right", 3), ("none", 0), ("left", 2), ("left", seq // 2 + 1)]
+    for row in range(batch):
+        side, n = pads[row % len(pads)]
+        if side == "right" and n:
+            mask[row, -n:] = 0
+        elif side == "left" and n:
+            mask[row, :n] = 0
+    input_ids[mask == 0] = 0    # the pad token
+    labels = input_ids.masked_fill(mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
