@@ -7,7 +7,8 @@
 
 MODEL is a config.json, a directory holding one (what `save_pretrained` writes), or a Hugging Face
 model id found in the local cache; nothing is downloaded. The model is built on the meta device with
-transformers' AutoModelForCausalLM.from_config, so no weight is read or allocated.
+transformers' AutoModelForCausalLM.from_config, so no weight is read or allocated, and planned as shipped:
+called with keywords, `model(input_ids=...)`, its config's use_cache as it is (capture/caches.py).
 
 Exit status: 0 done; 1 no plan fits (the message says what would); 2 bad input (one line on stderr).
 """
@@ -35,17 +36,6 @@ from .whatif import max_batch
 
 class CliError(Exception):
     """Bad input: printed as one line, exit status 2."""
-
-
-class Logits(torch.nn.Module):
-    """A causal LM as autopar plans it: token ids in, logits out (the loss is the training loop's)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 def main(argv=None) -> int:
@@ -141,17 +131,18 @@ def load_config(model: str):
 
 
 def build(config) -> torch.nn.Module:
-    """The causal LM of `config` on the meta device, logits out."""
+    """The causal LM of `config` on the meta device, as shipped (called with input_ids=, logits out; the
+    loss is the training loop's)."""
     from transformers import AutoModelForCausalLM
-    config.use_cache = False
     with torch.device("meta"):
-        return Logits(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-def _inputs(config, args) -> tuple:
+def _inputs(config, args) -> dict:
+    """The keyword inputs the model is planned with: a batch of token ids."""
     if args.batch < 1 or args.seq < 1:
         raise CliError(f"--batch {args.batch} --seq {args.seq}: both must be positive")
-    return (torch.randint(0, config.vocab_size, (args.batch, args.seq), device="meta"),)
+    return {"input_ids": torch.randint(0, config.vocab_size, (args.batch, args.seq), device="meta")}
 
 
 def _options(args) -> dict:
@@ -215,7 +206,7 @@ def _planned(fn, *args, **kwargs):
 # ---------------------------------------------------------------- commands
 
 def _model(args, what: str) -> tuple:
-    """(the model on meta, its example inputs, the start time), with a line saying what is planned."""
+    """(the model on meta, its example keyword inputs, the start time), with a line saying what is planned."""
     start = time.perf_counter()
     config = load_config(args.model)
     model = build(config)
@@ -227,8 +218,8 @@ def _model(args, what: str) -> tuple:
 def _plan(args) -> int:
     model, inputs, start = _model(args, f"strategy {args.strategy}")
     with _progress_shown(start):
-        p = _planned(plan, model, inputs, args.mesh, strategy=args.strategy, pipeline_axis=args.pipeline,
-                     **_options(args))
+        p = _planned(plan, model, (), args.mesh, example_kwargs=inputs, strategy=args.strategy,
+                     pipeline_axis=args.pipeline, **_options(args))
     _progress("planned", start)
     print(p)
     tokens = args.batch * args.seq
@@ -268,7 +259,7 @@ def _largest_batch(p: Plan, memory) -> str:
 def _compare(args) -> int:
     model, inputs, start = _model(args, "every strategy")
     with _progress_shown(start):
-        plans = _planned(compare, model, inputs, args.mesh, **_options(args))
+        plans = _planned(compare, model, (), args.mesh, example_kwargs=inputs, **_options(args))
     _progress("planned", start)
     print(compare_table(plans, args.batch * args.seq, args.memory))
     if args.plot:
