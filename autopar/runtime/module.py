@@ -275,6 +275,11 @@ class ParallelModule(torch.nn.Module):
         dist.broadcast(loss, group=group, group_src=(pipe.num_stages - 1) % p)
         return loss
 
+    def manual_seed(self, seed: int) -> None:
+        """Start the random streams of dropout and the other random ops again from `seed`; call it with the same
+        seed on every rank (runtime/rng.py: each shard's stream comes from the seed and the shard's coordinates)."""
+        self.comm.random_streams.manual_seed(seed)
+
     def forward(self, *local_inputs):
         # compiled, the weights go through the buckets before the graph (grad_buckets.BucketedUse)
         graph_module, gathered, args = self._graph_args(local_inputs, torch.compiler.is_dynamo_compiling())
