@@ -72,6 +72,7 @@ def _own_generators(rank, probs_model, linear_model, stack, x_probs, x_rows, x_s
     return out
 
 
+@pytest.mark.gloo
 def test_processes_seeded_alike_draw_a_mask_per_shard_and_seeded_apart_one_per_replica():
     torch.manual_seed(0)
     probs_model, x_probs = AttentionProbs().train(), torch.randn(2, 8, 16)
