@@ -18,8 +18,9 @@ from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan
 from .planner import check_reshard, plan_captured
 from .runtime.collectives import AxisGroup, Comm
-from .runtime.module import ParallelModule
+from .runtime.module import ParallelModule, mesh_device
 from .runtime.rewrite import rewrite
+from .runtime.rng import RandomStreams, agreed_seed
 from .search.classics import STRATEGIES
 from .search.pipeline import check_request
 
@@ -218,7 +219,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
     axes = [AxisGroup(mesh.get_group(name), size, coords[i])
             for i, (name, size) in enumerate(zip(spec.axis_names, spec.axis_sizes))]
     from .runtime.collectives import CommLog
-    comm = Comm(axes, CommLog() if record_comm else None)
+    comm = Comm(axes, CommLog() if record_comm else None,
+                random_streams=RandomStreams(agreed_seed(axes, mesh_device(mesh))))
     grad_nodes = needs_grad(cap)
     gm, gathered = rewrite(cap, plan, comm, grad_nodes)
     if plan.pipeline is None:

@@ -22,6 +22,7 @@ from ..sharding.placement import chunk_span
 from ..sharding.placement import shard_dim as _cached_shard_dim
 from ..sharding.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHUNK, NONE, REDUCE_SCATTER, ZERO, Step,
                                      transition)
+from .rng import RandomStreams
 
 
 @dataclass
@@ -76,6 +77,8 @@ class Comm:
     # axis -> seconds this rank spent blocked in collectives (calls and waits); None: not timed.
     # autopar.audit sets it to measure the exposed communication the plan predicts.
     clock: dict | None = None
+    # the streams this rank's random ops draw from (rng.py): parallelize seeds them alike on every rank
+    random_streams: RandomStreams = field(default_factory=lambda: RandomStreams(0))
 
     def start(self):
         """A blocking call or wait begins: its start time when the clock runs, else None."""

@@ -278,6 +278,11 @@ class ParallelModule(torch.nn.Module):
         dist.broadcast(loss, group=group, group_src=(pipe.num_stages - 1) % p)
         return loss
 
+    def manual_seed(self, seed: int) -> None:
+        """Start the random streams of dropout and the other random ops again from `seed`; call it with the same
+        seed on every rank (runtime/rng.py: each shard's stream comes from the seed and the shard's coordinates)."""
+        self.comm.random_streams.manual_seed(seed)
+
     def forward(self, *local_inputs, **local_kwargs):
         """The model's forward on this rank's shard of its inputs, called as the model is: positional and
         keyword inputs (`plan.local_inputs`, `plan.local_kwargs` cut them from the global batch)."""

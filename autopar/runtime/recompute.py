@@ -36,6 +36,10 @@ class CheckpointRegion(torch.nn.Module):
         if self.observer is not None:
             self.observer(inputs)
         calls = [0]
+        streams = self.comm.random_streams
+        # torch.utils.checkpoint replays the default generators, not autopar's streams (rng.py): the rerun
+        # starts them from where forward did, so it draws forward's dropout masks
+        drawn_from = streams.snapshot()
 
         def run(*args):
             calls[0] += 1
@@ -44,7 +48,8 @@ class CheckpointRegion(torch.nn.Module):
             # backward's rerun: its collectives are logged as the recompute's, not forward's
             self.comm.forward_phase = "recompute"
             try:
-                return self.body(*args)
+                with streams.replaying(drawn_from):
+                    return self.body(*args)
             finally:
                 self.comm.forward_phase = "forward"
         return checkpoint(run, *inputs, use_reentrant=False)

@@ -30,6 +30,7 @@ from .collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, tr
 from .layer_groups import GroupGather, InFlight, LayerGroup
 from .recompute import outline
 from .regather import GatheredParams
+from .rng import RandomOp, draws_random, shard_key
 from .vocab_parallel import local_target, vocab_parallel_loss
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
@@ -337,6 +338,8 @@ class _Rewriter:
             mod_name = f"vocab_parallel_{self._count}_{node.name}"
             self.root.add_module(mod_name, vocab_parallel_loss(node, s, self.comm, self.coords, self.sizes))
             new = self.g.call_module(mod_name, (args[0], args[1]))
+        elif draws_random(node):
+            new = self._call_random(node, s, args, kwargs)
         else:
             target, extra = local_target(node, s, self.coords, self.sizes)
             if extra:  # vocab_parallel_embedding(weight, indices, start, local padding_idx)
@@ -344,6 +347,17 @@ class _Rewriter:
             new = self.g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.env[node.name] = new
+
+    def _call_random(self, node: fx.Node, s, args, kwargs) -> fx.Node:
+        """A random op drawing from the stream of this rank's shard of its output (rng.py): per shard where the
+        output is split, shared where it is replicated."""
+        key = shard_key(s.output if s is not None else (R,) * len(self.sizes), self.coords, self.sizes)
+        self._count += 1
+        mod_name = f"random_{self._count}_{node.name}"
+        shards = ", ".join(f"{self.names[a]}={c}" for a, c in key) or "shared by all ranks"
+        label = f"{node.name}: stream {shards}"
+        self.root.add_module(mod_name, RandomOp(node.target, self.comm.random_streams, key, label))
+        return self.g.call_module(mod_name, args, kwargs)
 
     def _global_size(self, node: fx.Node) -> fx.Node:
         """A sym_size read of a local tensor, multiplied back to the global size the graph computes with."""

@@ -1,0 +1,204 @@
+"""Dropout under a plan: one mask per replica, independent masks per shard (runtime/rng.py).
+
+On one device the mask of head 0 and that of head h/2, or of batch rows 0 and B/2, are independent draws.
+Ranks that hold different shards of a dropout's output (heads under tp, sequence positions under sp, batch
+rows under dp) must draw different masks, and ranks that hold the same values (the tp ranks of a replicated
+activation) the same mask, or their replicas drift apart.
+
+Threads of one process (run_threaded) share torch's default generators, so what a rank's own generator would
+do is checked in real processes (run_gloo): ranks seeded alike gave every shard one mask before rng.py, ranks
+seeded differently gave replicas different masks. The threaded tests check the streams each random op draws
+from across layouts: masks equal exactly where the layout replicates the op's output, replicated weights
+bitwise equal across tp ranks after SGD and AdamW steps, checkpoint recompute replaying forward's masks
+(gradients equal to the run without checkpointing), manual_seed, and torch.compile.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.runtime.rng import RandomOp
+from autopar.testing import MegatronStack, run_gloo, run_threaded
+
+P = 0.5
+
+
+class AttentionProbs(nn.Module):
+    """Attention probabilities after dropout, [b, heads, s, s]: a tp plan splits them by head; the module
+    returns them whole, so every rank sees every head's mask."""
+
+    def __init__(self, hidden: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.drop = nn.Dropout(P)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k = (f(x).view(b, s, self.heads, h // self.heads).transpose(1, 2) for f in (self.q, self.k))
+        return self.drop((q @ k.transpose(-2, -1)).softmax(-1))
+
+
+def _mesh(shape, names):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _parallelize(model, shape, names, x, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        return autopar.parallelize(copy.deepcopy(model), _mesh(shape, names), (x,), hardware="cpu", **kwargs)
+
+
+# ----------------------------------------------------------------------------- real processes
+
+def _own_generators(rank, probs_model, linear_model, stack, x_probs, x_rows, x_stack):
+    """Each case in this process, with its own default generator seeded as users do."""
+    out = {}
+    torch.manual_seed(0)   # every rank alike: the common case
+    pm = _parallelize(probs_model, (2,), ("tp",), x_probs, strategy="tp")
+    out["probs"] = pm(*pm.plan.local_inputs(x_probs)).detach()
+    pm = _parallelize(linear_model, (2,), ("dp",), x_rows, strategy="ddp")
+    out["rows"] = pm(*pm.plan.local_inputs(x_rows)).detach()
+    torch.manual_seed(rank)   # every rank differently (or not at all): replicas must still agree
+    pm = _parallelize(stack, (2,), ("tp",), x_stack, strategy="tp")
+    out["replicated"] = pm(*pm.plan.local_inputs(x_stack)).detach()
+    return out
+
+
+@pytest.mark.gloo
+def test_processes_seeded_alike_draw_a_mask_per_shard_and_seeded_apart_one_per_replica():
+    torch.manual_seed(0)
+    probs_model, x_probs = AttentionProbs().train(), torch.randn(2, 8, 16)
+    linear_model, x_rows = nn.Sequential(nn.Linear(16, 16), nn.Dropout(P)).train(), torch.randn(8, 16)
+    stack, x_stack = MegatronStack(num_layers=1, hidden=16, heads=4, dropout=P).train(), torch.randn(2, 8, 16)
+    ranks = run_gloo(2, _own_generators, probs_model, linear_model, stack, x_probs, x_rows, x_stack, timeout=300)
+
+    probs = ranks[0]["probs"]   # whole: [b, 4 heads, s, s], heads 0-1 drawn on tp rank 0, 2-3 on rank 1
+    assert probs.shape == (2, 4, 8, 8) and torch.equal(probs, ranks[1]["probs"])
+    kept = probs != 0
+    assert not torch.equal(kept[:, :2], kept[:, 2:]), "tp rank 1's heads were dropped as rank 0's"
+    assert 0.3 < kept.float().mean() < 0.7
+
+    rows = [r["rows"] != 0 for r in ranks]   # each rank's 4 rows of the batch of 8
+    assert rows[0].shape == (4, 16) and not torch.equal(rows[0], rows[1]), "dp rank 1's rows dropped as rank 0's"
+
+    assert torch.equal(ranks[0]["replicated"], ranks[1]["replicated"]), \
+        "tp ranks seeded differently drew different masks for a replicated activation"
+
+
+# ----------------------------------------------------------------------------- threads
+
+LAYOUTS = [("tp", (2,), ("tp",)), ("tp+sp", (2,), ("tp",)), ("fsdp+tp", (2, 2), ("dp", "tp"))]
+
+
+def _stack(num_layers: int = 1):
+    torch.manual_seed(0)
+    return MegatronStack(num_layers=num_layers, hidden=16, heads=4, dropout=P).train(), torch.randn(4, 8, 16)
+
+
+def _record_masks(pm) -> dict:
+    """{random op's module name: (its stream key, the kept-mask of its last call)}, filled as pm runs."""
+    seen = {}
+    for name, m in pm.graph_module.named_modules():
+        if isinstance(m, RandomOp):
+            m.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, (mod.key, out != 0)))
+    return seen
+
+
+def _train(rank, model, x, strategy, shape, names, optimizer):
+    pm = _parallelize(model, shape, names, x, strategy=strategy)
+    pm.manual_seed(1234)
+    masks = _record_masks(pm)
+    opt = autopar.ShardedOptimizer(pm, optimizer, lr=0.1)
+    (local,) = pm.plan.local_inputs(x)
+    for _ in range(2):
+        opt.zero_grad()
+        out = pm(local)
+        out.square().mean().backward()
+        opt.step()
+    tp = names.index("tp")
+    replicated = {n: p.detach().clone() for n, p in pm.named_parameters() if pm.plan.param_placements[n][tp] == "R"}
+    return {"coords": tuple(a.coord for a in pm.comm.axes), "masks": masks, "out": out.detach(),
+            "replicated": replicated}
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("strategy, shape, names", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_shards_draw_their_own_masks_and_replicas_stay_bitwise_equal(strategy, shape, names, optimizer):
+    model, x = _stack()
+    ranks = run_threaded(math.prod(shape), _train, model, x, strategy, shape, names, optimizer)
+    tp = names.index("tp")
+    masks = ranks[0]["masks"]
+    assert len(masks) == 3   # attention probabilities', after attention, after the MLP
+    split_by_tp = [n for n, (key, _) in masks.items() if tp in dict(key)]
+    assert split_by_tp, "no dropout split by tp: the layout under test is not the one meant"
+    for name in masks:
+        for a in range(len(ranks)):
+            for b in range(a + 1, len(ranks)):
+                (key_a, mask_a), (key_b, mask_b) = ranks[a]["masks"][name], ranks[b]["masks"][name]
+                if key_a == key_b:   # the same shard of the op's output: one mask
+                    assert torch.equal(mask_a, mask_b), f"{name}: ranks {a}, {b} hold one replica, drew two masks"
+                else:
+                    assert not torch.equal(mask_a, mask_b), f"{name}: ranks {a}, {b} hold other shards, drew one mask"
+    for a in range(len(ranks)):
+        for b in range(len(ranks)):
+            same_data_shard = all(ca == cb for i, (ca, cb) in enumerate(zip(ranks[a]["coords"], ranks[b]["coords"]))
+                                  if i != tp)
+            if a < b and same_data_shard:   # tp ranks of one dp group: the output and replicated weights agree
+                assert torch.equal(ranks[a]["out"], ranks[b]["out"])
+                for n, p in ranks[a]["replicated"].items():
+                    assert torch.equal(p, ranks[b]["replicated"][n]), f"{n} drifted apart on tp ranks {a}, {b}"
+
+
+def _grads(rank, model, x, checkpointing):
+    """Seed 7's output and gradients, and seed 8's output."""
+    pm = _parallelize(model, (2,), ("tp",), x, strategy="tp", checkpointing=checkpointing)
+    assert bool(pm.plan.checkpointed) == (checkpointing == "full")
+    (local,) = pm.plan.local_inputs(x)
+    pm.manual_seed(7)
+    out = pm(local)
+    out.square().mean().backward()
+    pm.manual_seed(8)
+    with torch.no_grad():
+        other = pm(local)
+    return out.detach(), {n: p.grad.clone() for n, p in pm.named_parameters()}, other
+
+
+def test_checkpoint_recompute_draws_the_masks_forward_drew():
+    model, x = _stack(num_layers=2)   # checkpointing keeps a layer's input: two layers to recompute
+    plain = run_threaded(2, _grads, model, x, "none")
+    recomputed = run_threaded(2, _grads, model, x, "full")
+    for (out, grads, other), (out_r, grads_r, _) in zip(plain, recomputed):
+        assert torch.equal(out, out_r)   # the same seed draws the same masks
+        assert not torch.equal(out, other)
+        for n, g in grads.items():   # rerun with other masks, backward would take other gradients
+            torch.testing.assert_close(grads_r[n], g, rtol=0, atol=1e-6, msg=f"{n}'s gradient")
+
+
+def _compiled(rank, model, x):
+    pm = _parallelize(model, (2,), ("tp",), x, strategy="tp")
+    masks = _record_masks(pm)
+    torch.distributed.barrier()   # no rank traces (export) while another compiles: torch would skip compiling
+    run = torch.compile(pm, backend="eager")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "torch.compile is ignored")
+        run(*pm.plan.local_inputs(x)).sum().backward()
+    return masks
+
+
+def test_compiled_module_draws_a_mask_per_shard():
+    model, x = _stack()
+    ranks = run_threaded(2, _compiled, model, x)
+    split = [n for n, (key, _) in ranks[0].items() if key]
+    assert split
+    for n in split:
+        assert not torch.equal(ranks[0][n][1], ranks[1][n][1])
+    for n in set(ranks[0]) - set(split):
+        assert torch.equal(ranks[0][n][1], ranks[1][n][1])
