@@ -5,7 +5,7 @@ from .audit import AuditReport, audit
 from .calibrate import Calibration, calibrate
 from .cost.precision import BF16_MIXED, OptimizerSpec, Precision
 from .errors import (AutoparError, CaptureError, DivisibilityWarning, InfeasiblePlanError, InputShapeError, MeshError,
-                     PipelineError, PlanError, ShardingError, UnsupportedOpWarning)
+                     PipelineError, PlanError, ShardingError, UnsupportedAutogradError, UnsupportedOpWarning)
 from .plan_result import Plan
 from .runtime.clip_grad import clip_grad_norm_
 from .runtime.dcp_checkpoint import load_checkpoint
@@ -18,6 +18,7 @@ from .whatif import max_batch, min_axis_size, min_compute_bound_batch
 __all__ = ["plan", "compare", "parallelize", "checkpoint", "audit", "AuditReport", "calibrate", "Calibration", "Plan", "ParallelModule", "ShardedOptimizer", "clip_grad_norm_", "load_checkpoint",
            "load_hf_checkpoint",
            "Precision", "BF16_MIXED", "OptimizerSpec", "AutoparError", "CaptureError",
-           "InfeasiblePlanError", "InputShapeError", "DivisibilityWarning", "MeshError", "PipelineError", "PlanError", "ShardingError", "UnsupportedOpWarning",
+           "InfeasiblePlanError", "InputShapeError", "DivisibilityWarning", "MeshError", "PipelineError", "PlanError", "ShardingError", "UnsupportedAutogradError",
+           "UnsupportedOpWarning",
            "max_batch", "min_compute_bound_batch", "min_axis_size", "STRATEGIES"]
 __version__ = "0.1.0"

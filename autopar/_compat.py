@@ -11,6 +11,8 @@ autopar may import those modules directly.
   a 1000-rank DeviceMesh can be built (and a plan traced) in one process.
 - storage_id: which traced (fake) tensors share a storage.
 - pipeline_stage: a PipelineStage whose shape inference gives integer inputs zeros.
+- backward_keeps_graph, backward_id, leaf_gradient_use: what the backward now
+  running is, for the gradient reductions that run inside it.
 """
 
 import threading
@@ -144,6 +146,39 @@ def at_backward_end(callback) -> None:
     gradients are whole when `loss.backward()` returns; torch has no public API for it."""
     from torch.autograd import Variable
     Variable._execution_engine.queue_callback(callback)
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the backward pass now running keeps its graph (retain_graph=True): another backward may
+    run through the same graph and bring the same gradients again (call from inside backward)."""
+    return torch._C._autograd._get_current_graph_task_keep_graph()
+
+
+def backward_id() -> int:
+    """The id of the backward pass now running (call from inside backward): each loss.backward() and each
+    torch.autograd.grad has its own, so a callback queued in a backward that raised (which torch never
+    runs) can be told from one still to come."""
+    return torch._C._current_graph_task_id()
+
+
+# what the backward now running does with a leaf's gradient (leaf_gradient_use)
+TO_GRAD, RETURNED, NOT_NEEDED = "to .grad", "returned", "not needed"
+
+
+def leaf_gradient_use(grad_accumulator) -> str:
+    """TO_GRAD when the backward now running accumulates the leaf's gradient into .grad (loss.backward(),
+    or backward(inputs=) naming it), RETURNED when it hands it back to its caller (torch.autograd.grad with
+    respect to the leaf), NOT_NEEDED when it does neither (backward(inputs=) or autograd.grad naming other
+    tensors). `grad_accumulator`: the leaf's AccumulateGrad node (ctx.next_functions of an op reading it).
+
+    torch has no call that says so: _will_engine_execute_node answers the first and the last, and refuses
+    a leaf autograd.grad captures with the RuntimeError below, which is how the middle one shows."""
+    try:
+        return TO_GRAD if torch._C._will_engine_execute_node(grad_accumulator) else NOT_NEEDED
+    except RuntimeError as e:
+        if "autograd.grad" in str(e):
+            return RETURNED
+        raise
 
 
 # -----------------------------------------------------------------------------

@@ -46,5 +46,10 @@ class PipelineError(AutoparError):
     """A pipeline request cannot be met (axis, stages, microbatches or schedule)."""
 
 
+class UnsupportedAutogradError(AutoparError):
+    """An autograd call the parallel module's gradient reductions cannot serve (torch.autograd.grad with
+    respect to parameters whose gradient the module reduces)."""
+
+
 class InputShapeError(AutoparError):
     """The parallel module was called with an input of a shape its graph cannot take."""

@@ -19,6 +19,14 @@ first use in forward -- the order backward makes their gradients -- up to
 `bucket_bytes` each. Under `accumulating()` (no_sync, and a pipeline's
 microbatches) gradients are summed locally and reduced once by `flush()`.
 
+The counts of uses still to arrive only time the launches: a gradient that
+arrives after its bucket was launched in this backward (a second backward
+through a graph kept with retain_graph=True, or the counts of forwards that
+never ran backward) completes that bucket and starts it again, reduced when
+backward ends. torch.autograd.grad with respect to a routed weight is refused
+(returned_gradient_error): its gradient goes to the buckets, not back to the
+caller.
+
 The weight's gradient never goes through autograd's own accumulation: .grad
 only ever holds reduced values, so accumulating over steps without no_sync
 stays right (a partial sum added to a reduced one could not be reduced again).
@@ -31,9 +39,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._compat import at_backward_end
+from .._compat import RETURNED, TO_GRAD, at_backward_end, backward_id, backward_keeps_graph, leaf_gradient_use
 from ..cost.buckets import assign_buckets
-from ..errors import PlanError
+from ..errors import PlanError, UnsupportedAutogradError
 from ..sharding.redistribute import ALL_REDUCE
 from .collectives import Comm, log_collective
 
@@ -45,6 +53,7 @@ class _Slot:
     bucket: int
     offset: int
     outstanding: int = 0   # forward uses whose gradient has not arrived yet
+    uses: int = 0          # forward uses since the last backward that did not keep its graph
 
 
 @dataclass
@@ -81,8 +90,31 @@ class DeferredReduce(torch.autograd.Function):
             for i in ctx.slots:
                 ctx.buckets.passed(i)
             return (None, None, *grads)
+        slots = ctx.buckets.slots
+        grads = to_grad(grads, ctx.next_functions, lambda k: slots[ctx.slots[k]].name, "a gradient bucket's all-reduce")
         ctx.buckets.arrive(ctx.slots, grads, ctx.accumulate)
         return (None, None) + (None,) * len(grads)
+
+
+def to_grad(grads: tuple, next_functions, name_of, reduction: str) -> tuple:
+    """`grads` of the weights whose gradient accumulators are `next_functions` (the reading op's ctx), with
+    None for one the backward now running does not accumulate into .grad (backward(inputs=) naming other
+    tensors); refuses torch.autograd.grad with respect to one (`name_of(k)`: the k-th weight's name)."""
+    out = []
+    for k, (grad, (node, _)) in enumerate(zip(grads, next_functions)):
+        use = TO_GRAD if node is None else leaf_gradient_use(node)
+        if use == RETURNED:
+            raise returned_gradient_error(name_of(k), reduction)
+        out.append(grad if use == TO_GRAD else None)
+    return tuple(out)
+
+
+def returned_gradient_error(name: str, reduction: str) -> UnsupportedAutogradError:
+    return UnsupportedAutogradError(
+        f"torch.autograd.grad with respect to parameter {name!r} is not supported under this plan: the module "
+        f"reduces its gradient across ranks itself ({reduction}) as backward makes it, and sets .grad when "
+        "backward ends, so autograd.grad would get None (or this rank's unreduced share). Call loss.backward() and "
+        "read p.grad (pm.full_grads() for whole gradients); torch.autograd.grad with respect to the inputs works")
 
 
 class GradBuckets:
@@ -117,7 +149,7 @@ class GradBuckets:
         self._accumulating = False
         self._through_autograd = False
         self._next_launch = 0          # buckets launch in index order
-        self._callback_queued = False
+        self._callback_queued = None   # the backward_id whose end runs _finish
         self._reducing = False
 
     def use(self, names: list, params: list) -> list:
@@ -143,6 +175,7 @@ class GradBuckets:
             # the parameter forward reads now: to_empty (a meta-built model) replaces the ones made at construction
             slot.param = params[k]
             slot.outstanding += 1
+            slot.uses += 1
             self.buckets[slot.bucket].outstanding += 1
         out = list(params)
         for k, view in zip(ks, DeferredReduce.apply(self, tuple(slots[k] for k in ks), *(params[k] for k in ks))):
@@ -200,8 +233,10 @@ class GradBuckets:
 
     def arrive(self, slots: tuple, grads: tuple, accumulate: bool = False) -> None:
         """The gradients of one DeferredReduce's weights (None where one did not come) are in."""
-        if not self._callback_queued:
-            self._callback_queued = True
+        if self._callback_queued != backward_id():
+            if self._callback_queued is not None:   # queued in a backward that raised: torch never ran it
+                self._drop_backward()
+            self._callback_queued = backward_id()
             at_backward_end(self._finish)
         summing = accumulate or self._accumulating
         for i, grad in zip(slots, grads):
@@ -222,9 +257,8 @@ class GradBuckets:
     def _copy_in(self, i: int, grad: torch.Tensor) -> None:
         slot = self.slots[i]
         b = self.buckets[slot.bucket]
-        if b.work is not None:
-            raise PlanError(f"the gradient of {slot.name!r} arrived after its bucket was all-reduced in this backward "
-                            "(a use forward did not count); report this with the model")
+        if b.work is not None:   # launched before this gradient came: reduce it with a second launch at the end
+            self._complete(b)
         self._add(b, i, grad)
         pending = self._pending.pop(i, None)
         if pending is not None:
@@ -292,16 +326,41 @@ class GradBuckets:
 
     def _finish(self) -> None:
         """End of backward: launch what has not launched, wait for all, set the gradients."""
-        self._callback_queued = False
-        if not self._reducing:   # every gradient of this backward was only summed (no_sync)
-            return
-        self._reducing = False
-        for b in self.buckets[self._next_launch:]:
-            self._take_pending(b)
-            self._launch(b)
-        self._next_launch = 0
+        self._callback_queued = None
+        if self._reducing:   # else every gradient of this backward was only summed (no_sync)
+            self._reducing = False
+            for b in self.buckets:   # in index order, as on every rank; those launched in backward are on their way
+                if b.work is None:
+                    self._take_pending(b)
+                    self._launch(b)
+            self._next_launch = 0
+            for b in self.buckets:
+                self._complete(b)
+        self._count_uses_again(backward_keeps_graph())
+
+    def _drop_backward(self) -> None:
+        """Forget what a backward that raised half did (its gradients never reach .grad); its launched
+        all-reduces are waited on, as every rank launched them."""
         for b in self.buckets:
-            self._complete(b)
+            if b.work is not None:
+                b.work.wait()
+            b.flat, b.work, b.outstanding = None, None, 0
+            b.written.clear()
+        for s in self.slots:
+            s.outstanding = s.uses = 0
+        self._next_launch, self._reducing = 0, False
+
+    def _count_uses_again(self, graph_kept: bool) -> None:
+        """A backward that keeps its graph may be followed by another through it, which brings the gradients
+        of the same uses again: wait for them as for this one's."""
+        for s in self.slots:
+            if graph_kept:
+                s.outstanding = s.uses
+            else:
+                s.uses = 0
+        if graph_kept:
+            for b in self.buckets:
+                b.outstanding = sum(self.slots[i].outstanding for i in b.slots)
 
     def flush(self) -> None:
         """Reduce every gradient summed under accumulating() now (a pipeline's step ends with this)."""

@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._compat import at_backward_end
-from ..errors import PlanError
+from .._compat import RETURNED, at_backward_end, backward_id, backward_keeps_graph, leaf_gradient_use
 from ..sharding.redistribute import ALL_REDUCE
 # collectives' shard_dim: uncached, as torch.compile traces these calls (it warns at a functools cache)
 from .collectives import Comm, all_gather_flat, log_collective, reduce_scatter_flat, shard_dim
+from .grad_buckets import returned_gradient_error
 
 
 class _Member:
@@ -39,6 +39,9 @@ class _Member:
         self.param_name = param_name
         self.expected = 0             # forward uses whose gradient has not arrived
         self.pending_unpacks = 0      # saved uses of the gathered weight backward has still to read
+        # forward uses and saved uses since the last backward that did not keep its graph (retain_graph=True):
+        # another backward through a kept graph brings as many again
+        self.uses = self.saves = 0
 
 
 class LayerGroup:
@@ -54,7 +57,7 @@ class LayerGroup:
         self._served: dict = {}     # member index -> gathered weight, handed out once
         self._grads = None          # this backward's whole gradients, until the reduce-scatter takes them
         self._work = None           # the launched reduce-scatter: (work or None once waited on, output, pieces)
-        self._callback_queued = False
+        self._callback_queued = None   # the backward_id whose end runs _finish
 
     def add(self, module, param_name: str) -> int:
         self.members.append(_Member(module, param_name))
@@ -89,10 +92,11 @@ class LayerGroup:
     def packed(self, i: int) -> None:
         """Autograd saved member i's gathered weight: backward will read it once."""
         self.members[i].pending_unpacks += 1
+        self.members[i].saves += 1
 
     def unpacked(self, i: int) -> torch.Tensor:
-        self.members[i].pending_unpacks = max(0, self.members[i].pending_unpacks - 1)
         self._queue_end()
+        self.members[i].pending_unpacks = max(0, self.members[i].pending_unpacks - 1)
         full = self.gathered(i, "backward")
         if self.members[i].pending_unpacks > 0:   # another saved use reads it later
             self._served[i] = full
@@ -121,15 +125,18 @@ class LayerGroup:
     # ------------------------------------------------------------ gradients
     def used(self, i: int) -> None:
         self.members[i].expected += 1
+        self.members[i].uses += 1
 
     def arrive(self, i: int, grad: torch.Tensor) -> None:
         """Member i's whole gradient (of all its uses in this forward) reached backward."""
         m = self.members[i]
-        if self._work is not None:
-            raise PlanError(f"the gradient of {m.param_name!r} arrived after its layer's reduce-scatter was "
-                            "launched in this backward (a use forward did not count); report this with the model")
-        m.expected = max(0, m.expected - 1)
         self._queue_end()
+        if self._work is not None:
+            # the layer was reduce-scattered before this gradient came (the counts only time the launch: a second
+            # backward through a kept graph, or forwards that never ran backward, can make them wrong): settle that
+            # one and reduce this gradient with another
+            self._settle()
+        m.expected = max(0, m.expected - 1)
         if self._grads is None:
             self._grads = [None] * len(self.members)
         g = grad if m.module.cast is None else grad.to(m.module.cast[1])
@@ -163,21 +170,45 @@ class LayerGroup:
         return torch.zeros(shape, dtype=dtype, device=local.device)
 
     def _queue_end(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            at_backward_end(self._finish)
+        """At this group's first part in a backward: refuse torch.autograd.grad with respect to its weights
+        (before anything of this backward is kept), and have _finish run when backward ends."""
+        if self._callback_queued == backward_id():
+            return
+        if self._callback_queued is not None:   # queued in a backward that raised: torch never ran it
+            self._drop_backward()
+        for m in self.members:
+            p = self.params(m.param_name)
+            if p.requires_grad and leaf_gradient_use(torch.autograd.graph.get_gradient_edge(p).node) == RETURNED:
+                raise returned_gradient_error(m.param_name, "its layer's FSDP reduce-scatter")
+        self._callback_queued = backward_id()
+        at_backward_end(self._finish)
+
+    def _drop_backward(self) -> None:
+        """Forget what a backward that raised half did (its gradients never reach .grad)."""
+        self.forget()
+        self._wait()
+        self.in_flight.discard(self)
+        self._grads, self._work = None, None
+        for m in self.members:
+            m.pending_unpacks = m.expected = m.uses = m.saves = 0
 
     def _finish(self) -> None:
         """End of backward: reduce what has not gone out, set the gradients, drop what was gathered."""
-        self._callback_queued = False
+        self._callback_queued = None
         self.forget()
+        kept = backward_keeps_graph()   # another backward through this graph will unpack and arrive as this one did
         for m in self.members:
-            m.pending_unpacks = 0
-            m.expected = 0
+            if not kept:
+                m.uses = m.saves = 0
+            m.pending_unpacks, m.expected = m.saves, m.uses
         if self._work is None:
             if self._grads is None:   # no gradient came this backward
                 return
             self._launch()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Complete the launched reduce-scatter: sum this rank's pieces over `sum_axes`, add them to .grad."""
         self._wait()
         self.in_flight.discard(self)
         _, out, pieces = self._work

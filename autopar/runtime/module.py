@@ -289,6 +289,7 @@ class ParallelModule(torch.nn.Module):
         # compiled, the weights go through the buckets before the graph (grad_buckets.BucketedUse)
         graph_module, gathered, args = self._graph_args(local_inputs, local_kwargs,
                                                         torch.compiler.is_dynamo_compiling())
+        gathered.clear()   # weights a backward that raised gathered are stale once an optimizer step ran
         try:
             with gathered.hooks():
                 flat = graph_module(*args)
