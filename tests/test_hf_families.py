@@ -14,8 +14,9 @@ from autopar.testing.harness import check_keyword_training, keyword_reference
 
 RUNS = {"sgd": (torch.optim.SGD, 0.5), "adamw": (torch.optim.AdamW, 1e-3)}
 ATOL = {"sgd": 1e-5, "adamw": 2e-4}
-CASES = [("qwen2", s) for s in ("tp+sp", "fsdp+tp", "auto", "ddp")] + [("gpt2", s) for s in ("tp+sp", "fsdp+tp",
-                                                                                              "auto", "fsdp")]
+# the layouts that move most (sequence and tensor splits, vocab-parallel loss) and the search; Llama runs the
+# rest, which differ from these in how gradients are reduced, not in what the model's ops see
+CASES = [("qwen2", s) for s in ("tp+sp", "fsdp+tp", "auto")] + [("gpt2", s) for s in ("tp+sp", "fsdp+tp", "ddp")]
 
 
 @functools.cache
