@@ -57,7 +57,8 @@ class ParallelModule(torch.nn.Module):
     def __init__(self, gm: fx.GraphModule, gathered: GatheredParams, cap: Captured, plan, comm: Comm,
                  model: torch.nn.Module, device_mesh=None, other_mode=None, grad_nodes=frozenset()):
         super().__init__()
-        self.plan = plan
+        # bound to the mesh's ranks, so plan.local_inputs cuts by the coordinates the runtime uses here
+        self.plan = plan.on_ranks(device_mesh.mesh.tolist()) if device_mesh is not None else plan
         _on_mesh_device((gm, other_mode[0] if isinstance(other_mode, tuple) else None), device_mesh)
         self.graph_module = gm
         self.comm = comm
