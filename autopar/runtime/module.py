@@ -36,7 +36,7 @@ def _set_by_path(root: torch.nn.Module, fqn: str, value, as_param: bool):
     mod = root
     for p in path:
         if not hasattr(mod, p):
-            mod.add_module(p, torch.nn.Module())
+            mod.add_module(p, _Store())
         mod = getattr(mod, p)
     if as_param:
         mod.register_parameter(leaf, value)
@@ -51,6 +51,11 @@ def _on_meta(model: torch.nn.Module) -> bool:
 
 class _Store(torch.nn.Module):
     """The original module tree, holding local shards of parameters and buffers."""
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # the ParallelModule above loads these shards by their original names (its _load_from_state_dict);
+        # a parent's load_state_dict, recursing down to here, would report them missing under "store."
+        pass
 
 
 class ParallelModule(torch.nn.Module):
@@ -339,19 +344,32 @@ class ParallelModule(torch.nn.Module):
         """Parameters under their original names (no 'store.' prefix)."""
         yield from self.store.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-    def state_dict(self, *args, full: bool = False, **kwargs):
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False, *, full: bool = False):
         """Original names -> DTensors on the device mesh (or whole tensors with full=True).
 
         full=True gathers every parameter, which costs one all-gather per split axis. A pipelined module
         gives only its stages' parameters, as DTensors on the mesh without the pipeline axis (plain
         tensors when that is the only axis): DCP saves each under its own name from the ranks that hold
-        it, and any plan loads them.
+        it, and any plan loads them. `destination`, `prefix` and `keep_vars` are torch's: a parent
+        module's state_dict (or torch.compile's wrapper) lists these entries under its own prefix.
         """
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()
+        if hasattr(destination, "_metadata"):
+            destination._metadata[prefix[:-1]] = {"version": self._version}
+        for fqn, value in self._own_state(full, keep_vars).items():
+            destination[prefix + fqn] = value
+        return destination
+
+    def _own_state(self, full: bool, keep_vars: bool) -> OrderedDict:
+        def local(t):
+            return t if keep_vars else t.detach()
         out = OrderedDict()
         for fqn, p in self.store.named_parameters():
-            out[fqn] = self._export_tensor(p.detach(), self.plan.param_placements[fqn], full, self._global_shapes[fqn])
+            out[fqn] = self._export_tensor(local(p), self.plan.param_placements[fqn], full, self._global_shapes[fqn])
         for fqn, b in self.store.named_buffers():
-            out[fqn] = self._export_tensor(b.detach(), (R,) * self.plan.mesh.num_axes, full, tuple(b.shape))
+            out[fqn] = self._export_tensor(local(b), (R,) * self.plan.mesh.num_axes, full, tuple(b.shape))
         for alias, canonical in self._aliases.items():  # tied weights appear under every name, as in torch
             if canonical in out:
                 out[alias] = out[canonical]
@@ -375,6 +393,19 @@ class ParallelModule(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         """Accepts DTensors or whole tensors, in any layout; keeps this module's layout."""
         return load_module_state(self, state_dict, strict)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A parent module's load_state_dict (or torch.compile's wrapper's): this module's entries are
+        those under `prefix`; what is missing or unexpected is reported to the parent, which decides."""
+        if local_metadata.get("assign_to_params_buffers"):
+            error_msgs.append(f"{prefix}: load_state_dict(assign=True) cannot replace a ParallelModule's shards "
+                              "with whole tensors; load without assign (the values are copied into the shards)")
+            return
+        own = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        result = load_module_state(self, own, strict=False)
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
 
 
 def _backward_axes(plan) -> set:
