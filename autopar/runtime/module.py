@@ -91,6 +91,9 @@ class ParallelModule(torch.nn.Module):
         self._compute_dtype = cap.compute_dtype   # floating inputs are cast to it (compute_dtype.py)
         self._aliases = dict(cap.aliases)   # tied names -> canonical name (state_dict lists both)
         self._placeholder_sources = []  # (kind, fqn) per graph placeholder, in order
+        # tensors export lifted out of forward (kept whole): the values the model's code computes with, no
+        # state of the model's, so not in state_dict; as captured, and where the module is now (_apply)
+        self._captured_constants = {}
         self._constants = {}
         for node in cap.graph.nodes:
             if node.op != "placeholder":
@@ -111,8 +114,9 @@ class ParallelModule(torch.nn.Module):
                 if fqn not in dict(self.store.named_buffers()) and (needed is None or fqn in needed):
                     _set_by_path(self.store, fqn, full_buffers[fqn].detach().clone(), False)
                 self._placeholder_sources.append((BUFFER, fqn))
-            elif info.kind == CONSTANT:  # tensors export lifted out of forward (kept whole)
+            elif info.kind == CONSTANT:
                 self._placeholder_sources.append((CONSTANT, info.target_name))
+                self._captured_constants[info.target_name] = ep.constants[info.target_name]
                 self._constants[info.target_name] = ep.constants[info.target_name]
             else:
                 self._placeholder_sources.append((INPUT, None))
@@ -120,6 +124,13 @@ class ParallelModule(torch.nn.Module):
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
         _serve_layer_groups(self, [gathered] + ([other_mode[1]] if isinstance(other_mode, tuple) else []))
         self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
+
+    def _apply(self, fn, recurse=True):
+        """.to(), .cuda(), to_empty() and the like move the lifted constants with the weights (see _moved)."""
+        super()._apply(fn, recurse)
+        self._constants = {name: _moved(self._captured_constants[name], current, fn)
+                           for name, current in self._constants.items()}
+        return self
 
     def _gradient_reductions(self, cap: Captured, grad_nodes) -> tuple:
         """The buckets that reduce the gradients the graph leaves partial (ZeRO ones are the optimizer's), and
@@ -406,6 +417,17 @@ class ParallelModule(torch.nn.Module):
         result = load_module_state(self, own, strict=False)
         missing_keys.extend(prefix + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+
+
+def _moved(captured: torch.Tensor, current: torch.Tensor, fn) -> torch.Tensor:
+    """A lifted constant on the device `fn` (nn.Module._apply's function) moves the weights to, in its own dtype
+    and with its captured values: torch's Module.to leaves a plain tensor attribute's dtype alone, so the
+    single-device model computes with it as it is; and no checkpoint holds it, so a trip through the meta
+    device (to("meta"), then to_empty) must not lose its values, as it does the weights' (reloaded after)."""
+    device = fn(torch.empty(0, dtype=current.dtype, device=current.device)).device
+    if captured.is_meta:   # a model built on the meta device: no values to move anywhere
+        return captured
+    return captured.to(device)
 
 
 def _backward_axes(plan) -> set:
