@@ -222,7 +222,7 @@ class ParallelModule(torch.nn.Module):
         self._stage_modules = [StageModule(built[s][0], built[s][1], weakref.ref(self), s == pipe.num_stages - 1)
                                for s in self._stage_indices]
         self._pipeline_stages = None   # torch PipelineStages, made at the first train_step
-        self._schedules = {}
+        self._schedules = {}   # whether the loss takes targets -> (torch schedule, its StepLoss)
         return {fqn for s in self._stage_indices for _, fqn in built[s][1]}
 
     def _weight_table(self) -> dict:
@@ -250,7 +250,7 @@ class ParallelModule(torch.nn.Module):
         import torch.distributed as dist
 
         from .._compat import pipeline_stage
-        from .stages import make_schedule
+        from .stages import StepLoss, make_schedule
         self._graph_for_mode()   # raises if this mode's graph is not the one the stages were cut from
         pipe = self.plan.pipeline
         group = self.device_mesh.get_group(pipe.axis)
@@ -259,12 +259,11 @@ class ParallelModule(torch.nn.Module):
             self._pipeline_stages = [pipeline_stage(m, s, pipe.num_stages, device, group)
                                      for s, m in zip(self._stage_indices, self._stage_modules)]
         has_targets = targets is not None   # decided before the placeholder targets below replace None
-        key = (loss_fn, has_targets)
-        if key not in self._schedules:
-            def stage_loss(out, target):   # each microbatch's share of the mean
-                return (loss_fn(out, target) if has_targets else loss_fn(out)) / pipe.microbatches
-            self._schedules[key] = make_schedule(self._pipeline_stages, pipe.schedule, pipe.microbatches, stage_loss)
-        schedule = self._schedules[key]
+        if has_targets not in self._schedules:
+            step_loss = StepLoss(has_targets, pipe.microbatches)
+            self._schedules[has_targets] = (make_schedule(self._pipeline_stages, pipe.schedule, pipe.microbatches,
+                                                          step_loss), step_loss)
+        schedule, step_loss = self._schedules[has_targets]
         first, last = 0 in self._stage_indices, pipe.num_stages - 1 in self._stage_indices
         if first and local_inputs and local_inputs[0].shape[0] % pipe.microbatches:
             raise PlanError(f"this rank's batch of {local_inputs[0].shape[0]} does not divide into "
@@ -280,7 +279,7 @@ class ParallelModule(torch.nn.Module):
                    else self._grad_buckets.accumulating())
         # the outputs are not merged: only the losses are used, and a model that returns its loss (0-dim)
         # would make torch's merge fail to concatenate the microbatches' scalars
-        with summing:
+        with summing, step_loss.calling(loss_fn):
             schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses,
                           return_outputs=False)
         self._grad_buckets.flush()
