@@ -7,7 +7,7 @@ table a person can check, and round-trips through JSON.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import sympy
 import torch
@@ -76,6 +76,11 @@ class Plan:
     # per entry of input_placements, how the model is called with it: a position (int) or a keyword (str);
     # () for a plan of a format before keyword inputs, whose inputs are all positional
     input_keys: tuple = ()
+    # the global ranks of the DeviceMesh a ParallelModule runs the plan on, laid out like the mesh (nested
+    # tuples), so local_inputs cuts by the coordinates the runtime uses; None (a plan not bound to a mesh,
+    # or read from JSON): ranks lie row-major over the axes. Where the plan runs, not what it is: not compared,
+    # not saved
+    rank_grid: tuple | None = field(default=None, compare=False, repr=False)
 
     # ------------------------------------------------------------ inputs
     def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:
@@ -152,10 +157,18 @@ class Plan:
                        if isinstance(t, torch.Tensor) and t.dim() > 0 else t)
         return tuple(out)
 
+    def on_ranks(self, rank_grid) -> "Plan":
+        """This plan, bound to the ranks of a mesh laid out as `rank_grid` (DeviceMesh.mesh.tolist())."""
+        return replace(self, rank_grid=_nested_tuple(rank_grid))
+
     def _coords(self, rank):
+        """`rank`'s coordinates on the mesh: where rank_grid puts it, else row-major.
+        `rank`: this process's rank in the default group when None."""
         import torch.distributed as dist
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if self.rank_grid is not None:
+            return _position(self.rank_grid, rank, self.mesh)
         coords, r = [], rank
         for n in reversed(self.mesh.axis_sizes):
             coords.append(r % n)
@@ -429,3 +442,17 @@ def _split_sizes(pl, t, mesh: MeshSpec):
         f = dim_factor(pl, d, mesh.axis_sizes)
         if f > 1:
             yield d, f
+
+
+def _nested_tuple(grid):
+    return tuple(_nested_tuple(g) for g in grid) if isinstance(grid, (list, tuple)) else int(grid)
+
+
+def _position(rank_grid: tuple, rank: int, mesh: MeshSpec) -> tuple:
+    """Where `rank` sits in `rank_grid`: its coordinate on each mesh axis."""
+    flat = torch.tensor(rank_grid).reshape(mesh.axis_sizes)
+    found = (flat == rank).nonzero()
+    if not len(found):
+        raise PlanError(f"rank {rank} is not on the mesh this plan runs on (its ranks: {flat.flatten().tolist()}); "
+                        "give the rank of a process of that mesh")
+    return tuple(int(c) for c in found[0])

@@ -219,7 +219,7 @@ def _train_targets_free(rank, x, y):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     pm = autopar.parallelize(_gpt(), mesh, (x,), hardware="cpu", pipeline_axis="pp")
     out = _fit(pm, pm.plan.local_inputs(x), None, _mean_square)
-    # then a loss with targets on the same module: schedules are kept per (loss_fn, whether targets came)
+    # then a loss with targets on the same module: a schedule is kept per whether targets came
     (local_y,) = pm.plan.local_targets(y)
     out["then_with_targets"] = pm.train_step(*pm.plan.local_inputs(x), loss_fn=gpt_loss, targets=local_y).item()
     out["plan"] = pm.plan.to_json()
@@ -237,6 +237,49 @@ def test_a_loss_without_targets_matches_one_device():
     model.load_state_dict(ref["SGD"]["params"])
     then = gpt_loss(model(x), y).item()
     assert [r["then_with_targets"] for r in results] == pytest.approx([then] * 2, abs=ATOL)
+
+
+def _train_with_a_new_lambda_each_step(rank, x, y):
+    import gc
+    import weakref
+
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pm = autopar.parallelize(_gpt(), mesh, (x,), hardware="cpu", pipeline_axis="pp")
+    (local_x,), (local_y,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+    start = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    out, passed = {}, []
+    for name, (cls, lr) in OPTIMIZERS.items():
+        pm.load_state_dict(start)
+        opt = cls(pm.parameters(), lr=lr)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            loss_fn = lambda logits, targets: gpt_loss(logits, targets)   # noqa: E731 (a new object each step)
+            passed.append(weakref.ref(loss_fn))
+            losses.append(pm.train_step(local_x, loss_fn=loss_fn, targets=local_y).item())
+            del loss_fn
+            opt.step()
+        out[name] = {"losses": losses, "params": {k: v.clone() for k, v in pm.state_dict(full=True).items()}}
+    gc.collect()
+    out["loss_fns_kept"] = sum(r() is not None for r in passed)
+    out["num_schedules"] = len(pm._schedules)
+    return out
+
+
+def test_a_new_loss_fn_each_step_reuses_the_schedule_and_keeps_no_old_one():
+    """A lambda made each step: one schedule serves every step (none kept per loss function), and training
+    still equals one device's."""
+    x, y = _batch()
+    results = run_gloo(2, _train_with_a_new_lambda_each_step, x, y)
+    ref = _reference(x, y)
+    for r in results:
+        assert r["num_schedules"] == 1 and r["loss_fns_kept"] == 0, (r["num_schedules"], r["loss_fns_kept"])
+        for opt in OPTIMIZERS:
+            assert r[opt]["losses"] == pytest.approx(ref[opt]["losses"], abs=ATOL), opt
+            for name, p in r[opt]["params"].items():
+                torch.testing.assert_close(p, ref[opt]["params"][name], atol=ATOL, rtol=0,
+                                           msg=lambda m: f"{opt}, {name}: {m}")
 
 
 def _returned_loss(out):

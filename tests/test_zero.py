@@ -213,3 +213,41 @@ def test_zero2_weights_padded_on_their_axis_reduce_alone_beside_the_buckets():
         assert launched == predicted
         for name, p in ref["params"].items():
             torch.testing.assert_close(rec["params"][name], p, atol=ATOL, rtol=0, msg=name)
+
+
+# SGD with dampening: a momentum buffer made before the first step (even of zeros) changes that step
+_FIRST_STEP_SENSITIVE = {"AdamW": (torch.optim.AdamW, {"lr": 1e-3}),
+                         "SGD": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.5})}
+
+
+def _train_after_an_early_state_dict(rank, model, x, y, strategy, optimizer, kwargs):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy)
+    (local_x,), (local_y,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+    opt = autopar.ShardedOptimizer(pm, optimizer, **kwargs)
+    early = opt.state_dict()   # before any step: a checkpoint's structure, as torch's get_optimizer_state_dict
+    for _ in range(3):
+        opt.zero_grad()
+        _mse(pm(local_x), local_y).backward()
+        opt.step()
+    return early, pm.state_dict(full=True)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_state_dict_before_the_first_step_changes_no_step(strategy):
+    model, x, y, _ = _mlp()
+    for name, (optimizer, kwargs) in _FIRST_STEP_SENSITIVE.items():
+        ref = copy.deepcopy(model)
+        opt = optimizer(ref.parameters(), **kwargs)
+        for _ in range(3):
+            opt.zero_grad()
+            _mse(ref(x), y).backward()
+            opt.step()
+        for early, params in run_threaded(2, _train_after_an_early_state_dict, model, x, y, strategy, optimizer,
+                                          kwargs):
+            if name == "AdamW":   # the early state has the structure a checkpoint loads into, and no step taken
+                assert early["state"] and all(float(s["step"]) == 0 for s in early["state"].values())
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(params[n], p.detach(), atol=ATOL, rtol=0,
+                                           msg=lambda m: f"{strategy} {name} {n}: {m}")

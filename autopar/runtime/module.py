@@ -36,7 +36,7 @@ def _set_by_path(root: torch.nn.Module, fqn: str, value, as_param: bool):
     mod = root
     for p in path:
         if not hasattr(mod, p):
-            mod.add_module(p, torch.nn.Module())
+            mod.add_module(p, _Store())
         mod = getattr(mod, p)
     if as_param:
         mod.register_parameter(leaf, value)
@@ -52,12 +52,18 @@ def _on_meta(model: torch.nn.Module) -> bool:
 class _Store(torch.nn.Module):
     """The original module tree, holding local shards of parameters and buffers."""
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        # the ParallelModule above loads these shards by their original names (its _load_from_state_dict);
+        # a parent's load_state_dict, recursing down to here, would report them missing under "store."
+        pass
+
 
 class ParallelModule(torch.nn.Module):
     def __init__(self, gm: fx.GraphModule, gathered: GatheredParams, cap: Captured, plan, comm: Comm,
                  model: torch.nn.Module, device_mesh=None, other_mode=None, grad_nodes=frozenset()):
         super().__init__()
-        self.plan = plan
+        # bound to the mesh's ranks, so plan.local_inputs cuts by the coordinates the runtime uses here
+        self.plan = plan.on_ranks(device_mesh.mesh.tolist()) if device_mesh is not None else plan
         _on_mesh_device((gm, other_mode[0] if isinstance(other_mode, tuple) else None), device_mesh)
         self.graph_module = gm
         self.comm = comm
@@ -85,6 +91,9 @@ class ParallelModule(torch.nn.Module):
         self._compute_dtype = cap.compute_dtype   # floating inputs are cast to it (compute_dtype.py)
         self._aliases = dict(cap.aliases)   # tied names -> canonical name (state_dict lists both)
         self._placeholder_sources = []  # (kind, fqn) per graph placeholder, in order
+        # tensors export lifted out of forward (kept whole): the values the model's code computes with, no
+        # state of the model's, so not in state_dict; as captured, and where the module is now (_apply)
+        self._captured_constants = {}
         self._constants = {}
         for node in cap.graph.nodes:
             if node.op != "placeholder":
@@ -105,8 +114,9 @@ class ParallelModule(torch.nn.Module):
                 if fqn not in dict(self.store.named_buffers()) and (needed is None or fqn in needed):
                     _set_by_path(self.store, fqn, full_buffers[fqn].detach().clone(), False)
                 self._placeholder_sources.append((BUFFER, fqn))
-            elif info.kind == CONSTANT:  # tensors export lifted out of forward (kept whole)
+            elif info.kind == CONSTANT:
                 self._placeholder_sources.append((CONSTANT, info.target_name))
+                self._captured_constants[info.target_name] = ep.constants[info.target_name]
                 self._constants[info.target_name] = ep.constants[info.target_name]
             else:
                 self._placeholder_sources.append((INPUT, None))
@@ -115,6 +125,13 @@ class ParallelModule(torch.nn.Module):
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
         _serve_layer_groups(self, [gathered] + ([other_mode[1]] if isinstance(other_mode, tuple) else []))
         self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
+
+    def _apply(self, fn, recurse=True):
+        """.to(), .cuda(), to_empty() and the like move the lifted constants with the weights (see _moved)."""
+        super()._apply(fn, recurse)
+        self._constants = {name: _moved(self._captured_constants[name], current, fn)
+                           for name, current in self._constants.items()}
+        return self
 
     def _gradient_reductions(self, cap: Captured, grad_nodes) -> tuple:
         """The buckets that reduce the gradients the graph leaves partial (ZeRO ones are the optimizer's), and
@@ -206,7 +223,7 @@ class ParallelModule(torch.nn.Module):
         self._stage_modules = [StageModule(built[s][0], built[s][1], weakref.ref(self), s == pipe.num_stages - 1)
                                for s in self._stage_indices]
         self._pipeline_stages = None   # torch PipelineStages, made at the first train_step
-        self._schedules = {}
+        self._schedules = {}   # whether the loss takes targets -> (torch schedule, its StepLoss)
         return {fqn for s in self._stage_indices for _, fqn in built[s][1]}
 
     def _weight_table(self) -> dict:
@@ -236,7 +253,7 @@ class ParallelModule(torch.nn.Module):
         import torch.distributed as dist
 
         from .._compat import pipeline_stage
-        from .stages import make_schedule
+        from .stages import StepLoss, make_schedule
         self._graph_for_mode()   # raises if this mode's graph is not the one the stages were cut from
         pipe = self.plan.pipeline
         group = self.device_mesh.get_group(pipe.axis)
@@ -245,12 +262,11 @@ class ParallelModule(torch.nn.Module):
             self._pipeline_stages = [pipeline_stage(m, s, pipe.num_stages, device, group)
                                      for s, m in zip(self._stage_indices, self._stage_modules)]
         has_targets = targets is not None   # decided before the placeholder targets below replace None
-        key = (loss_fn, has_targets)
-        if key not in self._schedules:
-            def stage_loss(out, target):   # each microbatch's share of the mean
-                return (loss_fn(out, target) if has_targets else loss_fn(out)) / pipe.microbatches
-            self._schedules[key] = make_schedule(self._pipeline_stages, pipe.schedule, pipe.microbatches, stage_loss)
-        schedule = self._schedules[key]
+        if has_targets not in self._schedules:
+            step_loss = StepLoss(has_targets, pipe.microbatches)
+            self._schedules[has_targets] = (make_schedule(self._pipeline_stages, pipe.schedule, pipe.microbatches,
+                                                          step_loss), step_loss)
+        schedule, step_loss = self._schedules[has_targets]
         first, last = 0 in self._stage_indices, pipe.num_stages - 1 in self._stage_indices
         if first and local_inputs and local_inputs[0].shape[0] % pipe.microbatches:
             raise PlanError(f"this rank's batch of {local_inputs[0].shape[0]} does not divide into "
@@ -266,7 +282,7 @@ class ParallelModule(torch.nn.Module):
                    else self._grad_buckets.accumulating())
         # the outputs are not merged: only the losses are used, and a model that returns its loss (0-dim)
         # would make torch's merge fail to concatenate the microbatches' scalars
-        with summing:
+        with summing, step_loss.calling(loss_fn):
             schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses,
                           return_outputs=False)
         self._grad_buckets.flush()
@@ -348,19 +364,32 @@ class ParallelModule(torch.nn.Module):
         """Parameters under their original names (no 'store.' prefix)."""
         yield from self.store.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
-    def state_dict(self, *args, full: bool = False, **kwargs):
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False, *, full: bool = False):
         """Original names -> DTensors on the device mesh (or whole tensors with full=True).
 
         full=True gathers every parameter, which costs one all-gather per split axis. A pipelined module
         gives only its stages' parameters, as DTensors on the mesh without the pipeline axis (plain
         tensors when that is the only axis): DCP saves each under its own name from the ranks that hold
-        it, and any plan loads them.
+        it, and any plan loads them. `destination`, `prefix` and `keep_vars` are torch's: a parent
+        module's state_dict (or torch.compile's wrapper) lists these entries under its own prefix.
         """
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()
+        if hasattr(destination, "_metadata"):
+            destination._metadata[prefix[:-1]] = {"version": self._version}
+        for fqn, value in self._own_state(full, keep_vars).items():
+            destination[prefix + fqn] = value
+        return destination
+
+    def _own_state(self, full: bool, keep_vars: bool) -> OrderedDict:
+        def local(t):
+            return t if keep_vars else t.detach()
         out = OrderedDict()
         for fqn, p in self.store.named_parameters():
-            out[fqn] = self._export_tensor(p.detach(), self.plan.param_placements[fqn], full, self._global_shapes[fqn])
+            out[fqn] = self._export_tensor(local(p), self.plan.param_placements[fqn], full, self._global_shapes[fqn])
         for fqn, b in self.store.named_buffers():
-            out[fqn] = self._export_tensor(b.detach(), (R,) * self.plan.mesh.num_axes, full, tuple(b.shape))
+            out[fqn] = self._export_tensor(local(b), (R,) * self.plan.mesh.num_axes, full, tuple(b.shape))
         for alias, canonical in self._aliases.items():  # tied weights appear under every name, as in torch
             if canonical in out:
                 out[alias] = out[canonical]
@@ -384,6 +413,30 @@ class ParallelModule(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         """Accepts DTensors or whole tensors, in any layout; keeps this module's layout."""
         return load_module_state(self, state_dict, strict)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A parent module's load_state_dict (or torch.compile's wrapper's): this module's entries are
+        those under `prefix`; what is missing or unexpected is reported to the parent, which decides."""
+        if local_metadata.get("assign_to_params_buffers"):
+            error_msgs.append(f"{prefix}: load_state_dict(assign=True) cannot replace a ParallelModule's shards "
+                              "with whole tensors; load without assign (the values are copied into the shards)")
+            return
+        own = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        result = load_module_state(self, own, strict=False)
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+
+
+def _moved(captured: torch.Tensor, current: torch.Tensor, fn) -> torch.Tensor:
+    """A lifted constant on the device `fn` (nn.Module._apply's function) moves the weights to, in its own dtype
+    and with its captured values: torch's Module.to leaves a plain tensor attribute's dtype alone, so the
+    single-device model computes with it as it is; and no checkpoint holds it, so a trip through the meta
+    device (to("meta"), then to_empty) must not lose its values, as it does the weights' (reloaded after)."""
+    device = fn(torch.empty(0, dtype=current.dtype, device=current.device)).device
+    if captured.is_meta:   # a model built on the meta device: no values to move anywhere
+        return captured
+    return captured.to(device)
 
 
 def _backward_axes(plan) -> set:

@@ -28,7 +28,7 @@ from ..errors import PlanError
 from ..sharding.placement import P, R, S, gathered_size, shard_full_tensor
 from ..sharding.redistribute import plan_steps
 from .collectives import transform
-from .optim_state import export_state, init_state, load_state
+from .optim_state import drop_placeholder_state, export_state, init_state, load_state
 from .zero_buckets import ZeroBuckets
 
 
@@ -75,6 +75,7 @@ class ShardedOptimizer:
         params = []
         self.param_names: list[str] = []   # the wrapped optimizer's parameters' names, in its order
         self._state_initialized = False    # optim_state.init_state ran (or had nothing to make)
+        self._placeholder_state = None     # the state init_state made, until the first step drops it
         for fqn, p in module.named_parameters():
             self.param_names.append(fqn)
             level, axis_names = plan.param_zero.get(fqn, (0, ()))
@@ -139,6 +140,7 @@ class ShardedOptimizer:
             raise PlanError("ShardedOptimizer.step does not take a closure: its ZeRO collectives must run "
                             "once per step on every rank")
         self._reduce_level1()
+        drop_placeholder_state(self)
         self.optimizer.step()
         for level in (1, 2):
             self._buckets[level].gather_weights()
@@ -199,8 +201,9 @@ class ShardedOptimizer:
         """The state by parameter name, parameter-shaped tensors as DTensors (optim_state.py): what
         torch's get_optimizer_state_dict gives, so DCP saves it beside `module.state_dict()` and any
         plan loads it. Call on every rank (ZeRO slices are gathered); an optimizer that has not
-        stepped yet is given its state first (a step at learning rate 0), so a checkpoint can be
-        loaded into what this returns."""
+        stepped yet is given its state first (a step at learning rate 0, which counts as none: the
+        first real step starts from no state, as on one device), so a checkpoint can be loaded into
+        what this returns."""
         init_state(self)
         return export_state(self)
 

@@ -29,7 +29,12 @@ from .state_dict import same_layout
 def init_state(opt) -> None:
     """Give every parameter its state now, as torch's get_optimizer_state_dict does (optimizers make it
     lazily at their first step): a step on zero gradients at learning rate 0, so nothing moves. Then a
-    state_dict made before training has the structure a checkpoint is loaded into."""
+    state_dict made before training has the structure a checkpoint is loaded into.
+
+    That step is no step of training: its step counts are set back to 0 (a checkpoint of it says no
+    step was taken), and unless a checkpoint is loaded over it, the first real step drops the state it
+    made (`drop_placeholder_state`), so the optimizer starts as it would have on one device (Adam's bias
+    correction counts steps; SGD's first step takes the gradient as its momentum buffer)."""
     inner = opt.optimizer
     if inner.state or opt._state_initialized:
         return   # (SGD without momentum keeps no state: one try is enough)
@@ -50,6 +55,20 @@ def init_state(opt) -> None:
         for g, lr in zip(inner.param_groups, lrs):
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
+    for entry in inner.state.values():
+        if isinstance(entry.get("step"), torch.Tensor):
+            entry["step"].zero_()
+        elif "step" in entry:
+            entry["step"] = 0
+    opt._placeholder_state = inner.state
+
+
+def drop_placeholder_state(opt) -> None:
+    """Before the first real step: forget the state init_state made, unless a checkpoint replaced it
+    (torch's Optimizer.load_state_dict installs a new state dict)."""
+    if opt._placeholder_state is not None and opt.optimizer.state is opt._placeholder_state:
+        opt.optimizer.state.clear()
+    opt._placeholder_state = None
 
 
 def export_state(opt) -> dict:

@@ -15,6 +15,8 @@ interleaved 1F1B) orders the microbatches.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.fx as fx
 
@@ -200,3 +202,26 @@ def make_schedule(stages: list, schedule: str, microbatches: int, loss_fn):
     first = stages if schedule in (INTERLEAVED, ZERO_BUBBLE) else stages[0]
     return cls(first, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
+
+
+class StepLoss:
+    """The loss a schedule is made with, once: each microbatch's share of the mean of the loss_fn that the
+    running train_step passes (`calling`). A schedule per loss function would be rebuilt, and kept, each
+    step for a loss made each step (a lambda); this one holds a loss function only while its step runs."""
+
+    def __init__(self, has_targets: bool, num_microbatches: int):
+        self.has_targets = has_targets
+        self.num_microbatches = num_microbatches
+        self.loss_fn = None
+
+    @contextmanager
+    def calling(self, loss_fn):
+        self.loss_fn = loss_fn
+        try:
+            yield
+        finally:
+            self.loss_fn = None
+
+    def __call__(self, out, target):
+        loss = self.loss_fn(out, target) if self.has_targets else self.loss_fn(out)
+        return loss / self.num_microbatches
