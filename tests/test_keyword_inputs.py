@@ -66,7 +66,10 @@ def test_plan_takes_keyword_inputs_and_shards_them():
     batch = _batch()
     plan = autopar.plan(KeywordLM(), (), {"dp": 2}, example_kwargs=batch, strategy="ddp")
     assert plan.input_keys == ("input_ids", "attention_mask", "labels")
-    assert "batch" in plan.symbols   # keyword tensors' dims are dynamic by default, as positional ones
+    # keyword tensors' dims are dynamic by default, as positional ones; the inputs' alike dims are one symbol
+    # each (export traces them as batch, batch2, batch3: max_batch would then scale input_ids' terms alone)
+    assert set(plan.symbols) == {"batch", "seq"}
+    assert autopar.max_batch(plan, "1GiB", symbol="batch") > 8
     for rank in range(2):
         local = plan.local_kwargs(rank=rank, **batch)
         assert set(local) == set(batch)
@@ -146,6 +149,7 @@ def _train_with_keywords(rank, model, batch, small, strategy, optimizer, lr):
     calls = {"missing labels": {k: v for k, v in local.items() if k != "labels"},
              "an unknown keyword": {**local, "token_type_ids": local["input_ids"]},
              "another flag": {**local, "scale_by_mask": False},
+             "a mask of another batch": {**local, "attention_mask": local["attention_mask"][:1]},
              "positional": None}
     for what, kwargs in calls.items():
         try:
@@ -178,6 +182,7 @@ def test_module_called_with_keywords_trains_like_one_device(strategy, optimizer,
         # a flag left at its default when captured is baked in as that default: another value is refused
         assert "'scale_by_mask' was not among the example inputs" in errors["another flag"]
         assert "takes 0 positional inputs" in errors["positional"]
+        assert "attention_mask" in errors["a mask of another batch"] and "equal" in errors["a mask of another batch"]
 
 
 def test_a_constant_the_graph_baked_in_must_be_given_again():

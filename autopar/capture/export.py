@@ -199,13 +199,15 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO, 
         raise CaptureError(f"torch.export made {len(input_nodes)} input placeholders of the {len(keys)} inputs "
                            f"{keys}; pass each input as one tensor or one Python constant")
     dim_names = _auto_dim_names(values) if auto else _dim_names(dynamic_shapes, keys)
-    rename, hints = _dim_symbols(input_nodes, values, dim_names)
+    rename, hints = _dim_symbols(input_nodes, values, dim_names, merge_alike=auto)
     info = _node_infos(graph, kinds, _MetaReader(rename, hints))
     symbols = {str(s): s for s in hints}
     ranges = {}
     for expr, vr in ep.range_constraints.items():   # the sizes export allows each dynamic dim
-        if expr in rename:
-            ranges[rename[expr]] = (_as_int(vr.lower), _as_int(vr.upper))
+        if expr in rename:   # a merged symbol (_dim_symbols) takes what all its dims allow
+            lo, hi = ranges.get(rename[expr], (None, None))
+            lo, hi = _tighter(lo, _as_int(vr.lower), max), _tighter(hi, _as_int(vr.upper), min)
+            ranges[rename[expr]] = (lo, hi)
     aliases = {a: c for a, c in canonical.items() if a != c}
     return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], keys, constants, aliases, ranges)
 
@@ -243,8 +245,15 @@ def _placeholder_kinds(ep, canonical: dict) -> dict:
     return kinds
 
 
-def _dim_symbols(input_nodes: list, example_inputs: tuple, dim_names: dict) -> tuple[dict, dict]:
-    """Export's size symbols -> ours, named after the dims (batch, seq, ...), and each one's example size."""
+def _dim_symbols(input_nodes: list, example_inputs: tuple, dim_names: dict,
+                 merge_alike: bool = False) -> tuple[dict, dict]:
+    """Export's size symbols -> ours, named after the dims (batch, seq, ...), and each one's example size.
+
+    `merge_alike` (dynamic_shapes="auto"): dims of one name and one example size are one symbol. Export
+    gives every Dim.AUTO dim a symbol of its own unless the model's code equates them, and it rarely does
+    for a batch: HF's input_ids, attention_mask and labels are (batch, seq), (batch2, seq2), (batch3,
+    seq3) as traced, which would leave the mask's and the labels' terms out of `max_batch` and the like.
+    The module then checks at each call that such dims agree (input_shapes.py)."""
     rename: dict[sympy.Symbol, sympy.Symbol] = {}
     hints: dict[sympy.Symbol, int] = {}
     for i, node in enumerate(input_nodes):
@@ -256,15 +265,16 @@ def _dim_symbols(input_nodes: list, example_inputs: tuple, dim_names: dict) -> t
                 continue
             expr = symint_expr(s)
             if isinstance(expr, sympy.Symbol) and expr not in rename:
-                name = dim_names.get((i, d), str(expr))
-                taken = {str(v) for v in rename.values()}
-                k = 1
-                while name in taken:   # another dim of that name varies on its own: a symbol each
-                    k += 1
-                    name = f"{dim_names.get((i, d), str(expr))}{k}"
-                sym = sympy.Symbol(name, integer=True, positive=True)
+                base = dim_names.get((i, d), str(expr))
+                hint = int(example_inputs[i].shape[d])
+                taken = {str(v): v for v in rename.values()}
+                name, k = base, 1
+                while name in taken and not (merge_alike and hints[taken[name]] == hint):
+                    k += 1   # another dim of that name varies on its own: a symbol each
+                    name = f"{base}{k}"
+                sym = taken.get(name) or sympy.Symbol(name, integer=True, positive=True)
                 rename[expr] = sym
-                hints[sym] = int(example_inputs[i].shape[d])
+                hints[sym] = hint
     return rename, hints
 
 
@@ -327,6 +337,10 @@ def _renumbered(graph: fx.Graph) -> fx.Graph:
         new.meta = dict(node.meta)
         env[node] = new
     return out
+
+
+def _tighter(a, b, pick):
+    return b if a is None else a if b is None else pick(a, b)
 
 
 def _as_int(bound):
