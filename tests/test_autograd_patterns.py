@@ -5,7 +5,7 @@
 - a forward whose output is dropped (a validation loss in train mode) or one under no_grad in eval mode,
   between training steps, changes nothing;
 - two forward/backward pairs on batches of different sizes (the last, smaller batch of an epoch) before
-  one step accumulate as on one device;
+  one step accumulate as on one device, and so do two forwards whose backwards run after both;
 - torch.autograd.grad with respect to parameters whose gradient the module reduces itself (ddp buckets,
   FSDP layers, tp+sp's norm weights) raises UnsupportedAutogradError, and training goes on right after it;
   with respect to inputs, and under plain tp, it works.
@@ -39,7 +39,7 @@ PLAN_KWARGS = {"bucket_bytes": 4096}
 # one parallelize per case runs every pattern in turn (parallelize dominates the time): a pattern that left
 # state behind in the reductions (use counts, pending gradients) shows in the patterns after it
 CASES = [("ddp", (2,)), ("fsdp", (2,)), ("fsdp+tp", (2, 2)), ("tp", (2,)), ("fsdp", (3,))]
-PATTERNS = ["retain_graph", "dropped_forward", "no_grad_eval", "smaller_second_batch"]
+PATTERNS = ["retain_graph", "dropped_forward", "no_grad_eval", "smaller_second_batch", "two_graphs_alive"]
 
 
 def _mesh(shape):
@@ -76,9 +76,14 @@ def _step(model, data, pattern: str, run_forward, shard):
             gpt_loss(run_forward(*shard(x_val, y_val)[:1]), shard(x_val, y_val)[1])
         model.train()
         gpt_loss(run_forward(*shard(x, y)[:1]), shard(x, y)[1]).backward()
-    else:   # the second batch smaller: the last of an epoch
+    elif pattern == "smaller_second_batch":   # the last batch of an epoch
         gpt_loss(run_forward(*shard(x2, y2)[:1]), shard(x2, y2)[1]).backward()
         gpt_loss(run_forward(*shard(x_small, y_small)[:1]), shard(x_small, y_small)[1]).backward()
+    else:   # two forwards, then their backwards: the second's uses are counted while the first's backward runs
+        first = gpt_loss(run_forward(*shard(x, y)[:1]), shard(x, y)[1])
+        second = gpt_loss(run_forward(*shard(x2, y2)[:1]), shard(x2, y2)[1])
+        first.backward()
+        second.backward()
 
 
 def _train(model, data, pattern: str, make_optimizer, shard, full_grads, full_params) -> dict:
