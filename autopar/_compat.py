@@ -11,6 +11,7 @@ autopar may import those modules directly.
   a 1000-rank DeviceMesh can be built (and a plan traced) in one process.
 - storage_id: which traced (fake) tensors share a storage.
 - pipeline_stage: a PipelineStage whose shape inference gives integer inputs zeros.
+- register_ordered_effect: a custom op whose calls torch.compile must keep, each one, in order.
 """
 
 import threading
@@ -144,6 +145,22 @@ def at_backward_end(callback) -> None:
     gradients are whole when `loss.backward()` returns; torch has no public API for it."""
     from torch.autograd import Variable
     Variable._execution_engine.queue_callback(callback)
+
+
+# -----------------------------------------------------------------------------
+# effectful custom ops
+
+def register_ordered_effect(op) -> None:
+    """Mark `op` (a torch.library.custom_op) as having a side effect: torch.compile then threads an effect
+    token through its calls, so it keeps each one, in program order. Otherwise it takes a custom op without
+    mutated arguments for pure, and may merge two equal calls into one or drop one whose result is unused."""
+    effect_type = getattr(torch.library, "EffectType", None)
+    if effect_type is not None and hasattr(op, "register_effect"):
+        op.register_effect(effect_type.ORDERED)
+        return
+    # older releases: the registry the effect tokens read, by the op's overload
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+    _register_effectful_op(op._opoverload, _EffectType.ORDERED)
 
 
 # -----------------------------------------------------------------------------
