@@ -13,6 +13,7 @@ autopar may import those modules directly.
 - pipeline_stage: a PipelineStage whose shape inference gives integer inputs zeros.
 - backward_keeps_graph, backward_id, leaf_gradient_use: what the backward now
   running is, for the gradient reductions that run inside it.
+- register_ordered_effect: a custom op whose calls torch.compile must keep, each one, in order.
 """
 
 import threading
@@ -179,6 +180,22 @@ def leaf_gradient_use(grad_accumulator) -> str:
         if "autograd.grad" in str(e):
             return RETURNED
         raise
+
+
+# -----------------------------------------------------------------------------
+# effectful custom ops
+
+def register_ordered_effect(op) -> None:
+    """Mark `op` (a torch.library.custom_op) as having a side effect: torch.compile then threads an effect
+    token through its calls, so it keeps each one, in program order. Otherwise it takes a custom op without
+    mutated arguments for pure, and may merge two equal calls into one or drop one whose result is unused."""
+    effect_type = getattr(torch.library, "EffectType", None)
+    if effect_type is not None and hasattr(op, "register_effect"):
+        op.register_effect(effect_type.ORDERED)
+        return
+    # older releases: the registry the effect tokens read, by the op's overload
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+    _register_effectful_op(op._opoverload, _EffectType.ORDERED)
 
 
 # -----------------------------------------------------------------------------

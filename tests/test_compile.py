@@ -140,3 +140,32 @@ def test_ddp_and_tp_compile_to_one_graph_with_their_collectives_in_it(strategy):
         assert functional == in_graph, (dict(ops), r["planned"], r["bucketed"])
         assert sum(k for op, k in ops.items() if op.startswith("autopar.logged_send")) == in_graph, dict(ops)
         assert r["logged"] == r["planned"]   # the ones in the graph and the buckets, each logged once
+
+
+class _SendsTwice(torch.autograd.Function):
+    """Logs two identical launches in forward and two in backward, as two collectives sending the same
+    tensor along the same axis would (autopar's Redistribute logs from inside such a function)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        from autopar.runtime.collectives import logged
+        ctx.comm = comm
+        return logged(x, comm, "all_reduce", 0, 16, "forward") + logged(x, comm, "all_reduce", 0, 16, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        from autopar.runtime.collectives import logged
+        comm = ctx.comm
+        return (logged(grad, comm, "all_reduce", 0, 16, "backward")
+                + logged(grad, comm, "all_reduce", 0, 16, "backward")), None
+
+
+def test_a_compiled_graph_keeps_every_logged_launch():
+    """The logging op has a side effect (an append to the CommLog): the compiler must neither merge two
+    identical calls (common-subexpression elimination treats a pure op's equal calls as one) nor drop one."""
+    from autopar.runtime.collectives import Comm, CommLog
+    torch._dynamo.reset()
+    comm = Comm(axes=[], log=CommLog())
+    step = torch.compile(lambda x: _SendsTwice.apply(x, comm).sum(), backend="aot_eager", fullgraph=True)
+    step(torch.randn(4, requires_grad=True)).backward()
+    assert sorted(comm.log.records) == [("all_reduce", 0, 16, "backward")] * 2 + [("all_reduce", 0, 16, "forward")] * 2

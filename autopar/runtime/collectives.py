@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .._compat import register_ordered_effect
 from ..sharding.placement import chunk_span
 from ..sharding.placement import shard_dim as _cached_shard_dim
 from ..sharding.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHUNK, NONE, REDUCE_SCATTER, ZERO, Step,
@@ -66,6 +67,11 @@ def _logged_send(x: torch.Tensor, log: int, kind: str, axis: int, nbytes: int, p
 @_logged_send.register_fake
 def _(x, log, kind, axis, nbytes, phase):
     return torch.empty_like(x)
+
+
+# its append is a side effect: without one registered, the compiler would take it for a pure op (no argument
+# is mutated) and merge two launches logged alike (two collectives sending one tensor) into one record
+register_ordered_effect(_logged_send)
 
 
 @dataclass

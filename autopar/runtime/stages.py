@@ -203,7 +203,6 @@ def make_schedule(stages: list, schedule: str, microbatches: int, loss_fn):
     return cls(first, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-
 class StepLoss:
     """The loss a schedule is made with, once: each microbatch's share of the mean of the loss_fn that the
     running train_step passes (`calling`). A schedule per loss function would be rebuilt, and kept, each
