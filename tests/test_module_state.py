@@ -103,3 +103,25 @@ def test_lifted_constants_move_with_the_module():
         torch.testing.assert_close(out["back"], want.chunk(2)[rank], atol=1e-6, rtol=0)
         assert out["float64"].dtype == torch.float64
         torch.testing.assert_close(out["float64"], want64.chunk(2)[rank], atol=1e-12, rtol=0)
+
+
+def _meta_built_run(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    with torch.device("meta"):
+        model = _Scaled()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(model, mesh, (torch.randn(4, 4, device="meta"),), strategy="ddp")
+    pm.to_empty(device="cpu")
+    pm.init_weights()
+    try:
+        pm(torch.randn(2, 4))
+    except autopar.PlanError as e:
+        return str(e)
+    return None
+
+
+def test_a_meta_built_models_constant_is_refused_in_words():
+    """A constant made on the meta device has no values: the module says so, naming it, rather than fail in
+    torch ("Tensor on device cpu is not on the expected device meta")."""
+    for message in run_threaded(2, _meta_built_run):
+        assert message is not None and "'scale'" in message and "register_buffer" in message

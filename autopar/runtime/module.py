@@ -343,7 +343,10 @@ class ParallelModule(torch.nn.Module):
             elif kind == BUFFER:
                 args.append(buffers[fqn])
             elif kind == CONSTANT:
-                args.append(self._constants[fqn])
+                constant = self._constants[fqn]
+                if constant.is_meta and not _on_meta(self):
+                    raise PlanError(_valueless_constant(fqn))
+                args.append(constant)
             else:
                 args.append(next(it))
         for (k, _), view in zip(here, self._grad_buckets.use([n for _, n in here], [args[k] for k, _ in here])):
@@ -426,6 +429,13 @@ class ParallelModule(torch.nn.Module):
         result = load_module_state(self, own, strict=False)
         missing_keys.extend(prefix + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+
+
+def _valueless_constant(name: str) -> str:
+    return (f"the model's forward computes with tensor constant {name!r} (a plain tensor attribute, or a tensor made "
+            "in forward), made on the meta device with the model, so it has no values to run with; make it a buffer "
+            "(register_buffer(..., persistent=False)) that init_weights or a checkpoint fills, or create it on a real "
+            "device")
 
 
 def _moved(captured: torch.Tensor, current: torch.Tensor, fn) -> torch.Tensor:
