@@ -7,8 +7,8 @@
 - two forward/backward pairs on batches of different sizes (the last, smaller batch of an epoch) before
   one step accumulate as on one device, and so do two forwards whose backwards run after both;
 - torch.autograd.grad with respect to parameters whose gradient the module reduces itself (ddp buckets,
-  FSDP layers, tp+sp's norm weights) raises UnsupportedAutogradError, and training goes on right after it;
-  with respect to inputs, and under plain tp, it works.
+  FSDP layers, tp+sp's norm weights) or ShardedOptimizer reduces (ZeRO-1/2) raises UnsupportedAutogradError,
+  and training goes on right after it; with respect to inputs, and under plain tp, it works.
 
 Parameters after steps are compared under SGD (a wrong gradient scale shows) and AdamW. Threaded ranks; the
 data are drawn before the threads start (they share one RNG). Each mesh case runs all patterns on one
@@ -152,8 +152,9 @@ def test_patterns_train_as_on_one_device(strategy, shape):
 
 def _autograd_grad_then_train(rank, model, data, strategy, shape):
     """torch.autograd.grad with respect to the parameters (caught), then a normal forward/backward: its whole
-    gradients."""
+    gradients (ZeRO ones reduced by the ShardedOptimizer)."""
     pm = autopar.parallelize(copy.deepcopy(model), _mesh(shape), (data[0][0],), strategy=strategy, **PLAN_KWARGS)
+    opt = autopar.ShardedOptimizer(pm, torch.optim.SGD, lr=0.1)
     (x, y) = data[0]
     (lx,), (ly,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
     message = None
@@ -163,11 +164,11 @@ def _autograd_grad_then_train(rank, model, data, strategy, shape):
         message = str(e)
     got_grads = {n: p.grad for n, p in pm.named_parameters() if p.grad is not None}
     gpt_loss(pm(lx), ly).backward()
-    return message, got_grads, pm.full_grads()
+    return message, got_grads, opt.full_grads()
 
 
 @pytest.mark.parametrize("strategy,shape", [("ddp", (2,)), ("fsdp", (2,)), ("fsdp+tp", (2, 2)), ("tp+sp", (2,)),
-                                            ("ddp", (3,))])
+                                            ("ddp", (3,)), ("zero1", (2,)), ("zero2", (2,))])
 def test_autograd_grad_with_respect_to_reduced_parameters_is_refused(strategy, shape):
     model, data = _gpt_and_data(shape[0])
     ref = copy.deepcopy(model)
@@ -176,9 +177,41 @@ def test_autograd_grad_with_respect_to_reduced_parameters_is_refused(strategy, s
         assert message is not None, "torch.autograd.grad returned (None for the reduced weights) instead of raising"
         assert "torch.autograd.grad" in message and "loss.backward()" in message and "p.grad" in message
         assert "report this" not in message
+        if strategy.startswith("zero"):   # says who reduces the gradient, and where the whole one is
+            assert "ShardedOptimizer" in message and "opt.full_grads()" in message
         assert not stray   # nothing reached .grad from the refused call
         for n, p in ref.named_parameters():   # and the module trains on right after it
             torch.testing.assert_close(grads[n], p.grad, atol=ATOL, rtol=0, msg=lambda m: f"{strategy} {n}: {m}")
+
+
+def _meta_built_zero_checks(rank, model, data, strategy):
+    """A model built on meta, parallelized, allocated (to_empty gives the shards new parameters) and loaded:
+    whether autograd.grad with respect to its ZeRO weights, and a backward without ShardedOptimizer, raise."""
+    pm = autopar.parallelize(copy.deepcopy(model).to("meta"), _mesh((2,)), (data[0][0],), strategy=strategy,
+                             **PLAN_KWARGS)
+    pm.to_empty(device="cpu")
+    pm.load_state_dict(model.state_dict())
+    (lx,), (ly,) = pm.plan.local_inputs(data[0][0]), pm.plan.local_targets(data[0][1])
+    zero_params = [p for n, p in pm.named_parameters() if n in pm.plan.param_zero]
+    refused = checked = False
+    try:
+        torch.autograd.grad(gpt_loss(pm(lx), ly), zero_params)
+    except autopar.UnsupportedAutogradError:
+        refused = True
+    try:   # a plain torch optimizer would step on the unreduced gradients
+        gpt_loss(pm(lx), ly).backward()
+    except autopar.PlanError as e:
+        checked = "ShardedOptimizer" in str(e)
+    return bool(zero_params), refused, checked
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_meta_built_zero_module_keeps_its_gradient_checks_after_to_empty(strategy):
+    model, data = _gpt_and_data(2)
+    for has_zero, refused, checked in run_threaded(2, _meta_built_zero_checks, model, data, strategy):
+        assert has_zero
+        assert refused, "torch.autograd.grad returned the unreduced gradient of a ZeRO weight after to_empty"
+        assert checked, "a backward without ShardedOptimizer went on after to_empty"
 
 
 def _autograd_grad_under_tp(rank, model, data):
@@ -199,6 +232,7 @@ def test_autograd_grad_with_respect_to_parameters_works_under_tp():
 
 def _input_grads(rank, model, x, strategy, shape):
     pm = autopar.parallelize(copy.deepcopy(model), _mesh(shape), (x,), strategy=strategy, **PLAN_KWARGS)
+    autopar.ShardedOptimizer(pm, torch.optim.SGD, lr=0.1)   # ZeRO's backward needs it
     (lx,) = pm.plan.local_inputs(x)
     lx = lx.detach().requires_grad_()
     (returned,) = torch.autograd.grad(pm(lx).pow(2).mean(), [lx])
@@ -207,7 +241,7 @@ def _input_grads(rank, model, x, strategy, shape):
     return returned, lx.grad, stray
 
 
-@pytest.mark.parametrize("strategy,shape", [("ddp", (2,)), ("fsdp", (2,)), ("fsdp+tp", (2, 2))])
+@pytest.mark.parametrize("strategy,shape", [("ddp", (2,)), ("fsdp", (2,)), ("fsdp+tp", (2, 2)), ("zero2", (2,))])
 def test_autograd_grad_with_respect_to_inputs_works(strategy, shape):
     torch.manual_seed(3)
     model, x = MLP([16, 32, 8]), torch.randn(8, 16)

@@ -27,6 +27,7 @@ from .grad_buckets import GradBuckets, route_through_buckets
 from .initialization import init_shards
 from .input_shapes import check_input_shapes, input_shape_specs, ordered_inputs
 from .regather import GatheredParams
+from .zero_buckets import refuse_returned_gradient
 from .state_dict import export_tensor, load_module_state, stored_layout
 
 
@@ -123,6 +124,7 @@ class ParallelModule(torch.nn.Module):
         # how a call's positional and keyword inputs map to the graph's placeholders, and the constants it baked in
         self._input_keys, self._constant_inputs = list(cap.input_keys), dict(cap.constant_inputs)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
+        self._zero_hooked = {}   # ZeRO parameter name -> the parameter _hook_zero_params hooked
         _serve_layer_groups(self, [gathered] + ([other_mode[1]] if isinstance(other_mode, tuple) else []))
         self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
 
@@ -131,16 +133,29 @@ class ParallelModule(torch.nn.Module):
         super()._apply(fn, recurse)
         self._constants = {name: _moved(self._captured_constants[name], current, fn)
                            for name, current in self._constants.items()}
+        self._hook_zero_params()   # to_empty (a meta-built model) replaces the parameters, and their hooks with them
         return self
+
+    def _hook_zero_params(self) -> None:
+        """Each ZeRO parameter's (plan.param_zero) checks of its gradient, on the parameters not given them yet:
+        an optimizer that is not autopar.ShardedOptimizer is refused at the first backward, and
+        torch.autograd.grad with respect to the parameter at any (zero_buckets.refuse_returned_gradient).
+        Not the latter under a pipeline: train_step runs its backwards itself, and the zero-bubble schedule's
+        own autograd.grad towards the weights must go through."""
+        for fqn, p in self.store.named_parameters():
+            if fqn not in self.plan.param_zero or not p.requires_grad or self._zero_hooked.get(fqn) is p:
+                continue
+            p.register_post_accumulate_grad_hook(self._check_zero_optimizer)
+            if self.plan.pipeline is None:
+                p.register_hook(refuse_returned_gradient(p, fqn))
+            self._zero_hooked[fqn] = p
 
     def _gradient_reductions(self, cap: Captured, grad_nodes) -> tuple:
         """The buckets that reduce the gradients the graph leaves partial (ZeRO ones are the optimizer's), and
         the weights the graphs route through them at their first use (_route_to_buckets)."""
         params = dict(self.store.named_parameters())
         self.params_by_first_use = params_by_first_use(cap)   # ShardedOptimizer's ZeRO buckets follow it
-        for fqn, p in params.items():
-            if fqn in self.plan.param_zero and p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._check_zero_optimizer)
+        self._hook_zero_params()
         scale = self.graph_module.meta["bucket_grad_scale"]   # rewrite() sets it on every graph it makes
         if isinstance(self._other_mode, tuple) and self._other_mode[0].meta["bucket_grad_scale"] != scale:
             raise PlanError("the two modes' graphs scale the outputs' gradient in different places; report this")

@@ -28,15 +28,19 @@ in one call (the same buckets, in the weights' dtype) into the whole weights. A
 weight on several ZeRO axes, or padded on its axis, stays with the optimizer's
 per-weight reduction and gather (ShardedOptimizer._reduce, _gather), one axis
 after another.
+
+torch.autograd.grad with respect to a ZeRO weight is refused (refuse_returned_gradient):
+it would return this rank's unreduced gradient, which only the step reduces.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from .._compat import at_backward_end
-from ..errors import PlanError
+from .._compat import RETURNED, at_backward_end, leaf_gradient_use
+from ..errors import PlanError, UnsupportedAutogradError
 from .collectives import Comm, all_gather_flat, reduce_scatter_async
 
 
@@ -154,3 +158,31 @@ class ZeroBuckets:
             g = out[first: first + k].to(z.slice.dtype)
             z.slice.grad = g if z.slice.grad is None else z.slice.grad + g
         b.arrived, b.launched, self._in_flight = set(), None, None
+
+
+def refuse_returned_gradient(param: torch.nn.Parameter, name: str):
+    """A tensor hook for ZeRO parameter `param` (named `name`) that raises UnsupportedAutogradError when the
+    backward now running hands its gradient back to its caller (torch.autograd.grad) instead of to .grad.
+
+    No autograd function of ours reads a ZeRO weight (ShardedOptimizer reduces its gradient from .grad), so
+    the check rides on the weight's own gradient: one call per backward that reaches it, nothing in forward.
+    Holds the parameter weakly: the hook lives on it."""
+    ref = weakref.ref(param)
+
+    def hook(grad):
+        p = ref()
+        if p is not None and leaf_gradient_use(torch.autograd.graph.get_gradient_edge(p).node) == RETURNED:
+            raise zero_returned_gradient_error(name)
+
+    return hook
+
+
+def zero_returned_gradient_error(name: str) -> UnsupportedAutogradError:
+    return UnsupportedAutogradError(
+        f"torch.autograd.grad with respect to parameter {name!r} is not supported under this plan: its optimizer "
+        "state is split ZeRO-style (plan.param_zero), so its gradient is reduced across ranks by "
+        "autopar.ShardedOptimizer from .grad (in its step; at level 2 as backward accumulates it), and "
+        "autograd.grad would get this rank's unreduced share. Call loss.backward() and read the whole gradients "
+        "with opt.full_grads() on the ShardedOptimizer (a ZeRO parameter's p.grad is this rank's unreduced share "
+        "at level 1, and None at level 2, reduced into the optimizer's slice); torch.autograd.grad with respect "
+        "to the inputs works")
