@@ -161,11 +161,8 @@ def _auto_spec(model, example_inputs: tuple, example_kwargs: dict):
     import inspect
     try:
         bound = inspect.signature(model.forward).bind(*example_inputs, **example_kwargs)
-    except (TypeError, ValueError):
-        if example_kwargs:
-            return {**dict(enumerate(_auto_dynamic_shapes(example_inputs))),
-                    **_auto_dynamic_shapes(example_kwargs)} if example_inputs else _auto_dynamic_shapes(example_kwargs)
-        return _auto_dynamic_shapes(example_inputs)
+    except (TypeError, ValueError):   # no signature to read: one spec per input, in call order
+        return _auto_dynamic_shapes((*example_inputs, *example_kwargs.values()))
     return {name: _auto_dynamic_shapes(value) for name, value in bound.arguments.items()}
 
 
