@@ -297,7 +297,7 @@ def _show(args) -> int:
 
 def _describe(config, model) -> str:
     n = sum(t.numel() for t in model.parameters())
-    return f"{type(model.model).__name__} ({config.model_type}, {n / 1e9:.2f}B parameters, on meta)"
+    return f"{type(model).__name__} ({config.model_type}, {n / 1e9:.2f}B parameters, on meta)"
 
 
 def _mesh_text(mesh: dict) -> str:

@@ -92,9 +92,9 @@ class Plan:
         placements = self._placements_by_key()
         num_positional = sum(1 for k in placements if isinstance(k, int))
         if len(global_inputs) != num_positional:
-            raise PlanError(f"the plan was made for {num_positional} positional inputs, got {len(global_inputs)}"
-                            + ("; pass keyword inputs through plan.local_kwargs" if len(placements) > num_positional
-                               else ""))
+            raise PlanError(f"the plan was made for {num_positional} inputs, got {len(global_inputs)}"
+                            + ("; its other inputs are keywords: pass them through plan.local_kwargs"
+                               if len(placements) > num_positional else ""))
         coords = self._coords(rank)
         return tuple(self._local(t, placements[i], coords, f"input {i}") for i, t in enumerate(global_inputs))
 

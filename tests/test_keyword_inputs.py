@@ -91,7 +91,7 @@ def test_positional_and_keyword_inputs_together():
     assert plan.input_keys == (0, "attention_mask")
     (ids,) = plan.local_inputs(batch["input_ids"], rank=1)
     torch.testing.assert_close(ids, batch["input_ids"].chunk(2)[1])
-    with pytest.raises(autopar.PlanError, match="1 positional inputs"):
+    with pytest.raises(autopar.PlanError, match="made for 1 inputs, got 2; its other inputs are keywords"):
         plan.local_inputs(batch["input_ids"], batch["attention_mask"], rank=0)
 
 
