@@ -114,11 +114,12 @@ def compare(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dic
                                          trace_every_layer)
     out = {}
     strategies = strategies or STRATEGIES
+    problems: dict = {}   # one priced problem for every strategy (planner.plan_captured)
     for i, strategy in enumerate(strategies):
         log.info("strategy %s (%d of %d)", strategy, i + 1, len(strategies))
         try:
             out[strategy] = plan_captured(cap, mesh, strategy=strategy, t_capture=t_capture, recapture=recapture,
-                                          **options)
+                                          problems=problems, **options)
         except AutoparError as e:
             out[strategy] = e
     return out

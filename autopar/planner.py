@@ -87,16 +87,18 @@ def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
 def plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
                    optimizer="adamw", checkpointing="auto", links=None, time_limit=60.0, t_capture=0.0,
                    tie_blocks=True, pipeline_axis=None, microbatches=None, schedule=None,
-                   recapture=None, bucket_bytes=DEFAULT_BUCKET_BYTES, reshard_after_forward=None) -> Plan:
+                   recapture=None, bucket_bytes=DEFAULT_BUCKET_BYTES, reshard_after_forward=None,
+                   problems: dict | None = None) -> Plan:
     """The plan for a captured model. `recapture(m)` captures it again with batches of 1/m the size,
     which a pipelined plan is made for (its graph runs one microbatch at a time); without it the
-    search does not pipeline."""
+    search does not pipeline. `problems`: a dict that several calls with the same capture and options
+    but another strategy share (autopar.compare), so the priced problem is built and priced once."""
     spec = mesh_spec(mesh)
     check_mode(checkpointing)
     check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap))
     env = Request(cap, spec, mesh, hardware, memory_limit, strategy, precision, optimizer, checkpointing, links,
                    time_limit, t_capture, tie_blocks, _check_bucket_bytes(bucket_bytes),
-                   check_reshard(strategy, reshard_after_forward))
+                   check_reshard(strategy, reshard_after_forward), {} if problems is None else problems)
     axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule) if recapture is not None else []
     if pipeline_axis not in (None, "auto") and recapture is None:
         raise PipelineError("a pipelined plan needs the model to capture it again per microbatch; "
@@ -162,6 +164,7 @@ class Request:
     tie_blocks: bool
     bucket_bytes: int     # gradient bucket size (cost/buckets.py)
     reshard_after_forward: bool | None   # Problem.reshard_after_forward (None: the search decides)
+    problems: dict        # (what a Problem is built from) -> (the capture, the Problem, ...): see _problem
 
 
 def _check_bucket_bytes(bucket_bytes) -> int:
@@ -224,6 +227,21 @@ REGATHER = {"tp+sp": True, "auto": None}
 
 
 def _problem(cap: Captured, env: Request, checkpointing: str):
+    """(Problem, precision policy, optimizer spec, hardware) for a search under `env`'s strategy. The Problem's
+    candidates, edges, activation model and memoised prices depend on the capture and options but not on
+    the strategy, so requests that share `env.problems` build them once and share the prices."""
+    key = (id(cap), checkpointing != "none", env.spec, repr(env.hardware), repr(env.precision), repr(env.optimizer),
+           repr(env.links), env.tie_blocks, env.bucket_bytes, repr(env.mesh))
+    entry = env.problems.get(key)
+    if entry is None or entry[0] is not cap:   # (an id outlives its object: the capture itself must match)
+        entry = env.problems[key] = (cap, *_base_problem(cap, env, checkpointing))
+    _, base, policy, opt, hw = entry
+    prob = replace(base, regather_activations=REGATHER.get(env.strategy, False),
+                   reshard_after_forward=env.reshard_after_forward)
+    return prob, policy, opt, hw
+
+
+def _base_problem(cap: Captured, env: Request, checkpointing: str):
     spec = env.spec
     policy, opt = precision_of(env.precision), optimizer_spec(env.optimizer)
     # bytes from the dtype the model holds a parameter in: a graph traced at the compute dtype shows that one
@@ -249,8 +267,7 @@ def _problem(cap: Captured, env: Request, checkpointing: str):
                    grad_nodes, saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
                    backward_start=backward_start(cap, grad_nodes),
                    stacks=checkpointable_stacks(cap) if checkpointing != "none" else (),
-                   bucket_bytes=env.bucket_bytes, regather_activations=REGATHER.get(env.strategy, False),
-                   reshard_after_forward=env.reshard_after_forward)
+                   bucket_bytes=env.bucket_bytes)
     return prob, policy, opt, hw
 
 
@@ -359,8 +376,8 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
         raise PipelineError("reshard_after_forward=False with a pipeline is not supported yet: a stage would keep "
                             "every microbatch's gathered weights; leave it None or True")
     prob, policy, opt, hw = _problem(cap, env, "none")
-    prob.pipelined = True   # the runtime groups no FSDP layers across stages (cost/layer_groups.py)
-    prob.reshard_after_forward = True   # (the stage costs price no kept weights)
+    # the runtime groups no FSDP layers across stages (cost/layer_groups.py); the stage costs price no kept weights
+    prob = replace(prob, pipelined=True, reshard_after_forward=True)
     if rest is None:
         candidates = [Roles((PIPE,), spec.axis_names, spec.axis_sizes)]
     else:
@@ -385,6 +402,9 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
     pred = device_prediction(prob, costs, pipe, transient)
     _, colls = predict(prob, sol.choice, symbolic=False)
     t_predict = time.perf_counter() - t0
+    log.debug("pipeline over %s, %d microbatches (%s): cut and priced in %.2f s", axis, m, schedule, t_predict,
+              extra={"stage": {"stage": "pipeline", "axis": axis, "microbatches": m, "schedule": schedule,
+                               "seconds": t_predict}})
     searched = Searched(prob, sol, roles, len(candidates), pred, pred, colls, policy, opt, hw,
                         {"rules_seconds": t_rules, "predict_seconds": t_predict}, pipeline=pipe)
     return make_plan(searched, env.strategy, env.t_capture)
@@ -404,6 +424,8 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
             log.info("search %d/%d: %s", i + 1, len(candidates), ",".join(
                 f"{a}={r or 'any'}" for a, r in zip(roles.axis_names, roles.roles)))
         try:
+            if len(candidates) > 1:   # a batch the roles' data axes cannot divide: no layout (no input splits so)
+                _check_batch_divisible(prob.cap, prob.mesh, roles)
             sol = solve(prob, roles, limit, time_limit, minimize_memory=minimize_memory,
                         gap=1e-6 if minimize_memory else 1e-3, checkpointing=checkpointing)
         except (ShardingError, InfeasiblePlanError):   # these roles cannot lay out some node

@@ -1,18 +1,25 @@
-"""How long autopar.plan takes, by stage, against depth and mesh size (Llama-3 shapes, meta device).
+"""How long autopar.plan takes and how much memory it holds, stage by stage (Llama-3 shapes, meta device).
 
     python benchmarks/search_time.py                                   # 8B shape, 8/32 layers, 8x8 mesh
     python benchmarks/search_time.py --layers 8,80                     # growth with depth
-    python benchmarks/search_time.py --model 70b --layers 8,80 --mesh a=16,b=8,c=8 --batch 128
-    python benchmarks/search_time.py --targets    # the issue's cases: 8B 8/32/80 on 8x8, 70B 8/80 on 16x8x8
+    python benchmarks/search_time.py --model 70b --layers 80 --mesh a=16,b=8,c=8 --batch 64
+    python benchmarks/search_time.py --compare                         # autopar compare: every strategy
+    python benchmarks/search_time.py --targets    # issue 36's rows: 8B on 8x8; 70B on 16x8x8; 405B on 4 axes
+                                                  # pipelined; compare on 8B; 8B at 32/80/126 layers
 
-Prints one row per (model, layers, mesh): graph nodes, ILP variables, the
-number of searches (auto on 3+ axes tries one per role assignment), and
-seconds for capture, rule expansion, building the ILP (edge costs, rows),
-HiGHS, and the numeric + symbolic predictions. Repeated layers
-share the ILP's variables, so only capture and the predictions grow with
-depth. Timings, so a benchmark, not a test.
+Each case runs in a child process of its own, so its peak resident memory (ru_maxrss) is its own.
+It prints one summary row per case (seconds end to end, capture included; peak memory), then the
+stages of each: capture, problem build (rules, edges, activation model), every ILP solved (the role
+assignment, checkpointing kind, re-gather / reshard variant, its size, build and HiGHS seconds),
+the pipeline cuts, and the predictions. Timings, so a benchmark, not a test; on a shared machine,
+compare figures from one run only.
 """
 import argparse
+import json
+import logging
+import resource
+import subprocess
+import sys
 import time
 import warnings
 
@@ -23,11 +30,23 @@ import autopar
 SHAPES = {  # published Llama-3 shapes
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8),
+    "405b": dict(hidden_size=16384, intermediate_size=53248, num_attention_heads=128, num_key_value_heads=8),
 }
 
 
-def plan_once(model_name: str, layers: int, mesh: dict, batch: int, seq: int, hardware: str, memory_limit=None,
-              dynamic_shapes="auto"):
+class _Stages(logging.Handler):
+    """Collects the figures autopar logs per stage at DEBUG (`record.stage`: search/ilp.py, planner.py)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        if isinstance(getattr(record, "stage", None), dict):
+            self.records.append(record.stage)
+
+
+def _model(model_name: str, layers: int, batch: int, seq: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=128256, num_hidden_layers=layers, max_position_embeddings=8192,
@@ -43,13 +62,100 @@ def plan_once(model_name: str, layers: int, mesh: dict, batch: int, seq: int, ha
         def forward(self, input_ids):
             return self.model(input_ids=input_ids, use_cache=False).logits
 
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), device="meta")
+    return Logits(), torch.randint(0, cfg.vocab_size, (batch, seq), device="meta")
+
+
+def plan_once(model_name: str, layers: int, mesh: dict, batch: int, seq: int, hardware: str, memory_limit=None,
+              dynamic_shapes="auto", pipeline_axis=None):
+    model, tokens = _model(model_name, layers, batch, seq)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
-        plan = autopar.plan(Logits(), (tokens,), mesh, hardware=hardware, memory_limit=memory_limit,
-                            time_limit=1800, dynamic_shapes=dynamic_shapes)
+        plan = autopar.plan(model, (tokens,), mesh, hardware=hardware, memory_limit=memory_limit,
+                            time_limit=1800, dynamic_shapes=dynamic_shapes, pipeline_axis=pipeline_axis)
     return plan, time.perf_counter() - start
+
+
+def run_case(case: dict) -> dict:
+    """One case in this process: its figures, stages and peak resident memory."""
+    handler = _Stages()
+    logger = logging.getLogger("autopar")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    mesh = dict(case["mesh"])
+    if case.get("compare"):
+        model, tokens = _model(case["model"], case["layers"], case["batch"], case["seq"])
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+            plans = autopar.compare(model, (tokens,), mesh, hardware=case["hardware"],
+                                    memory_limit=case["memory_limit"], time_limit=1800)
+        total = time.perf_counter() - start
+        plan = next((p for p in plans.values() if isinstance(p, autopar.Plan)), None)
+        summary = {"strategies": {k: (type(v).__name__ if isinstance(v, Exception) else
+                                      round(v.predicted.step_time, 4)) for k, v in plans.items()}}
+    else:
+        plan, total = plan_once(case["model"], case["layers"], mesh, case["batch"], case["seq"], case["hardware"],
+                                case["memory_limit"], case["dynamic_shapes"], case.get("pipeline_axis"))
+        summary = {"roles": plan.stats["axis_roles"], "checkpointed": dict(plan.checkpointed),
+                   "pipeline": bool(plan.pipeline)}
+    stats = plan.stats if plan is not None else {}
+    return {**case, **summary, "total_seconds": total, "capture_seconds": stats.get("capture_seconds", 0.0),
+            "nodes": stats.get("num_nodes"), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "stages": handler.records, "rules_seconds": stats.get("rules_seconds", 0.0),
+            "predict_seconds": stats.get("predict_seconds", 0.0)}
+
+
+def _in_child(case: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(case)], capture_output=True, text=True)
+    if out.returncode:
+        return {**case, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _label(case: dict) -> str:
+    mesh = "x".join(str(n) for n in case["mesh"].values())
+    what = "compare" if case.get("compare") else ("pipeline auto" if case.get("pipeline_axis") else "plan")
+    return f"{case['model']} {case['layers']}L {mesh} {what}"
+
+
+def _print_summary(results: list) -> None:
+    header = f"{'case':>30} {'nodes':>6} {'total s':>8} {'capture':>8} {'peak GB':>8}  result"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        if "error" in r:
+            print(f"{_label(r):>30}  failed: {r['error']}")
+            continue
+        result = r.get("strategies") or f"{r['roles']}" + (f" checkpointed {r['checkpointed']}" if r["checkpointed"]
+                                                            else "") + (" pipelined" if r["pipeline"] else "")
+        print(f"{_label(r):>30} {r['nodes'] or '':>6} {r['total_seconds']:>8.2f} {r['capture_seconds']:>8.2f} "
+              f"{r['peak_rss_bytes'] / 2**30:>8.2f}  {result}")
+
+
+def _print_stages(r: dict) -> None:
+    if "error" in r:
+        return
+    ilps = [s for s in r["stages"] if s["stage"] == "ilp"]
+    pipes = [s for s in r["stages"] if s["stage"] == "pipeline"]
+    print(f"\n{_label(r)}: capture {r['capture_seconds']:.2f} s, problem build {r['rules_seconds']:.2f} s, "
+          f"{len(ilps)} ILPs {sum(s['build_seconds'] for s in ilps):.2f} s built + "
+          f"{sum(s['solve_seconds'] for s in ilps):.2f} s HiGHS, "
+          + (f"{len(pipes)} pipeline cuts {sum(s['seconds'] for s in pipes):.2f} s, " if pipes else "")
+          + f"predict {r['predict_seconds']:.2f} s (of the plan returned)")
+    if ilps:
+        print(f"  {'roles':>22} {'recompute':>10} {'regather':>8} {'reshard':>7} {'limit':>5} {'vars':>8} {'rows':>7} "
+              f"{'build s':>7} {'HiGHS s':>7} status")
+        for s in ilps:
+            print(f"  {s['roles']:>22} {s['checkpointing']:>10} {str(s['regather']):>8} {str(s['reshard']):>7} "
+                  f"{'yes' if s['limited'] else 'no':>5} {s['variables']:>8} {s['rows']:>7} {s['build_seconds']:>7.2f} "
+                  f"{s['solve_seconds']:>7.2f} {s['status']}")
+    for s in pipes:
+        print(f"  pipeline over {s['axis']}, {s['microbatches']} microbatches, {s['schedule']}: {s['seconds']:.2f} s")
+
+
+def _mesh(text: str) -> dict:
+    return {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
 
 
 def main():
@@ -60,41 +166,44 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--hardware", default="h100")
-    p.add_argument("--memory-limit", default=None, help="per device, e.g. 80GB (default: none)")
+    p.add_argument("--memory-limit", default="80GB", help="per device (default: 80GB)")
+    p.add_argument("--pipeline-axis", default=None, help="e.g. auto")
     p.add_argument("--static", action="store_true",
                    help="capture with every dim as in the example (dynamic_shapes=None); the default lets "
                         "batch and sequence vary, which export takes longer to trace")
-    p.add_argument("--targets", action="store_true",
-                   help="run the cases the planning-time targets name, and print the growth with depth")
+    p.add_argument("--compare", action="store_true", help="time autopar.compare (every strategy) instead")
+    p.add_argument("--targets", action="store_true", help="run the cases issue 36 sets targets for")
+    p.add_argument("--one", help=argparse.SUPPRESS)   # a case as JSON, run in this process (the child)
     args = p.parse_args()
+    if args.one:
+        print(json.dumps(run_case(json.loads(args.one))))
+        return
+    base = dict(seq=args.seq, hardware=args.hardware, memory_limit=args.memory_limit,
+                dynamic_shapes=None if args.static else "auto")
     if args.targets:
-        cases = [("8b", 8, "dp=8,tp=8"), ("8b", 32, "dp=8,tp=8"), ("8b", 80, "dp=8,tp=8"),
-                 ("70b", 8, "a=16,b=8,c=8"), ("70b", 80, "a=16,b=8,c=8")]
+        cases = [dict(base, model="8b", layers=32, mesh=_mesh("dp=8,tp=8"), batch=16),
+                 dict(base, model="70b", layers=80, mesh=_mesh("a=16,b=8,c=8"), batch=64),
+                 dict(base, model="405b", layers=126, mesh=_mesh("a=16,b=16,c=8,d=8"), batch=256,
+                      pipeline_axis="auto"),
+                 dict(base, model="8b", layers=32, mesh=_mesh("dp=8,tp=8"), batch=16, compare=True)]
+        cases += [dict(base, model="8b", layers=n, mesh=_mesh("dp=8,tp=8"), batch=16) for n in (80, 126)]
     else:
-        cases = [(args.model, int(x), args.mesh) for x in args.layers.split(",")]
-
-    header = f"{'model':>5} {'layers':>6} {'mesh':>16} {'nodes':>6} {'ILP vars':>9} {'searches':>8} " \
-             f"{'capture':>8} {'rules':>6} {'build':>6} {'HiGHS':>7} {'predict':>8} {'total s':>8}  roles"
-    print(header)
-    print("-" * len(header))
-    totals = {}
-    for model, layers, mesh_text in cases:
-        mesh = {k: int(v) for k, v in (part.split("=") for part in mesh_text.split(","))}
-        plan, total = plan_once(model, layers, mesh, args.batch, args.seq, args.hardware, args.memory_limit,
-                                None if args.static else "auto")
-        totals[(model, layers, mesh_text)] = total
-        s = plan.stats
-        print(f"{model:>5} {layers:>6} {mesh_text:>16} {s['num_nodes']:>6} {s['num_variables']:>9} "
-              f"{s['searches']:>8} {s['capture_seconds']:>8.1f} {s['rules_seconds']:>6.1f} {s['build_seconds']:>6.1f} "
-              f"{s['solve_seconds']:>7.1f} {s['predict_seconds']:>8.1f} {total:>8.1f}  {s['axis_roles']}"
-              + (f"  checkpointed: {','.join(plan.checkpointed)}" if plan.checkpointed else ""), flush=True)
-    by_model: dict = {}
-    for (model, layers, mesh_text), total in totals.items():
-        by_model.setdefault((model, mesh_text), []).append((layers, total))
-    for (model, mesh_text), rows in by_model.items():
-        (lo, t_lo), (hi, t_hi) = min(rows), max(rows)
-        if hi > lo:
-            print(f"{model} on {mesh_text}: {hi} layers take {t_hi / t_lo:.2f}x the time of {lo}")
+        cases = [dict(base, model=args.model, layers=int(n), mesh=_mesh(args.mesh), batch=args.batch,
+                      pipeline_axis=args.pipeline_axis, compare=args.compare) for n in args.layers.split(",")]
+    results = []
+    for case in cases:
+        results.append(_in_child(case))
+        print(f"... {_label(case)}: {results[-1].get('total_seconds', float('nan')):.2f} s", flush=True)
+    print()
+    _print_summary(results)
+    for r in results:
+        _print_stages(r)
+    depth = [r for r in results if "error" not in r and not r.get("compare") and r["model"] == "8b"
+             and r["mesh"] == _mesh("dp=8,tp=8") and not r.get("pipeline_axis")]
+    if len({r["layers"] for r in depth}) > 1:
+        lo, hi = min(depth, key=lambda r: r["layers"]), max(depth, key=lambda r: r["layers"])
+        print(f"\n8b on 8x8: {hi['layers']} layers take {hi['total_seconds'] / lo['total_seconds']:.2f}x the time "
+              f"and {hi['peak_rss_bytes'] / lo['peak_rss_bytes']:.2f}x the memory of {lo['layers']}")
 
 
 if __name__ == "__main__":

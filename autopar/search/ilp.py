@@ -10,6 +10,7 @@ the time of the collectives on every edge. Constraint: memory per device.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -26,13 +27,16 @@ from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, ed
                             memory_reserve, node_memory, node_time, recompute_edge_cost, regather_model, repeat_memory,
                             reshards, tied_edges)
 from ..cost.terms import (first_meta, gathered_weight_bytes, is_saved, kept_weight_bytes, output_bytes, read_bytes,
-                          reduce_itemsize, regather_saving)
+                          reduce_itemsize, regather_saving, regathers)
 from ..errors import InfeasiblePlanError
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import UnsupportedRedistribution
 from .classics import Roles, allow_edge, allowed_flags
 from .greedy import bound_gap, greedy
 from .solution import GREEDY_NO_BOUND, INFEASIBLE, OPTIMAL, TIME_LIMIT, Solution
+
+# one DEBUG record per ILP solved, its figures in `record.stage` (benchmarks/search_time.py tabulates them)
+log = logging.getLogger(__name__)
 
 TIME_SCALE = 1e6      # seconds -> microseconds keeps HiGHS's tolerances meaningful
 MEM_SCALE = 2.0 ** -20  # bytes -> MiB
@@ -61,8 +65,9 @@ class _ILP:
     def solve(self, objective, time_limit, gap):
         data, ri, ci = [], [], []
         for r, row in enumerate(self.rows):
-            for c, val in row.items():
-                ri.append(r); ci.append(c); data.append(val)
+            ri.extend([r] * len(row))
+            ci.extend(row)
+            data.extend(row.values())
         n = len(self.cost)
         A = sp.csr_array((data, (ri, ci)), shape=(len(self.rows), n))
         return milp(np.array(objective, dtype=float), integrality=np.array(self.integer),
@@ -90,12 +95,12 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
             xvars[name] = vs
             continue
         vs, times[name] = [], {}
-        for s, ok in zip(ns.strategies, allowed_flags(prob, roles, name)):
+        for i, (s, ok) in enumerate(zip(ns.strategies, allowed_flags(prob, roles, name))):
             if not ok:
                 vs.append(None)
                 continue
-            t = node_time(prob, name, s)
-            vs.append(ilp.var(t * TIME_SCALE, node_memory(prob, name, s) * MEM_SCALE))
+            t, mem = _node_prices(prob, name, i)
+            vs.append(ilp.var(t * TIME_SCALE, mem * MEM_SCALE))
             times[name][vs[-1]] = t
         if all(v is None for v in vs):
             raise InfeasiblePlanError(
@@ -105,6 +110,17 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
         xvars[name] = vs
         ilp.row({v: 1.0 for v in vs if v is not None}, 1, 1)
     return xvars
+
+
+def _node_prices(prob: Problem, name: str, i: int) -> tuple[float, float]:
+    """(node_time, node_memory) of strategy i of a node, priced once per problem: every search of every
+    role assignment asks again, and neither depends on the roles or the search's variants."""
+    key = ("prices", name, i)
+    prices = prob.node_cost_cache.get(key)
+    if prices is None:
+        s = prob.strategies[name].strategies[i]
+        prices = prob.node_cost_cache[key] = (node_time(prob, name, s), node_memory(prob, name, s))
+    return prices
 
 
 def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
@@ -140,15 +156,24 @@ def gathered_layers(prob: Problem, by_weight: list) -> list:
         for y, mib in gathered.items():
             terms.setdefault(layer, {})[y] = terms.setdefault(layer, {}).get(y, 0.0) + mib
         uses.setdefault(layer, []).append(position[consumer])
-    at = [dict() for _ in prob.live]
+    alive: list = [[] for _ in prob.live]   # per op, the layers gathered there, in the order their terms add up
     for layer, (start, end) in alive_spans(uses).items():
         for i in range(start, end + 1):
-            for y, mib in terms[layer].items():
-                at[i][y] = at[i].get(y, 0.0) + mib
+            alive[i].append(layer)
+    sums: dict = {}   # one dict per set of layers: most ops share theirs with many others (the rows dedupe by it)
+    at = []
+    for layers in map(tuple, alive):
+        if layers not in sums:
+            total: dict = {}
+            for layer in layers:
+                for y, mib in terms[layer].items():
+                    total[y] = total.get(y, 0.0) + mib
+            sums[layers] = total
+        at.append(sums[layers])
     return at
 
 
-def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: set) -> dict:
+def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: set, pairs_memo: dict) -> dict:
     """y[e, p, k] for producer layout p and consumer key k (input layout, partial-gradient axes).
 
     Marginals tie y to x: sum_k y[p, k] = x-mass of the producer on p, and
@@ -157,6 +182,7 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
     repeats of one edge (tied blocks): one set of y, paying for all of them.
     Returns {y: MiB} for the y that gather a weight whole (FSDP). An edge into
     an op of `rerun` (checkpointed blocks) also pays its rerun (recompute_edge_cost).
+    `pairs_memo`: the pairs the roles allow per edge, shared by the searches of one role assignment.
     """
     cap = prob.cap
     e = edges[0]
@@ -169,7 +195,12 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
     alike = [(sig, member, n, m) for sig, (member, n, m) in alike.items()]
     # repeats whose op pays for the activation it gathers: the module keeps the shard (regather_saving)
     kept = regather_model(prob)   # None: gathered activations are kept whole, and nothing is saved
-    keepers = [m for m in edges if kept is not None and (m.consumer, m.index) in kept.payers]
+    keepers = _by_weight_shape(prob, [m for m in edges if kept is not None and (m.consumer, m.index) in kept.payers
+                                      and m.consumer not in rerun])
+    # weights gathered whole for backward stay whole from forward on (not resharded): what each keeps
+    holders = [] if reshards(prob) else _by_weight_shape(
+        prob, [m for m in edges if m.consumer not in rerun
+               and regathers(cap, m.producer, m.consumer, m.index, prob.grad_nodes)])
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
         if var is not None:
@@ -181,35 +212,62 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
     by_src = {p: {} for p in src_groups}
     by_dst = {k: {} for k in dst_groups}
     gathered = {}
-    is_tuple = isinstance(cap.info[e.producer].meta, list)
-    for src_key in src_groups:
+    pair_key = (e.producer, e.consumer, e.index)
+    if pair_key not in pairs_memo:
+        pairs_memo[pair_key] = _allowed_pairs(roles, cap, e, src_groups, dst_groups, len(v.strategies) == 1)
+    for src_key, k in pairs_memo[pair_key]:
         p, zero_axes = src_key
-        for k in dst_groups:
-            dst, gp = k
-            if not allow_edge(roles, cap.info[e.producer], p, dst, len(v.strategies) == 1):
-                continue
-            if is_tuple and (p != dst or gp):
-                continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
-            try:
-                c = sum(n * edge_cost(prob, member, p, dst, gp, zero_axes, sig) for sig, member, n, _ in alike)
-            except UnsupportedRedistribution:
-                continue
-            c += sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig)
-                     for sig, member, _, m in alike if m)
-            memory = sum(regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
-                                         prob.grad_nodes) for m in keepers if m.consumer not in rerun)
-            if not reshards(prob):   # weights gathered whole for backward stay whole from forward on
-                memory += sum(kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst, prob.grad_nodes,
-                                                prob.mesh) for m in edges if m.consumer not in rerun)
-            y = ilp.var(c * TIME_SCALE, float(memory) * MEM_SCALE, integer=False)
-            by_src[src_key][y] = by_dst[k][y] = 1.0
-            gb = float(gathered_weight_bytes(cap, e.producer, p, dst, prob.mesh))
-            if gb:
-                gathered[y] = gb * MEM_SCALE
+        dst, gp = k
+        try:
+            c = sum(n * edge_cost(prob, member, p, dst, gp, zero_axes, sig) for sig, member, n, _ in alike)
+        except UnsupportedRedistribution:
+            continue
+        c += sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig)
+                 for sig, member, _, m in alike if m)
+        memory = sum(n * regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
+                                         prob.grad_nodes) for m, n in keepers)
+        memory += sum(n * kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst, prob.grad_nodes, prob.mesh)
+                      for m, n in holders)
+        y = ilp.var(c * TIME_SCALE, float(memory) * MEM_SCALE, integer=False)
+        by_src[src_key][y] = by_dst[k][y] = 1.0
+        gb = float(gathered_weight_bytes(cap, e.producer, p, dst, prob.mesh))
+        if gb:
+            gathered[y] = gb * MEM_SCALE
     for groups, ys in ((src_groups, by_src), (dst_groups, by_dst)):
         for key, vars_ in groups.items():
             ilp.row({**ys[key], **{var: -1.0 for var in vars_}}, 0, 0)
     return gathered
+
+
+def _allowed_pairs(roles: Roles, cap, e, src_groups: dict, dst_groups: dict, consumer_replicated_only: bool) -> list:
+    """(producer key, consumer key) pairs of an edge that the roles allow, in the order the variables take."""
+    producer = cap.info[e.producer]
+    is_tuple = isinstance(producer.meta, list)
+    out = []
+    for src_key in src_groups:
+        p, _ = src_key
+        for k in dst_groups:
+            dst, gp = k
+            if not allow_edge(roles, producer, p, dst, consumer_replicated_only):
+                continue
+            if is_tuple and (p != dst or gp):
+                continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
+            out.append((src_key, k))
+    return out
+
+
+def _by_weight_shape(prob: Problem, edges: list) -> list:
+    """[(one edge, how many)] of edges whose producers are alike (kind, shape, dtype): their memory terms
+    are equal, so a deep stack prices each kind once, not once per layer."""
+    counts: dict = {}
+    for m in edges:
+        info = prob.cap.info[m.producer]
+        meta = first_meta(info.meta)
+        key = (info.kind, meta.shape if meta is not None else None, meta.dtype if meta is not None else None,
+               m.producer in prob.grad_nodes, m.index, prob.cap.node(m.consumer).target)
+        entry = counts.setdefault(key, [m, 0])
+        entry[1] += 1
+    return [(m, n) for m, n in counts.values()]
 
 
 def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transient: int, layers: list) -> None:
@@ -218,10 +276,13 @@ def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transien
     module gathers them a layer at a time, those of the layers gathered around it (`layers`)."""
     seen = set()
     canon = prob.canonical
+    frozen: dict = {}   # id of a gathered dict -> its items as a set (ops share their dicts: gathered_layers)
     for i, (point, alive) in enumerate(prob.live):
         alive = [u for u in alive if u in prob.strategies and not is_saved(prob, u)]
         gathered = layers[i] if layers else gathered_at.get(canon.get(point, point), {})
-        key = (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)), frozenset(gathered.items()))
+        if id(gathered) not in frozen:
+            frozen[id(gathered)] = (frozenset(gathered.items()), gathered)   # (holding it keeps the id its own)
+        key = (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)), frozen[id(gathered)][0])
         if key in seen:   # repeated blocks repeat their rows
             continue
         seen.add(key)
@@ -333,6 +394,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     # the undecided choices; True is the memory-saving side of each
     decide = [field for field in ("regather_activations", "reshard_after_forward") if getattr(prob, field) is None]
     base = replace(prob, **{field: False for field in decide})
+    pairs: dict = {}   # the edges' allowed layout pairs: the roles decide them, so every search below shares them
     if checkpointing != "auto":
         kinds = [checkpointing]
     else:
@@ -340,17 +402,22 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     if limited and not minimize_memory and (len(kinds) > 1 or decide) and kinds[0] == NONE:
         # recomputing and re-gathering only add time to a layout: where the fastest plan without either
         # meets the limit anyway, no other is faster, and one solve answers for all of them
-        free = _solve(base, roles, None, time_limit, False, gap, NONE)
+        free = _solve(base, roles, None, time_limit, False, gap, NONE, pairs)
         if free.status == OPTIMAL and free.memory <= memory_limit:   # (not a greedy plan: unmeasured)
             return free
-    sols = [_solve(base, roles, memory_limit, time_limit, minimize_memory, gap, kind) for kind in kinds]
+        if free.status == INFEASIBLE:
+            # no layout at all under these roles (the limit is not in it): the limit, recomputing
+            # and re-gathering only take layouts away or reprice them, so none of their searches can
+            # find one either
+            return free
+    sols = [_solve(base, roles, memory_limit, time_limit, minimize_memory, gap, kind, pairs) for kind in kinds]
     best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     if decide and limited:
         again = [next(iter(best.checkpointed.values()), NONE)] if best.choice else kinds
         # each memory-saving choice alone, then all of them
         variants = [{field: True} for field in decide] + ([{field: True for field in decide}] if len(decide) > 1 else [])
         for variant in variants:
-            sols += [_solve(replace(base, **variant), roles, memory_limit, time_limit, minimize_memory, gap, kind)
+            sols += [_solve(replace(base, **variant), roles, memory_limit, time_limit, minimize_memory, gap, kind, pairs)
                      for kind in again]
         best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     best.solve_seconds = sum(sol.solve_seconds for sol in sols)
@@ -359,12 +426,13 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
 
 
 def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float,
-           minimize_memory: bool, gap: float, kind: str) -> Solution:
+           minimize_memory: bool, gap: float, kind: str, pairs: dict | None = None) -> Solution:
     """Cheapest plan under the roles and memory limit (or, with minimize_memory, the least memory).
 
     `gap`: HiGHS stops once the plan is provably within this fraction of the
     optimum; the plan reports the gap it reached. `kind`: the checkpointing
-    of every stack in prob.stacks (NONE, SELECTIVE or FULL).
+    of every stack in prob.stacks (NONE, SELECTIVE or FULL). `pairs`: _edge_vars's
+    memo of allowed layout pairs, for searches under the same roles.
     """
     t_build = time.perf_counter()
     ilp = _ILP()
@@ -377,7 +445,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     stacks = [st for st in prob.stacks if st.kind == kind]
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
     for edges in tied_edges(prob):
-        gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun)
+        gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun, {} if pairs is None else pairs)
         if gathered:
             consumer = prob.canonical.get(edges[0].consumer, edges[0].consumer)
             gathered_at.setdefault(consumer, {}).update(gathered)
@@ -394,6 +462,12 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     res = ilp.solve(ilp.mem if minimize_memory else ilp.cost, time_limit, gap)
     elapsed = time.perf_counter() - t0
     nvar, nrow = len(ilp.cost), len(ilp.rows)
+    log.debug("ilp: %d variables, %d rows, built in %.2f s, solved in %.2f s", nvar, nrow, built, elapsed,
+              extra={"stage": {"stage": "ilp", "roles": ",".join(str(r or "any") for r in roles.roles),
+                               "checkpointing": kind, "regather": bool(prob.regather_activations),
+                               "reshard": reshards(prob), "limited": memory_limit is not None or minimize_memory,
+                               "variables": nvar, "rows": nrow, "build_seconds": built, "solve_seconds": elapsed,
+                               "status": int(res.status)}})
     if res.x is None:
         # stopped at the time limit, not infeasible; the greedy never recomputes, so not under "full"
         if res.status == 1 and not minimize_memory and not stacks:

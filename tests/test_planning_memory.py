@@ -1,0 +1,47 @@
+"""Planning a large model holds little memory (issue 36: planning Llama-3-70B on a 1024-rank mesh once
+grew past 23 GB and was killed).
+
+A 70B-shaped Llama (its widths, on the meta device) is planned in a child process of its own, so the
+peak resident set measured (ru_maxrss) is the planning's: imports included, nothing of the test run's.
+The mesh is smaller than the issue's (3 axes, 16 ranks) to keep the test quick; the depth is kept
+large, as it is depth times layouts that once grew without bound (a dict of gathered weights per op)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+CHILD = r"""
+import json, resource, sys, time, warnings
+import torch, autopar
+from transformers import LlamaConfig, LlamaForCausalLM
+from autopar.testing.models import LogitsOnly
+layers = int(sys.argv[1])
+cfg = LlamaConfig(vocab_size=128256, num_hidden_layers=layers, hidden_size=8192, intermediate_size=28672,
+                  num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, use_cache=False,
+                  attn_implementation="sdpa")
+with torch.device("meta"):
+    model = LogitsOnly(LlamaForCausalLM(cfg)).train()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+t0 = time.perf_counter()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    plan = autopar.plan(model, (torch.randint(0, 128256, (8, 4096), device="meta"),), {"a": 4, "b": 2, "c": 2},
+                        hardware="h100", memory_limit="80GB")
+print(json.dumps({"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "seconds": time.perf_counter() - t0, "roles": plan.stats["axis_roles"]}))
+"""
+
+# what planning may add to the process's peak (imports and the meta model come before): measured
+# about 0.4 GB when written; the bound leaves room for other torch and transformers versions
+MAX_GROWTH = 1.5 * 2**30
+
+
+@pytest.mark.parametrize("layers", [48])
+def test_planning_a_70b_shape_holds_little_memory(layers):
+    out = subprocess.run([sys.executable, "-c", CHILD, str(layers)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    growth = got["peak"] - got["before"]
+    assert growth < MAX_GROWTH, (f"planning a 70B shape ({layers} layers, 4x2x2) raised the peak resident set by "
+                                 f"{growth / 2**30:.2f} GB (bound {MAX_GROWTH / 2**30:.1f} GB); {got}")
