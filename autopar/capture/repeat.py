@@ -31,6 +31,7 @@ from torch import nn
 
 from .._compat import storage_id, symint_hint, trace_lock
 from ..errors import CaptureError
+from .cache import cached_capture
 from .export import AUTO, BUFFER, OP, PARAM, Captured, _canonical_names, capture
 from .traced_layers import (TRACED, NotRepeated, TracedLayers, check_repeat, moved_name, name_strides, placeholder_name,
                             renamed_block, section_of, split_name, traced_blocks)
@@ -45,7 +46,7 @@ class RepeatedProgram:
     Planning reads only `state_dict` (which parameters train). It cannot run
     the model: `parallelize` captures the whole model, as running needs.
     """
-    traced: torch.export.ExportedProgram   # the program of the shortened model
+    traced: torch.export.ExportedProgram | None   # the program of the shortened model (None: from the cache)
     state_dict: dict                        # the whole model's parameters and buffers, by name
 
 
@@ -66,7 +67,7 @@ def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO, exam
     try:
         # under the trace lock: another thread's capture must not see the shortened model
         with trace_lock, _shortened(model, stacks):
-            cap = capture(model, example_inputs, dynamic_shapes, example_kwargs)
+            cap = cached_capture(capture, model, example_inputs, dynamic_shapes, example_kwargs)
         for path, length in stacks.items():
             cap = expand_stack(cap, path, length)
         _check_tensors(cap, model)
