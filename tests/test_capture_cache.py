@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pickle
+import subprocess
 import sys
 import textwrap
 import warnings
@@ -15,6 +17,7 @@ from test_repeat import assert_same_capture
 
 import autopar
 from autopar.capture import repeat
+from autopar.capture.cache import capture_key
 from autopar.capture.repeat import RepeatedProgram, capture_repeated
 from autopar.testing import tiny_llama
 
@@ -62,6 +65,24 @@ def test_warm_capture_equals_a_fresh_one(cache_dir, traces):
     assert (warm.ranges, warm.input_keys, warm.constant_inputs) == (cold.ranges, cold.input_keys,
                                                                     cold.constant_inputs)
     assert not list(cache_dir.glob("*.tmp"))   # written whole, then renamed into place
+
+
+KEY_OF_TINY_LLAMA = """
+import torch
+from autopar.capture.cache import capture_key
+from autopar.testing import tiny_llama
+torch.manual_seed(0)
+print(capture_key(tiny_llama(num_layers=5), (torch.randint(0, 64, (2, 8)),), "auto", None))
+"""
+
+
+def test_the_key_is_the_same_in_another_process():
+    """Another process (another hash seed) computes the same key: otherwise no plan ever hits."""
+    model, x = _llama()
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", KEY_OF_TINY_LLAMA], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == capture_key(model, (x,), "auto", None)
 
 
 def _plan_json(plan) -> dict:

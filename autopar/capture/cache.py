@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1   # of the stored entries: a change to what is stored changes it
 _NO_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# fields that differ from one process to the next and decide nothing a trace does: transformers'
+# GenerationConfig keeps hash(self) (randomised per process by PYTHONHASHSEED) to tell if it was edited
+_VOLATILE_FIELDS = frozenset({"_original_object_hash"})
 
 
 def cache_dir() -> pathlib.Path | None:
@@ -167,10 +170,13 @@ def _note_code(obj, code: set) -> None:
 
 
 def _reachable_files(roots: set) -> set:
-    """The source files of the modules `roots` names and of every module their globals reach (as a
+    """The source files of the modules `roots` names and of the modules their globals reach (as a
     module, or the module of a function or class, also inside a dict: a registry of attention
-    functions): the code a forward may call. torch's and the standard library's are left out: the
-    key holds their versions."""
+    functions): the code a forward may call. The search goes on through the roots' own packages
+    (transformers, the user's) and stops one module into any other, so what else a process has
+    imported does not change the key; torch's and the standard library's code is left to the
+    key's versions."""
+    packages = {name.partition(".")[0] for name in roots}
     files, seen, todo = set(), set(), list(roots)
     while todo:
         name = todo.pop()
@@ -183,6 +189,8 @@ def _reachable_files(roots: set) -> set:
         if not path or not path.endswith(".py"):
             continue
         files.add(path)
+        if top not in packages:
+            continue
         for value in list(vars(module).values()):
             for v in list(value.values()) if type(value) is dict else (value,):   # a lazy mapping would import
                 if isinstance(v, types.ModuleType):
@@ -222,7 +230,8 @@ def _describe(value, code: set, depth: int = 0, seen: frozenset = frozenset()):
         _note_code(fn, code)
         return "code", getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn))
     if hasattr(value, "__dict__"):   # a config object and the like: its class and its fields
-        return "object", _describe_class(type(value), code), _describe(vars(value), code, depth + 1, seen)
+        fields = {k: v for k, v in vars(value).items() if k not in _VOLATILE_FIELDS}
+        return "object", _describe_class(type(value), code), _describe(fields, code, depth + 1, seen)
     text = repr(value)
     if _NO_ADDRESS.search(text):
         raise _NotDescribable(f"{type(value).__name__} has no stable description ({text})")
