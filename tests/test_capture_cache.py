@@ -18,6 +18,7 @@ from test_repeat import assert_same_capture
 import autopar
 from autopar.capture import repeat
 from autopar.capture.cache import capture_key
+from autopar.capture.compute_dtype import at_compute_dtype
 from autopar.capture.repeat import RepeatedProgram, capture_repeated
 from autopar.testing import tiny_llama
 
@@ -70,6 +71,7 @@ def test_warm_capture_equals_a_fresh_one(cache_dir, traces):
 KEY_OF_TINY_LLAMA = """
 import torch
 from autopar.capture.cache import capture_key
+from autopar.capture.compute_dtype import at_compute_dtype
 from autopar.testing import tiny_llama
 torch.manual_seed(0)
 print(capture_key(tiny_llama(num_layers=5), (torch.randint(0, 64, (2, 8)),), "auto", None))
@@ -120,6 +122,15 @@ def test_a_config_size_misses(cache_dir, traces):
     wider = capture_repeated(tiny_llama(num_layers=5, hidden=64), (x,))
     assert len(traces) == 2
     assert wider.info["p_model_model_embed_tokens_weight"].meta.hint == (64, 64)
+
+
+def test_another_compute_dtype_misses(cache_dir, traces):
+    """Under a bf16 policy the model is traced with bf16 stand-ins (compute_dtype.py): not the float32 graph."""
+    model, x = _llama()
+    capture_repeated(model, (x,))
+    bf16 = at_compute_dtype(capture_repeated, model, torch.bfloat16)(model, (x,), "auto")
+    assert len(traces) == 2
+    assert bf16.info["p_model_model_layers_4_mlp_up_proj_weight"].meta.dtype == torch.bfloat16
 
 
 NET = '''
