@@ -115,6 +115,14 @@ def test_a_config_value_no_shape_shows_misses(cache_dir, traces):
     assert any(1e-3 in n.args for n in changed.graph.nodes if n.op == "call_function")
 
 
+def test_a_private_attribute_is_in_the_key():
+    """A forward may read `self._scale` as well as `self.scale`; only torch's own bookkeeping is left out."""
+    model, x = _llama()
+    before = capture_key(model, (x,), "auto", None)
+    model.model.model.layers[1]._scale = 0.5
+    assert capture_key(model, (x,), "auto", None) != before
+
+
 def test_a_config_size_misses(cache_dir, traces):
     torch.manual_seed(0)
     x = torch.randint(0, 64, (2, 8))

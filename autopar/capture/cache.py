@@ -135,10 +135,14 @@ def _describe_model(model: torch.nn.Module, code: set) -> tuple:
     return modules, tensors
 
 
+# what every nn.Module holds (its parameters, buffers, submodules, hooks, mode): described apart
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
 def _describe_attributes(module: torch.nn.Module, code: set) -> tuple:
-    """A module's own attributes (not its parameters, buffers, submodules or torch's bookkeeping)."""
+    """A module's own attributes, private ones too (a `self._scale` is as much in the graph)."""
     return tuple((name, _describe(value, code)) for name, value in sorted(vars(module).items())
-                 if not name.startswith("_") and name != "training")
+                 if name not in _MODULE_INTERNALS)
 
 
 def _describe_hooks(module: torch.nn.Module, code: set) -> tuple:
