@@ -112,9 +112,9 @@ def capture_key(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes, e
     except _NotDescribable as e:
         log.debug("capture of %s not cached: %s", type(model).__name__, e)
         return None
-    code = (torch.__version__, sys.version_info[:2], _capture_stage_version(),
-            tuple(sorted((f, _file_hash(f)) for f in _reachable_files(code))))
-    return repr((FORMAT, code, described))
+    sources = (torch.__version__, sys.version_info[:2], _capture_stage_version(),
+               tuple(sorted((f, _file_hash(f)) for f in _reachable_files(code))))
+    return repr((FORMAT, sources, described))
 
 
 def _capture_stage_version() -> tuple:
