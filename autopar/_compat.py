@@ -10,6 +10,7 @@ autopar may import those modules directly.
 - init_fake_process_group: a "fake" backend whose collectives do nothing, so
   a 1000-rank DeviceMesh can be built (and a plan traced) in one process.
 - storage_id: which traced (fake) tensors share a storage.
+- operator_name, operator_named: a graph's operator by name and back (the capture cache).
 - pipeline_stage: a PipelineStage whose shape inference gives integer inputs zeros.
 - backward_keeps_graph, backward_id, leaf_gradient_use: what the backward now
   running is, for the gradient reductions that run inside it.
@@ -125,6 +126,17 @@ def symint_expr(s):
 def symint_hint(s) -> int:
     """The example value export traced a SymInt with."""
     return int(s.node.hint)
+
+
+def operator_name(target) -> str | None:
+    """An aten-style operator's name as torch prints it (e.g. "aten.add.Tensor"), None for another target."""
+    return str(target) if isinstance(target, torch._ops.OpOverload) else None
+
+
+def operator_named(name: str):
+    """The operator operator_name named (its namespace must be loaded: aten always is)."""
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
 def storage_id(t: torch.Tensor) -> int:

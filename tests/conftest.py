@@ -2,11 +2,17 @@
 draws many more (tests/test_drawn_models.py reads the profile's max_examples as its budget).
 
 Under pytest-xdist (scripts/test.sh runs one worker per core) each worker's torch takes its share of
-the cores, not all of them: two workers of two threads each on two cores would only contend."""
+the cores, not all of them: two workers of two threads each on two cores would only contend.
+
+The capture cache (autopar/capture/cache.py) is off for the suite, subprocesses included: a test must
+not write into the user's home, nor trace less than it means to; tests/test_capture_cache.py turns it
+on in a temporary directory."""
 import os
 
 import torch
 from hypothesis import HealthCheck, settings
+
+os.environ["AUTOPAR_CAPTURE_CACHE"] = "0"
 
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:

@@ -12,8 +12,10 @@ from torch import nn
 
 import autopar
 from autopar.cost.activations import requires_grad, storage_owners
+from autopar.capture.blocks import block_of
 from autopar.capture.export import capture
 from autopar.capture.repeat import RepeatedProgram, capture_repeated, find_stacks
+from autopar.capture.traced_layers import TRACED
 from autopar.testing import GPT, MLP, GPTConfig, tiny_llama
 
 
@@ -113,6 +115,40 @@ def test_repeated_capture_equals_whole(build):
     repeated = capture_repeated(model, (x,))
     assert isinstance(repeated.exported, RepeatedProgram)   # copied, not traced whole
     assert_same_capture(repeated, whole)
+
+
+@pytest.mark.parametrize("build", [_gpt, _llama])
+def test_copies_hold_meta_tensors_of_the_example_sizes(build):
+    """A copied layer's traced values are plain meta tensors of the example's sizes, its views on its own
+    storages: a fake tensor of symbolic sizes costs milliseconds per view (seconds for an 80-layer model),
+    and planning reads of a copy's value only that it is a tensor and what shares its storage."""
+    model, x = build()
+    repeated = capture_repeated(model, (x,))   # dynamic_shapes="auto": the batch at least is a symbol
+    assert "batch" in repeated.symbols
+    (stack, _), = find_stacks(model).items()
+    owners = storage_owners(repeated)
+    num_copied = num_views = 0
+    for node in repeated.graph.nodes:
+        info = repeated.info[node.name]
+        where = block_of((info.target_name if node.op == "placeholder" else info.module_path) or "")
+        if node.op == "output" or where is None or where[0] != stack or where[1] < TRACED:
+            continue
+        val = node.meta.get("val")
+        items = [(None, val, info.meta)] if isinstance(val, torch.Tensor) else [
+            (k, v, info.meta[k]) for k, v in enumerate(val) if isinstance(v, torch.Tensor)] if isinstance(
+            val, (list, tuple)) else []
+        for k, v, meta in items:
+            owner, _ = owners[(node.name, k)]
+            owner_info = repeated.info[owner]
+            owner_where = block_of(owner_info.module_path or owner_info.target_name or "")
+            if owner_where != where:   # made outside the stack, or the layer before's output (a no-op cast)
+                assert owner_where in (None, (stack, where[1] - 1)), node.name
+                continue
+            assert type(v) is torch.Tensor and v.device.type == "meta", node.name
+            assert tuple(v.shape) == meta.hint and v.dtype == meta.dtype, node.name
+            num_copied += 1
+            num_views += owner != node.name
+    assert num_copied and num_views   # the copies and their views were checked
 
 
 def test_frozen_parameters_of_copied_layers_stay_frozen():

@@ -29,8 +29,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .._compat import storage_id, trace_lock
+from .._compat import storage_id, symint_hint, trace_lock
 from ..errors import CaptureError
+from .cache import cached_capture
 from .export import AUTO, BUFFER, OP, PARAM, Captured, _canonical_names, capture
 from .traced_layers import (TRACED, NotRepeated, TracedLayers, check_repeat, moved_name, name_strides, placeholder_name,
                             renamed_block, section_of, split_name, traced_blocks)
@@ -45,7 +46,7 @@ class RepeatedProgram:
     Planning reads only `state_dict` (which parameters train). It cannot run
     the model: `parallelize` captures the whole model, as running needs.
     """
-    traced: torch.export.ExportedProgram   # the program of the shortened model
+    traced: torch.export.ExportedProgram | None   # the program of the shortened model (None: from the cache)
     state_dict: dict                        # the whole model's parameters and buffers, by name
 
 
@@ -66,7 +67,7 @@ def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO, exam
     try:
         # under the trace lock: another thread's capture must not see the shortened model
         with trace_lock, _shortened(model, stacks):
-            cap = capture(model, example_inputs, dynamic_shapes, example_kwargs)
+            cap = cached_capture(capture, model, example_inputs, dynamic_shapes, example_kwargs)
         for path, length in stacks.items():
             cap = expand_stack(cap, path, length)
         _check_tensors(cap, model)
@@ -153,6 +154,12 @@ class CopiedStorages:
     (fake) tensors; a copied layer must not share layer 2's. A tensor whose
     storage was made in a layer gets the storage of the same tensor `shift`
     layers on: a traced one, or a new one made once per copy.
+
+    A copy is a meta tensor of the traced example's sizes, not a fake tensor of
+    symbolic sizes: planning reads of a copy's value only that it is a tensor
+    and which storage it shares (its symbolic shape is in `Captured.info`,
+    taken from the template), and a view of a fake tensor costs ~5 ms of
+    symbolic arithmetic, which thousands of copies (80 layers) make seconds.
     """
 
     def __init__(self, cap: Captured, traced: TracedLayers):
@@ -180,26 +187,43 @@ class CopiedStorages:
         name, k = self.owner[sid]
         if name not in self.traced.where:
             return t   # made outside the stack: every layer reads the same storage
-        # planning reads only shapes, dtypes and storage identity of a copy: a meta tensor has them and
-        # costs microseconds, where a fake tensor costs ~0.2 ms (thousands of them at 80 layers); a
-        # symbolic size needs the fake tensor's shape environment
-        concrete = all(isinstance(d, int) for d in (*t.shape, *t.stride(), t.storage_offset()))
-        if self.holders[sid] == 1 and concrete and t.storage_offset() == 0:   # no view shares it: a new one will do
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         block, j = self.traced.where[name]
         key = (block + shift, j, k)
+        if key[0] < TRACED:   # moved onto a traced layer: a view of that layer's own (fake) tensor
+            base = _element(self.traced.blocks[key[0]][j].meta["val"], k)
+            _check_dtype(base, t)
+            return base.as_strided(t.shape, t.stride(), t.storage_offset())
+        shape, stride, offset = _example_layout(t)
+        if self.holders[sid] == 1 and offset == 0:   # no view shares it: a new one will do
+            return torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
         if key not in self.made:
             maker = _element(self.traced.blocks[block][j].meta["val"], k)
-            if key[0] < TRACED:
-                self.made[key] = _element(self.traced.blocks[key[0]][j].meta["val"], k)
-            else:
-                size = (maker.untyped_storage().nbytes() // maker.itemsize,)
-                self.made[key] = (torch.empty(size, dtype=maker.dtype, device="meta") if concrete
-                                  else maker.new_empty(size))
+            num_bytes = _example_size(maker.untyped_storage().nbytes())
+            self.made[key] = torch.empty((num_bytes // maker.itemsize,), dtype=maker.dtype, device="meta")
         base = self.made[key]
-        if base.dtype != t.dtype:
-            raise NotRepeated("a view of another dtype in a layer")
-        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+        _check_dtype(base, t)
+        return base.as_strided(shape, stride, offset)
+
+
+def _check_dtype(base: torch.Tensor, view: torch.Tensor) -> None:
+    if base.dtype != view.dtype:
+        raise NotRepeated("a view of another dtype in a layer")
+
+
+def _example_size(x) -> int:
+    """A size as traced: an int, or a symbolic size's example value."""
+    if isinstance(x, int):
+        return x
+    try:
+        return symint_hint(x)
+    except TypeError:   # an unbacked size (data-dependent) has none; capture() itself cannot read such a shape
+        raise NotRepeated(f"a size in a layer with no example value: {x}") from None
+
+
+def _example_layout(t: torch.Tensor) -> tuple:
+    """(sizes, strides, storage offset) of a traced tensor, at the example's sizes."""
+    return (tuple(_example_size(d) for d in t.shape), tuple(_example_size(d) for d in t.stride()),
+            _example_size(t.storage_offset()))
 
 
 def _tensors(val):
