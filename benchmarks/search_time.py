@@ -106,8 +106,12 @@ def run_case(case: dict) -> dict:
             "predict_seconds": stats.get("predict_seconds", 0.0)}
 
 
-def _in_child(case: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(case)], capture_output=True, text=True)
+def _in_child(case: dict, timeout: float) -> dict:
+    try:
+        out = subprocess.run([sys.executable, __file__, "--one", json.dumps(case)], capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**case, "error": f"not done after {timeout:.0f} s (stopped)"}
     if out.returncode:
         return {**case, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -173,6 +177,7 @@ def main():
                         "batch and sequence vary, which export takes longer to trace")
     p.add_argument("--compare", action="store_true", help="time autopar.compare (every strategy) instead")
     p.add_argument("--targets", action="store_true", help="run the cases issue 36 sets targets for")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds a case may take (default: 1800)")
     p.add_argument("--one", help=argparse.SUPPRESS)   # a case as JSON, run in this process (the child)
     args = p.parse_args()
     if args.one:
@@ -192,7 +197,7 @@ def main():
                       pipeline_axis=args.pipeline_axis, compare=args.compare) for n in args.layers.split(",")]
     results = []
     for case in cases:
-        results.append(_in_child(case))
+        results.append(_in_child(case, args.timeout))
         print(f"... {_label(case)}: {results[-1].get('total_seconds', float('nan')):.2f} s", flush=True)
     print()
     _print_summary(results)

@@ -3,8 +3,9 @@ grew past 23 GB and was killed).
 
 A 70B-shaped Llama (its widths, on the meta device) is planned in a child process of its own, so the
 peak resident set measured (ru_maxrss) is the planning's: imports included, nothing of the test run's.
-The mesh is smaller than the issue's (3 axes, 16 ranks) to keep the test quick; the depth is kept
-large, as it is depth times layouts that once grew without bound (a dict of gathered weights per op)."""
+The mesh is smaller than the issue's (3 axes, 64 ranks, not 1024) and the model shallower (24 layers) to
+keep the test under a minute; what grew was depth times FSDP layouts (a dict of gathered weights per op),
+which this case still has: the code before issue 36's fix added 0.78 GB here, the fix 0.38 GB."""
 import json
 import subprocess
 import sys
@@ -26,22 +27,22 @@ before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 t0 = time.perf_counter()
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    plan = autopar.plan(model, (torch.randint(0, 128256, (8, 4096), device="meta"),), {"a": 4, "b": 2, "c": 2},
+    plan = autopar.plan(model, (torch.randint(0, 128256, (64, 4096), device="meta"),), {"a": 4, "b": 2, "c": 8},
                         hardware="h100", memory_limit="80GB")
 print(json.dumps({"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "seconds": time.perf_counter() - t0, "roles": plan.stats["axis_roles"]}))
 """
 
-# what planning may add to the process's peak (imports and the meta model come before): measured
-# about 0.4 GB when written; the bound leaves room for other torch and transformers versions
-MAX_GROWTH = 1.5 * 2**30
+# what planning may add to the process's peak (imports and the meta model come before): 0.38 GB when
+# written (torch 2.13, transformers 5.24), 0.78 GB before the fix; the bound leaves room for other versions
+MAX_GROWTH = 0.6 * 2**30
 
 
-@pytest.mark.parametrize("layers", [48])
+@pytest.mark.parametrize("layers", [24])
 def test_planning_a_70b_shape_holds_little_memory(layers):
     out = subprocess.run([sys.executable, "-c", CHILD, str(layers)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     growth = got["peak"] - got["before"]
-    assert growth < MAX_GROWTH, (f"planning a 70B shape ({layers} layers, 4x2x2) raised the peak resident set by "
+    assert growth < MAX_GROWTH, (f"planning a 70B shape ({layers} layers, 4x2x8) raised the peak resident set by "
                                  f"{growth / 2**30:.2f} GB (bound {MAX_GROWTH / 2**30:.1f} GB); {got}")
