@@ -87,6 +87,17 @@ def test_the_key_is_the_same_in_another_process():
     assert out == capture_key(model, (x,), "auto", None)
 
 
+def test_the_key_does_not_depend_on_what_else_was_imported():
+    """Importing other models (as a test run or a notebook does) adds submodules, and lazily their classes,
+    to transformers' package namespaces; the key must not read them (it did: CI's workers missed)."""
+    import transformers
+    model, x = _llama()
+    before = capture_key(model, (x,), "auto", None)
+    transformers.GPT2Config, transformers.Qwen2ForCausalLM   # (lazy attributes: importing them is the point)
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401
+    assert capture_key(model, (x,), "auto", None) == before
+
+
 def _plan_json(plan) -> dict:
     out = json.loads(plan.to_json())
     out["stats"] = {k: v for k, v in out["stats"].items() if not k.endswith("_seconds")}

@@ -193,7 +193,9 @@ def _reachable_files(roots: set) -> set:
         if not path or not path.endswith(".py"):
             continue
         files.add(path)
-        if top not in packages:
+        # a package's namespace holds whichever of its submodules (and, lazily, their classes) this process
+        # has imported so far: walking it would make the key depend on that. Its own file is in the key.
+        if top not in packages or hasattr(module, "__path__"):
             continue
         for value in list(vars(module).values()):
             for v in list(value.values()) if type(value) is dict else (value,):   # a lazy mapping would import
