@@ -9,7 +9,6 @@ arguments and calls plan_captured; plan_result.py holds what comes out.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -33,7 +32,7 @@ from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan, Searched, make_plan
 from .search.classics import (PIPE, Roles, axis_roles, check_promised_splits, check_tensor_parallel_divisibility,
                               role_assignments, with_pipeline)
-from .search.ilp import in_parallel, solve
+from .search.ilp import solve
 from .search.pipeline import (AUTO, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
                               num_layers, schedule_candidates, schedule_fits)
 from .search.solution import INFEASIBLE, Solution
@@ -418,25 +417,20 @@ AUTO_BY_ROLE_AXES = 3
 
 def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=False, checkpointing="none"):
     """The best solution over several role assignments (the first assignment's if none solves)."""
-    def search(i, roles):
+    best = None
+    total_seconds = build_seconds = 0.0
+    for i, roles in enumerate(candidates):
         if len(candidates) > 1:
             log.info("search %d/%d: %s", i + 1, len(candidates), ",".join(
                 f"{a}={r or 'any'}" for a, r in zip(roles.axis_names, roles.roles)))
         try:
             if len(candidates) > 1:   # a batch the roles' data axes cannot divide: no layout (no input splits so)
                 _check_batch_divisible(prob.cap, prob.mesh, roles)
-            return solve(prob, roles, limit, time_limit, minimize_memory=minimize_memory,
-                         gap=1e-6 if minimize_memory else 1e-3, checkpointing=checkpointing)
-        except (ShardingError, InfeasiblePlanError) as e:   # these roles cannot lay out some node
-            return e
-
-    best = None
-    total_seconds = build_seconds = 0.0
-    # the assignments' searches are independent: on several cores, one is solved while another is built
-    for roles, sol in zip(candidates, in_parallel([functools.partial(search, i, r) for i, r in enumerate(candidates)])):
-        if isinstance(sol, AutoparError):
+            sol = solve(prob, roles, limit, time_limit, minimize_memory=minimize_memory,
+                        gap=1e-6 if minimize_memory else 1e-3, checkpointing=checkpointing)
+        except (ShardingError, InfeasiblePlanError):   # these roles cannot lay out some node
             if len(candidates) == 1:
-                raise sol
+                raise
             continue
         total_seconds += sol.solve_seconds
         build_seconds += sol.build_seconds

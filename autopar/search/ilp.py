@@ -10,11 +10,7 @@ the time of the collectives on every edge. Constraint: memory per device.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import logging
-import os
-import threading
 import time
 from dataclasses import replace
 
@@ -414,45 +410,19 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
             # and re-gathering only take layouts away or reprice them, so none of their searches can
             # find one either
             return free
-    sols = in_parallel([functools.partial(_solve, base, roles, memory_limit, time_limit, minimize_memory, gap, kind,
-                                          pairs) for kind in kinds])
+    sols = [_solve(base, roles, memory_limit, time_limit, minimize_memory, gap, kind, pairs) for kind in kinds]
     best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     if decide and limited:
         again = [next(iter(best.checkpointed.values()), NONE)] if best.choice else kinds
         # each memory-saving choice alone, then all of them
         variants = [{field: True} for field in decide] + ([{field: True for field in decide}] if len(decide) > 1 else [])
-        sols += in_parallel([functools.partial(_solve, replace(base, **variant), roles, memory_limit, time_limit,
-                                               minimize_memory, gap, kind, pairs)
-                             for variant in variants for kind in again])
+        for variant in variants:
+            sols += [_solve(replace(base, **variant), roles, memory_limit, time_limit, minimize_memory, gap, kind, pairs)
+                     for kind in again]
         best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     best.solve_seconds = sum(sol.solve_seconds for sol in sols)
     best.build_seconds = sum(sol.build_seconds for sol in sols)
     return best
-
-
-def in_parallel(calls: list) -> list:
-    """Each call's result, in order, the calls run on up to `max_threads()` threads.
-
-    The searches of one solve are independent integer programs. HiGHS releases the GIL while it
-    runs, so on a machine of several cores one program is solved while the next is built (the
-    builds, Python, take turns). Each program is the same as if built alone, so the answer is too;
-    the caches they share (the Problem's, `pairs`) only ever gain entries that every thread would
-    compute alike."""
-    # (from a worker already: a search's own searches run in turn, so threads do not multiply)
-    if len(calls) < 2 or max_threads() < 2 or threading.current_thread() is not threading.main_thread():
-        return [call() for call in calls]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(calls), max_threads())) as pool:
-        return list(pool.map(lambda call: call(), calls))
-
-
-def max_threads() -> int:
-    """Threads for independent searches: the cores this process may use, at most 4 (each search in flight
-    holds its program in memory)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:   # (not on every platform)
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores))
 
 
 def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float,
