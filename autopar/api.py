@@ -16,7 +16,7 @@ from .cost.terms import first_meta, needs_grad
 from .errors import AutoparError, CaptureError, MeshError, PlanError
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan
-from .planner import check_reshard, plan_captured
+from .planner import check_time_limit, check_reshard, plan_captured
 from .runtime.collectives import AxisGroup, Comm
 from .runtime.module import ParallelModule, mesh_device
 from .runtime.rewrite import rewrite
@@ -29,7 +29,7 @@ log = logging.getLogger("autopar")   # progress (INFO), as planner.py's
 
 def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict | None = None, hardware=None,
          memory_limit=None, strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
-         dynamic_shapes=AUTO, links=None, time_limit: float = 60.0, trace_every_layer: bool = False,
+         dynamic_shapes=AUTO, links=None, time_limit: float | None = 60.0, trace_every_layer: bool = False,
          pipeline_axis: str | None = None, microbatches: int | None = None, schedule: str | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, reshard_after_forward: bool | str | None = None, **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
@@ -74,7 +74,13 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict |
     memory) or kept whole from forward to backward (False: one all-gather per
     layer fewer, the gathered weights' memory more); "auto", the faster of the
     two that fits memory_limit. None, the default, is True for a named
-    strategy and "auto" under strategy="auto". See docs/ARCHITECTURE.md.
+    strategy and "auto" under strategy="auto". `time_limit`: seconds HiGHS may
+    spend on one ILP before the greedy's plan is taken instead (60 by default: a
+    search that cannot finish in a minute is one to be told about). Near its limit
+    HiGHS rations work by the clock, so among equally cheap plans the one it
+    returns can vary with the machine's load; None (no limit) always gives the
+    same plan for the same request.
+    See docs/ARCHITECTURE.md.
     """
     if options:
         raise AutoparError(f"unknown option(s) {sorted(options)} for autopar.plan")
@@ -83,6 +89,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict |
     optimizer_spec(optimizer)
     check_mode(checkpointing)
     check_reshard(strategy, reshard_after_forward)
+    check_time_limit(time_limit)
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     check_request(mesh_spec(mesh), pipeline_axis, microbatches, schedule, _first_batch(example_inputs, example_kwargs))
     cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, precision, dynamic_shapes,

@@ -97,7 +97,7 @@ def plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, stra
     check_mode(checkpointing)
     check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap))
     env = Request(cap, spec, mesh, hardware, memory_limit, strategy, precision, optimizer, checkpointing, links,
-                   time_limit, t_capture, tie_blocks, _check_bucket_bytes(bucket_bytes),
+                   check_time_limit(time_limit), t_capture, tie_blocks, _check_bucket_bytes(bucket_bytes),
                    check_reshard(strategy, reshard_after_forward), {} if problems is None else problems)
     axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule) if recapture is not None else []
     if pipeline_axis not in (None, "auto") and recapture is None:
@@ -159,12 +159,21 @@ class Request:
     optimizer: object
     checkpointing: str
     links: object
-    time_limit: float
+    time_limit: float | None
     t_capture: float
     tie_blocks: bool
     bucket_bytes: int     # gradient bucket size (cost/buckets.py)
     reshard_after_forward: bool | None   # Problem.reshard_after_forward (None: the search decides)
     problems: dict        # (what a Problem is built from) -> (the capture, the Problem, ...): see _problem
+
+
+def check_time_limit(time_limit) -> float | None:
+    if time_limit is None:
+        return None
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
+        raise PlanError(f"time_limit must be a positive number of seconds per ILP solve, or None for no limit, "
+                        f"got {time_limit!r}")
+    return float(time_limit)
 
 
 def _check_bucket_bytes(bucket_bytes) -> int:
@@ -288,8 +297,9 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
                         "op, in each block of an nn.ModuleList of 2+ layers); use checkpointing='full', 'auto' "
                         "or 'none'")
     t_rules = time.perf_counter() - t0
-    log.info("strategy %s: %d nodes, %d layouts to choose from; searching (ILP, at most %.0f s per solve)", strategy,
-             len(prob.strategies), sum(len(ns.strategies) for ns in prob.strategies.values()), time_limit)
+    log.info("strategy %s: %d nodes, %d layouts to choose from; searching (ILP, %s per solve)", strategy,
+             len(prob.strategies), sum(len(ns.strategies) for ns in prob.strategies.values()),
+             "no time limit" if time_limit is None else f"at most {time_limit:.0f} s")
     tiers = [[roles]]
     if strategy == "auto" and spec.num_axes >= AUTO_BY_ROLE_AXES:
         tiers = _role_tiers(spec, prob.links, hw)

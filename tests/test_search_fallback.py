@@ -169,3 +169,16 @@ def test_planning_is_deterministic_and_every_rank_gets_rank_0s_plan():
     texts = run_threaded(4, _plan_json_on_rank, model, x)
     assert all(t == texts[0] for t in texts[1:])
     assert _without_timings(autopar.Plan.from_json(texts[0])) == _without_timings(first)
+
+
+def test_no_time_limit_is_accepted_and_a_bad_one_is_a_plan_error(monkeypatch):
+    model, x = _mlp()
+    seen = []
+    real = search.milp
+    monkeypatch.setattr(search, "milp", lambda *a, **k: seen.append(k["options"]) or real(*a, **k))
+    unlimited = autopar.plan(model, (x,), MESH, hardware="cpu", time_limit=None)
+    assert seen and all("time_limit" not in o for o in seen)   # HiGHS gets no clock to ration by
+    assert _without_timings(unlimited) == _without_timings(autopar.plan(model, (x,), MESH, hardware="cpu"))
+    for bad in (0, -1.0, "60", True, float("nan")):
+        with pytest.raises(autopar.PlanError, match="time_limit must be a positive number of seconds"):
+            autopar.plan(model, (x,), MESH, hardware="cpu", time_limit=bad)

@@ -70,10 +70,14 @@ class _ILP:
             data.extend(row.values())
         n = len(self.cost)
         A = sp.csr_array((data, (ri, ci)), shape=(len(self.rows), n))
+        # a finite time limit makes HiGHS ration its effort by the clock (measured: a 7 s solve under a 60 s
+        # or 120 s limit returned either of two equally cheap plans, by the machine's load); without one
+        # the same program always gets the same answer
+        options = {"mip_rel_gap": gap} if time_limit is None else {"mip_rel_gap": gap, "time_limit": time_limit}
         return milp(np.array(objective, dtype=float), integrality=np.array(self.integer),
                     bounds=Bounds(np.zeros(n), np.array(self.upper, dtype=float)),
                     constraints=[LinearConstraint(A, np.array(self.lb, float), np.array(self.ub, float))],
-                    options={"time_limit": time_limit, "mip_rel_gap": gap})
+                    options=options)
 
 
 def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
@@ -377,7 +381,7 @@ def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) ->
         ilp.row({transient: 1.0, **{v: -b for v, b in block.items() if b}}, 0.0, np.inf)
 
 
-def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float = 60.0,
+def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None = 60.0,
           minimize_memory: bool = False, gap: float = 1e-3, checkpointing: str = "none") -> Solution:
     """Cheapest plan under the roles and memory limit; see _solve. With checkpointing="auto" under a
     limit, the best of one search per kind: no stack recomputed, every stack's attention cores
@@ -425,7 +429,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     return best
 
 
-def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float,
+def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None,
            minimize_memory: bool, gap: float, kind: str, pairs: dict | None = None) -> Solution:
     """Cheapest plan under the roles and memory limit (or, with minimize_memory, the least memory).
 
