@@ -3,7 +3,7 @@ tests/test_plan_golden.py to hold the planner to.
 
 Planning got faster by sharing and caching work (issue 36); none of that may change a plan. The
 test plans these requests again and compares every chosen layout and every prediction (numbers to
-1e-9, sympy expressions as text) with the file. Rewrite the file only for a change meant to change
+1e-9, symbolic ones to 1e-9 at every size of a grid) with the file. Rewrite the file only for a change meant to change
 plans, and say so in the commit:
 
     python scripts/plan_golden.py --write

@@ -370,3 +370,23 @@ def test_min_axis_size_under_auto_and_zero():
 def test_min_axis_size_says_when_the_strategy_splits_nothing():
     with pytest.raises(autopar.AutoparError, match="strategy 'ddp' does not split params.*use 'fsdp'"):
         autopar.min_axis_size(MLP([8, 16, 8]), (torch.randn(1, 8),), "dp", 100, strategy="ddp")
+
+
+def test_the_working_set_envelope_is_the_max_of_its_parts_at_every_size():
+    """predict.upper_envelope builds its Max without sympy's proofs (seconds on a Llama): it must keep a
+    part wherever that part is the largest, and drop what sympy's Max drops on working sets."""
+    import itertools
+    from autopar.cost.predict import _max_with, upper_envelope
+    s = sympy.Symbol("seq", integer=True, positive=True)
+    parts = [256 * b * s, 32 * b * s + 32 * s, 320 * b * s + 4096, b * s**2 / 4 + 72 * b * s,
+             2 * b * s + 32 * s + 8, 3 * b * s**2 / 4 + 8 * s, 80 * b * s + 4096, 5000 * b, 0, 4096]
+    env = upper_envelope(parts)
+    assert str(sympy.Max(256 * b * s, 32 * b * s + 32 * s)) == str(upper_envelope(parts[:2])) == "256*batch*seq"
+    assert 5000 * b in env.args   # the largest at batch 64, seq 1: it stays
+    assert 32 * b * s + 32 * s not in env.args and 0 not in env.args
+    for bv, sv in itertools.product([1, 2, 5, 64], [1, 3, 128, 4096]):
+        at = {b: bv, s: sv}
+        assert env.subs(at) == max(p.subs(at) if isinstance(p, sympy.Expr) else p for p in parts)
+    # adding a part no larger than one already there leaves the Max as it is; a larger one is kept
+    assert _max_with(env, 2 * b * s) is env
+    assert sympy.Max(env, b * s**3) == _max_with(env, b * s**3)

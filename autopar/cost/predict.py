@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from fractions import Fraction
+
 import sympy
 
 import cost_models as cm
@@ -20,7 +22,7 @@ from .checkpointing import recomputed_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import BUCKET, hidden_comm_time
 from .problem import charge_key, checkpoint_model, edge_regathers, reshards
-from .terms import (activation_bytes, collectives_bytes, collectives_time, edge_collectives, first_meta,
+from .terms import (activation_bytes, edge_collectives, first_meta,
                     gathered_weight_bytes, is_saved, kept_weight_bytes, node_compute_time, op_collectives,
                     output_bytes, param_memory, read_bytes, reduce_itemsize, regather_saving, zero_collectives)
 
@@ -338,12 +340,28 @@ def _transient(prob, choice, groups, stacks, symbolic: bool, zero_hold=0):
     buckets add what they hold (`zero_hold`, counted as if from the start: a bound)."""
     transient = peak_working_set(prob, choice, groups, symbolic)
     start = backward_start_bytes(prob, choice, symbolic) + zero_hold
-    transient = sympy.Max(transient, start) if symbolic else max(transient, start)
-    for st in stacks:
-        block = sum(activation_bytes(n, prob.cap, prob.strategies[n].strategies[choice[n]].output, prob.mesh,
-                                     prob.saved, symbolic) for n in st.blocks[0] if n in prob.strategies)
-        transient = sympy.Max(transient, block) if symbolic else max(transient, block)
+    blocks = [sum(activation_bytes(n, prob.cap, prob.strategies[n].strategies[choice[n]].output, prob.mesh,
+                                   prob.saved, symbolic) for n in st.blocks[0] if n in prob.strategies)
+              for st in stacks]
+    if not symbolic:
+        return max([transient, start, *blocks])
+    for x in [start, *blocks]:
+        transient = _max_with(transient, x)
     return transient
+
+
+def _max_with(m, x):
+    """sympy.Max(m, x), without sympy's proofs where x is, coefficient by coefficient, no larger than one
+    of m's arguments: the answer is then m. (sympy proves inequalities under assumptions to order a Max's
+    arguments: 0.5-1 s per call on Llama-3-8B's ten working sets, for an answer known here.)"""
+    args = m.args if isinstance(m, sympy.Max) else (m,)
+    try:
+        cx = _coefficients(sympy.expand(sympy.sympify(x)))
+        if any(_covers(_coefficients(sympy.expand(a)), cx) for a in args):
+            return m
+    except sympy.PolynomialError:
+        pass
+    return sympy.Max(m, x)
 
 
 def backward_start_bytes(prob, choice, symbolic: bool):
@@ -364,14 +382,25 @@ def backward_start_bytes(prob, choice, symbolic: bool):
 
 def _comm_terms(colls, mesh, links):
     """Bytes and seconds per mesh axis, and bytes per kind of collective."""
-    comm_bytes = collectives_bytes(colls, mesh)
-    comm_time = {a: 0 for a in mesh.axis_names}
+    sent = {a: [] for a in mesh.axis_names}
+    seconds = {a: [] for a in mesh.axis_names}
     by_kind: dict = {}
     for c in colls:
         a = mesh.axis_names[c.axis]
-        comm_time[a] = comm_time[a] + collectives_time([c], mesh, links)
-        by_kind[c.kind] = by_kind.get(c.kind, 0) + collectives_bytes([c], mesh)[a]
-    return comm_bytes, comm_time, by_kind
+        n = cm.bytes_moved(c.kind, c.full_bytes, mesh.axis_sizes[c.axis])
+        sent[a].append(n)
+        seconds[a].append(cm.collective_time(c.kind, c.full_bytes, mesh.axis_sizes[c.axis], links[a]))
+        by_kind.setdefault(c.kind, []).append(n)
+    return ({a: _total(xs) for a, xs in sent.items()}, {a: _total(xs) for a, xs in seconds.items()},
+            {k: _total(xs) for k, xs in by_kind.items()})
+
+
+def _total(terms: list):
+    """sum(terms), in one sympy.Add when any is symbolic: adding one term at a time re-sorts the whole
+    sum each time (seconds for a plan's thousands of collectives)."""
+    if all(isinstance(t, (int, float)) for t in terms):
+        return sum(terms)
+    return sympy.Add(*terms)
 
 
 def peak_working_set(prob, choice, groups, symbolic: bool):
@@ -426,27 +455,79 @@ def upper_envelope(exprs: list, best: int = 0):
     FSDP a gathered weight is a constant that peaks at small batches, an activation a slope that peaks at
     large ones), which keeps the expression readable and exact at every batch (whatif.max_batch). An
     expression that is no polynomial (a ceiling of an uneven split) leaves `exprs[best]`, the one that
-    peaks at the example sizes."""
+    peaks at the example sizes.
+
+    The Max is built unevaluated: sympy's evaluation would try to prove each argument no larger than
+    another (about 1 s for Llama-3-8B's ten), which the coefficients have just settled."""
     exprs = [sympy.expand(sympy.sympify(e)) for e in exprs]
     try:
         coeffs = [_coefficients(e) for e in exprs]
     except sympy.PolynomialError:
         return exprs[best] if exprs else 0
+    first: dict = {}   # of equal ones, the first stays
+    for i, c in enumerate(coeffs):
+        first.setdefault(frozenset(c.items()), i)
+    unique = list(first.values())
+    # values at a few sizes: one expression below another at any of them cannot cover it, which settles
+    # most pairs before _covers (distinct polynomials never cover each other both ways)
+    names = sorted({x for c in coeffs for m in c for x, _ in m})
+    sizes = [dict.fromkeys(names, 1), dict.fromkeys(names, 1024)] + [{**dict.fromkeys(names, 1), x: 1024}
+                                                                     for x in names]
+    at = {i: [_value(coeffs[i], size) for size in sizes] for i in unique}
+    keep = [exprs[i] for i in unique
+            if not any(j != i and all(u >= v for u, v in zip(at[j], at[i])) and _covers(coeffs[j], coeffs[i])
+                       for j in unique)]
+    return 0 if not keep else keep[0] if len(keep) == 1 else sympy.Max(*keep, evaluate=False)
 
-    def covers(a: dict, b: dict) -> bool:
-        return all(a.get(m, 0) >= c for m, c in b.items())
 
-    keep = []
-    for i, c in enumerate(coeffs):   # of equal ones, the first stays
-        if not any(covers(d, c) and (not covers(c, d) or j < i) for j, d in enumerate(coeffs) if j != i):
-            keep.append(exprs[i])
-    return 0 if not keep else keep[0] if len(keep) == 1 else sympy.Max(*keep)
+def _value(coeffs: dict, size: dict) -> Fraction:
+    total = Fraction(0)
+    for m, c in coeffs.items():
+        for x, k in m:
+            c = c * size[x] ** k
+        total += c
+    return total
+
+
+def _covers(a: dict, b: dict) -> bool:
+    """Whether polynomial `a` is at least `b` at every size (each symbol a positive integer, so >= 1).
+
+    Sufficient, not necessary: each of b's terms must be paid for by a's terms whose monomials are at
+    least its own (x*y >= y when x >= 1), largest monomials of b first. It proves what sympy's Max proves
+    on working sets (256*b*s >= 32*b*s + 32*s), for a fraction of the time."""
+    if all(a.get(m, 0) >= c for m, c in b.items()):
+        return True
+    if any(c < 0 for c in a.values()):
+        return False
+    left = dict(a)
+    for m, need in sorted(b.items(), key=lambda mc: -sum(k for _, k in mc[0])):
+        if need <= 0:
+            continue
+        powers = dict(m)
+        # the smallest monomials that are still at least m pay first, keeping large ones for large needs
+        payers = sorted((n for n in left if left[n] > 0 and all(dict(n).get(x, 0) >= k for x, k in powers.items())),
+                        key=lambda n: sum(k for _, k in n))
+        for n in payers:
+            paid = min(left[n], need)
+            left[n] -= paid
+            need -= paid
+            if need <= 0:
+                break
+        if need > 0:
+            return False
+    return True
 
 
 def _coefficients(e) -> dict:
-    """{monomial: coefficient} of a polynomial in its symbols; a monomial is ((symbol name, power), ...)."""
+    """{monomial: coefficient} of a polynomial in its symbols; a monomial is ((symbol name, power), ...).
+    Coefficients are Fractions: exact, and compared far faster than sympy numbers."""
     symbols = sorted(e.free_symbols, key=str)
-    if not symbols:
-        return {(): e}
-    return {tuple((str(x), k) for x, k in zip(symbols, m) if k): c
-            for m, c in sympy.Poly(e, *symbols).as_dict().items()}
+    terms = {(): e} if not symbols else sympy.Poly(e, *symbols).as_dict()
+    return {tuple((str(x), k) for x, k in zip(symbols, m) if k): _fraction(c) for m, c in terms.items()}
+
+
+def _fraction(c) -> Fraction:
+    c = sympy.nsimplify(c) if isinstance(c, sympy.Float) else sympy.sympify(c)
+    if not c.is_Rational:
+        raise sympy.PolynomialError(f"coefficient {c} is not a number")
+    return Fraction(int(c.p), int(c.q))
