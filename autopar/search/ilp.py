@@ -389,7 +389,8 @@ def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) ->
 
 
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None = 60.0,
-          minimize_memory: bool = False, gap: float = 1e-3, checkpointing: str = "none") -> Solution:
+          minimize_memory: bool = False, gap: float = 1e-3, checkpointing: str = "none",
+          free: Solution | None = None) -> Solution:
     """Cheapest plan under the roles and memory limit; see _solve. With checkpointing="auto" under a
     limit, the best of one search per kind: no stack recomputed, every stack's attention cores
     recomputed (selective), every stack's blocks recomputed (full). (A binary per stack in one
@@ -400,7 +401,10 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     (prob.regather_activations None), or FSDP weights resharded after forward (prob.reshard_after_forward
     None), the faster choice (activations kept whole, weights kept gathered) is solved first, and under a
     limit the best kind is solved once more with each memory-saving choice (every kind, if none fit):
-    both only buy memory with time."""
+    both only buy memory with time.
+
+    `free`: free_search's answer for these roles, where the caller has it (planner._best bounds role
+    assignments by it)."""
     limited = minimize_memory or memory_limit is not None
     # the undecided choices; True is the memory-saving side of each
     decide = [field for field in ("regather_activations", "reshard_after_forward") if getattr(prob, field) is None]
@@ -410,10 +414,11 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
         kinds = [checkpointing]
     else:
         kinds = [NONE] + ([kind for kind in KINDS if any(st.kind == kind for st in prob.stacks)] if limited else [])
-    if limited and not minimize_memory and (len(kinds) > 1 or decide) and kinds[0] == NONE:
+    if searches_free_first(prob, memory_limit, minimize_memory, checkpointing):
         # recomputing and re-gathering only add time to a layout: where the fastest plan without either
         # meets the limit anyway, no other is faster, and one solve answers for all of them
-        free = _solve(base, roles, None, time_limit, False, gap, NONE, pairs)
+        if free is None:
+            free = free_search(prob, roles, time_limit, gap, pairs)
         if free.status == OPTIMAL and free.memory <= memory_limit:   # (not a greedy plan: unmeasured)
             return free
         if free.status == INFEASIBLE:
@@ -434,6 +439,25 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     best.solve_seconds = sum(sol.solve_seconds for sol in sols)
     best.build_seconds = sum(sol.build_seconds for sol in sols)
     return best
+
+
+def searches_free_first(prob: Problem, memory_limit, minimize_memory: bool, checkpointing: str) -> bool:
+    """Whether solve starts with free_search: under a limit, where recomputing or a memory-saving choice
+    is open. Its optimum is then a lower bound on solve's answer: each of those only adds time."""
+    if minimize_memory or memory_limit is None:
+        return False
+    decide = any(getattr(prob, field) is None for field in ("regather_activations", "reshard_after_forward"))
+    recompute = checkpointing == "auto" and any(st.kind in KINDS for st in prob.stacks)
+    return (checkpointing in ("auto", NONE)) and (recompute or decide)
+
+
+def free_search(prob: Problem, roles: Roles, time_limit: float | None, gap: float = 1e-3,
+                pairs: dict | None = None) -> Solution:
+    """The fastest plan under the roles with no memory limit, nothing recomputed, and the faster side of
+    each undecided choice (activations kept whole, weights kept gathered)."""
+    decide = [field for field in ("regather_activations", "reshard_after_forward") if getattr(prob, field) is None]
+    return _solve(replace(prob, **{field: False for field in decide}), roles, None, time_limit, False, gap, NONE,
+                  pairs)
 
 
 def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None,
