@@ -7,7 +7,6 @@ plan predicts are the bytes the module moves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-
 from fractions import Fraction
 
 import sympy
@@ -495,7 +494,7 @@ def _covers(a: dict, b: dict) -> bool:
     Sufficient, not necessary: each of b's terms must be paid for by a's terms whose monomials are at
     least its own (x*y >= y when x >= 1), largest monomials of b first. It proves what sympy's Max proves
     on working sets (256*b*s >= 32*b*s + 32*s), for a fraction of the time."""
-    if all(a.get(m, 0) >= c for m, c in b.items()):
+    if all(a.get(m, 0) >= b.get(m, 0) for m in {*a, *b}):
         return True
     if any(c < 0 for c in a.values()):
         return False
@@ -527,7 +526,9 @@ def _coefficients(e) -> dict:
 
 
 def _fraction(c) -> Fraction:
-    c = sympy.nsimplify(c) if isinstance(c, sympy.Float) else sympy.sympify(c)
+    c = sympy.sympify(c)
+    if c.is_Float:
+        return Fraction(float(c))
     if not c.is_Rational:
         raise sympy.PolynomialError(f"coefficient {c} is not a number")
     return Fraction(int(c.p), int(c.q))
