@@ -218,7 +218,8 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
     gathered = {}
     pair_key = (e.producer, e.consumer, e.index)
     if pair_key not in pairs_memo:
-        pairs_memo[pair_key] = _allowed_pairs(roles, cap, e, src_groups, dst_groups, len(v.strategies) == 1)
+        pairs_memo[pair_key] = _allowed_pairs(roles, cap, e, src_groups, dst_groups, len(v.strategies) == 1,
+                                              pairs_memo.setdefault(_ALLOW, {}))
     # (this loop runs once per variable, ~60k for Llama-3-8B on 8 x 8: what does not vary is hoisted)
     rerun_alike = [(sig, member, m) for sig, member, _, m in alike if m]
     is_weight = cap.info[e.producer].kind == PARAM
@@ -250,16 +251,27 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
     return gathered
 
 
-def _allowed_pairs(roles: Roles, cap, e, src_groups: dict, dst_groups: dict, consumer_replicated_only: bool) -> list:
-    """(producer key, consumer key) pairs of an edge that the roles allow, in the order the variables take."""
+_ALLOW = "allow_edge"   # the key of allow_edge's answers in a pairs memo (edge keys are tuples)
+
+
+def _allowed_pairs(roles: Roles, cap, e, src_groups: dict, dst_groups: dict, consumer_replicated_only: bool,
+                   allowed: dict) -> list:
+    """(producer key, consumer key) pairs of an edge that the roles allow, in the order the variables take.
+    `allowed`: allow_edge's answers under these roles (they depend on the layouts and whether the producer
+    is a weight, not on the edge), shared by the edges."""
     producer = cap.info[e.producer]
     is_tuple = isinstance(producer.meta, list)
+    is_param = producer.kind == PARAM
     out = []
     for src_key in src_groups:
         p, _ = src_key
         for k in dst_groups:
             dst, gp = k
-            if not allow_edge(roles, producer, p, dst, consumer_replicated_only):
+            key = (is_param, p, dst, consumer_replicated_only)
+            ok = allowed.get(key)
+            if ok is None:
+                ok = allowed[key] = allow_edge(roles, producer, p, dst, consumer_replicated_only)
+            if not ok:
                 continue
             if is_tuple and (p != dst or gp):
                 continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is

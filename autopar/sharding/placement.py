@@ -61,8 +61,16 @@ def dim_factor(placements: Placements, dim: int, axis_sizes: Sequence[int]) -> i
 def local_shape(shape: Sequence, placements: Placements, axis_sizes: Sequence[int]) -> tuple:
     """Shape of the largest rank's shard (ceil where a split does not divide). Works on ints and on
     sympy expressions (a symbolic size is only ever split evenly: it is divided)."""
+    if all(type(size) is int for size in shape):
+        return _local_int_shape(tuple(shape), tuple(placements), tuple(axis_sizes))
     factors = _dim_factors(tuple(placements), len(shape), tuple(axis_sizes))
     return tuple(ceil_div(size, f) for size, f in zip(shape, factors))
+
+
+@functools.lru_cache(maxsize=1 << 16)   # the search asks the same shapes and layouts of every layer
+def _local_int_shape(shape: tuple, placements: tuple, axis_sizes: tuple) -> tuple:
+    factors = _dim_factors(placements, len(shape), axis_sizes)
+    return tuple(-(-size // f) for size, f in zip(shape, factors))
 
 
 def ceil_div(size, f: int):
