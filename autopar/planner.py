@@ -469,7 +469,7 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
     best = None
     for i in sorted(usable, key=lambda i: (bound(i), i)) if bounded else usable:
         if best is not None and (bound(i), i) >= (best[0].objective, best[2]):
-            continue   # its answer could only tie the best so far, and comes later: never chosen
+            continue   # no faster than the best so far (or as fast, and later in order): never chosen
         try:
             sol = solve(prob, candidates[i], limit, time_limit, minimize_memory=minimize_memory, gap=gap,
                         checkpointing=checkpointing, free=free.get(i))
