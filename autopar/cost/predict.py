@@ -356,11 +356,10 @@ def _max_with(m, x):
     args = m.args if isinstance(m, sympy.Max) else (m,)
     try:
         cx = _coefficients(sympy.expand(sympy.sympify(x)))
-        if any(_covers(_coefficients(sympy.expand(a)), cx) for a in args):
-            return m
-    except sympy.PolynomialError:
-        pass
-    return sympy.Max(m, x)
+        covered = any(_covers(_coefficients(sympy.expand(a)), cx) for a in args)
+    except sympy.PolynomialError:   # not a polynomial (a ceiling of an uneven split): sympy decides
+        covered = False
+    return m if covered else sympy.Max(m, x)
 
 
 def backward_start_bytes(prob, choice, symbolic: bool):
