@@ -32,7 +32,7 @@ from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan, Searched, make_plan
 from .search.classics import (PIPE, Roles, axis_roles, check_promised_splits, check_tensor_parallel_divisibility,
                               role_assignments, with_pipeline)
-from .search.ilp import free_search, searches_free_first, solve
+from .search.ilp import RoleMemo, free_search, searches_free_first, solve
 from .search.pipeline import (AUTO, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
                               num_layers, schedule_candidates, schedule_fits)
 from .search.solution import INFEASIBLE, Solution
@@ -436,6 +436,7 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
     gap = 1e-6 if minimize_memory else 1e-3
     bounded = len(candidates) > 1 and searches_free_first(prob, limit, minimize_memory, checkpointing)
     free: dict = {}   # candidate index -> its free_search answer
+    memos: dict = {}  # candidate index -> what its free search priced (ilp.RoleMemo), for its limited searches
     usable = []
     seconds = [0.0, 0.0]   # solve, build
 
@@ -451,7 +452,8 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
             if len(candidates) > 1:   # a batch the roles' data axes cannot divide: no layout (no input splits so)
                 _check_batch_divisible(prob.cap, prob.mesh, roles)
             if bounded:
-                free[i] = free_search(prob, roles, time_limit, gap)
+                memos[i] = RoleMemo()
+                free[i] = free_search(prob, roles, time_limit, gap, memos[i])
                 count(free[i])
         except (ShardingError, InfeasiblePlanError):   # these roles cannot lay out some node
             if len(candidates) == 1:
@@ -469,10 +471,11 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
     best = None
     for i in sorted(usable, key=lambda i: (bound(i), i)) if bounded else usable:
         if best is not None and (bound(i), i) >= (best[0].objective, best[2]):
+            memos.pop(i, None)
             continue   # no faster than the best so far (or as fast, and later in order): never chosen
         try:
             sol = solve(prob, candidates[i], limit, time_limit, minimize_memory=minimize_memory, gap=gap,
-                        checkpointing=checkpointing, free=free.get(i))
+                        checkpointing=checkpointing, free=free.get(i), memo=memos.pop(i, None))
         except (ShardingError, InfeasiblePlanError):
             if len(candidates) == 1:
                 raise

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import scipy.sparse as sp
@@ -43,12 +43,15 @@ MEM_SCALE = 2.0 ** -20  # bytes -> MiB
 
 
 class _ILP:
-    """Columns (variables) and sparse rows of a MILP, built up one piece at a time."""
+    """Columns (variables) and sparse rows of a MILP, built up one piece at a time: a node's few
+    variables and rows one by one, an edge's many (a table of layout pairs) in bulk."""
 
     def __init__(self):
         self.cost, self.mem, self.integer = [], [], []
         self.upper = []
-        self.rows, self.lb, self.ub = [], [], []   # each row: {column: coefficient}
+        self.lb, self.ub = [], []          # per row
+        self.ri, self.ci, self.data = [], [], []   # the rows' entries, one by one
+        self.chunks = []                   # ... and in bulk: (row, column, value) arrays
 
     def var(self, cost=0.0, mem=0.0, integer=True, upper=1.0) -> int:
         self.cost.append(cost)
@@ -57,19 +60,41 @@ class _ILP:
         self.upper.append(upper)
         return len(self.cost) - 1
 
+    def columns(self, cost: np.ndarray, mem: np.ndarray) -> int:
+        """Continuous variables in [0, 1], one per entry; returns the first one's index."""
+        first = len(self.cost)
+        self.cost.extend(cost.tolist())
+        self.mem.extend(mem.tolist())
+        self.integer.extend([0] * len(cost))
+        self.upper.extend([1.0] * len(cost))
+        return first
+
     def row(self, coefs: dict, lb: float, ub: float):
-        self.rows.append(coefs)
+        r = len(self.lb)
+        self.ri.extend([r] * len(coefs))
+        self.ci.extend(coefs)
+        self.data.extend(coefs.values())
         self.lb.append(lb)
         self.ub.append(ub)
 
+    def rows(self, count: int, rows, cols, vals, lb: float, ub: float) -> int:
+        """`count` rows at once, their entries as arrays (`rows` numbered from 0); returns the first row's index."""
+        first = len(self.lb)
+        self.chunks.append((np.asarray(rows) + first, np.asarray(cols), np.asarray(vals, dtype=float)))
+        self.lb.extend([lb] * count)
+        self.ub.extend([ub] * count)
+        return first
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lb)
+
     def solve(self, objective, time_limit, gap):
-        data, ri, ci = [], [], []
-        for r, row in enumerate(self.rows):
-            ri.extend([r] * len(row))
-            ci.extend(row)
-            data.extend(row.values())
+        ri = np.concatenate([np.asarray(self.ri, dtype=np.int64)] + [c[0] for c in self.chunks])
+        ci = np.concatenate([np.asarray(self.ci, dtype=np.int64)] + [c[1] for c in self.chunks])
+        data = np.concatenate([np.asarray(self.data, dtype=float)] + [c[2] for c in self.chunks])
         n = len(self.cost)
-        A = sp.csr_array((data, (ri, ci)), shape=(len(self.rows), n))
+        A = sp.csr_array((data, (ri, ci)), shape=(len(self.lb), n))
         # a finite time limit makes HiGHS ration its effort by the clock (measured: a 7 s solve under a 60 s
         # or 120 s limit returned either of two equally cheap plans, by the machine's load); without one
         # the same program always gets the same answer
@@ -78,6 +103,16 @@ class _ILP:
                     bounds=Bounds(np.zeros(n), np.array(self.upper, dtype=float)),
                     constraints=[LinearConstraint(A, np.array(self.lb, float), np.array(self.ub, float))],
                     options=options)
+
+
+@dataclass
+class RoleMemo:
+    """What the searches of one role assignment share: the roles decide which layout pairs an edge allows,
+    and a pair's price depends on the search's variant only where that changes the edge (its recompute,
+    re-gather or reshard), so the searches of an assignment price most edges once."""
+    pairs: dict = field(default_factory=dict)    # (producer, consumer, index) -> allowed (producer key, consumer key)
+    allowed: dict = field(default_factory=dict)  # allow_edge's answers (see _allowed_pairs)
+    tables: dict = field(default_factory=dict)   # _edge_table's priced pairs, by all their prices depend on
 
 
 def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
@@ -177,7 +212,7 @@ def gathered_layers(prob: Problem, by_weight: list) -> list:
     return at
 
 
-def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: set, pairs_memo: dict) -> dict:
+def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: set, memo: RoleMemo) -> dict:
     """y[e, p, k] for producer layout p and consumer key k (input layout, partial-gradient axes).
 
     Marginals tie y to x: sum_k y[p, k] = x-mass of the producer on p, and
@@ -186,25 +221,10 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
     repeats of one edge (tied blocks): one set of y, paying for all of them.
     Returns {y: MiB} for the y that gather a weight whole (FSDP). An edge into
     an op of `rerun` (checkpointed blocks) also pays its rerun (recompute_edge_cost).
-    `pairs_memo`: the pairs the roles allow per edge, shared by the searches of one role assignment.
+    `memo`: what the searches of one role assignment share (RoleMemo).
     """
-    cap = prob.cap
     e = edges[0]
     u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
-    alike: dict = {}   # repeats that cost the same: signature -> [one of them, how many, how many rerun]
-    for member in edges:
-        entry = alike.setdefault(edge_signature(prob, member), [member, 0, 0])
-        entry[1] += 1
-        entry[2] += member.consumer in rerun
-    alike = [(sig, member, n, m) for sig, (member, n, m) in alike.items()]
-    # repeats whose op pays for the activation it gathers: the module keeps the shard (regather_saving)
-    kept = regather_model(prob)   # None: gathered activations are kept whole, and nothing is saved
-    keepers = _by_weight_shape(prob, [m for m in edges if kept is not None and (m.consumer, m.index) in kept.payers
-                                      and m.consumer not in rerun])
-    # weights gathered whole for backward stay whole from forward on (not resharded): what each keeps
-    holders = [] if reshards(prob) else _by_weight_shape(
-        prob, [m for m in edges if m.consumer not in rerun
-               and regathers(cap, m.producer, m.consumer, m.index, prob.grad_nodes)])
     src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
     for s, var in zip(u.strategies, xvars[e.producer]):
         if var is not None:
@@ -213,45 +233,94 @@ def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun
     for s, var in zip(v.strategies, xvars[e.consumer]):
         if var is not None:
             dst_groups.setdefault((s.inputs[e.index], s.grad_partial(e.index)), []).append(var)
-    by_src = {p: {} for p in src_groups}
-    by_dst = {k: {} for k in dst_groups}
-    gathered = {}
     pair_key = (e.producer, e.consumer, e.index)
-    if pair_key not in pairs_memo:
-        pairs_memo[pair_key] = _allowed_pairs(roles, cap, e, src_groups, dst_groups, len(v.strategies) == 1,
-                                              pairs_memo.setdefault(_ALLOW, {}))
+    if pair_key not in memo.pairs:
+        memo.pairs[pair_key] = _allowed_pairs(roles, prob.cap, e, src_groups, dst_groups, len(v.strategies) == 1,
+                                              memo.allowed)
+    table = _edge_table(prob, edges, rerun, memo, pair_key, src_groups, dst_groups)
+    first = ilp.columns(table.cost, table.memory)
+    # the marginal rows: y of each producer key, then of each consumer key, less that key's x variables
+    ys = np.arange(first, first + len(table.cost))
+    rows, cols, vals = [table.src, len(src_groups) + table.dst], [ys, ys], [np.ones(len(ys)), np.ones(len(ys))]
+    for offset, groups in ((0, src_groups), (len(src_groups), dst_groups)):
+        for g, vars_ in enumerate(groups.values()):
+            rows.append(np.full(len(vars_), offset + g))
+            cols.append(np.asarray(vars_))
+            vals.append(np.full(len(vars_), -1.0))
+    ilp.rows(len(src_groups) + len(dst_groups), np.concatenate(rows), np.concatenate(cols), np.concatenate(vals),
+             0, 0)
+    return {first + j: mib for j, mib in table.gathered}
+
+
+@dataclass(frozen=True)
+class _EdgeTable:
+    """One edge's priced layout pairs, in the order its y variables take (the pairs that can be redistributed)."""
+    cost: np.ndarray    # per pair: TIME_SCALE-scaled seconds of the collectives (and reruns) of every repeat
+    memory: np.ndarray  # per pair: MEM_SCALE-scaled bytes kept (re-gathered activations' shards, weights kept whole)
+    src: np.ndarray     # per pair: the index of its producer key among the edge's producer keys
+    dst: np.ndarray     # per pair: ... of its consumer key among the consumer keys
+    gathered: list      # (pair index, MiB of the weight it gathers whole) for the pairs that gather one
+
+
+def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key: tuple, src_groups: dict,
+                dst_groups: dict) -> _EdgeTable:
+    """The priced pairs of a tied edge, memoised by all their prices depend on: a role assignment's
+    searches (no limit, each recompute kind, each memory-saving choice) ask again of most edges."""
+    cap = prob.cap
+    alike: dict = {}   # repeats that cost the same: signature -> [one of them, how many, how many rerun]
+    for member in edges:
+        entry = alike.setdefault(edge_signature(prob, member), [member, 0, 0])
+        entry[1] += 1
+        entry[2] += member.consumer in rerun
+    kept = regather_model(prob)   # None: gathered activations are kept whole, and nothing is saved
+    key = (pair_key, tuple((sig, n, m) for sig, (_, n, m) in alike.items()), kept is not None,
+           reshards(prob), tuple(m.consumer in rerun for m in edges))
+    table = memo.tables.get(key)
+    if table is not None:
+        return table
+    alike = [(sig, member, n, m) for sig, (member, n, m) in alike.items()]
+    e = edges[0]
+    # repeats whose op pays for the activation it gathers: the module keeps the shard (regather_saving)
+    keepers = _by_weight_shape(prob, [m for m in edges if kept is not None and (m.consumer, m.index) in kept.payers
+                                      and m.consumer not in rerun])
+    # weights gathered whole for backward stay whole from forward on (not resharded): what each keeps
+    holders = [] if reshards(prob) else _by_weight_shape(
+        prob, [m for m in edges if m.consumer not in rerun
+               and regathers(cap, m.producer, m.consumer, m.index, prob.grad_nodes)])
+    src_index = {key: i for i, key in enumerate(src_groups)}
+    dst_index = {key: i for i, key in enumerate(dst_groups)}
+    cost, memory, src, dst, gathered = [], [], [], [], []
     # (this loop runs once per variable, ~60k for Llama-3-8B on 8 x 8: what does not vary is hoisted)
     rerun_alike = [(sig, member, m) for sig, member, _, m in alike if m]
     is_weight = cap.info[e.producer].kind == PARAM
-    for src_key, k in pairs_memo[pair_key]:
+    for src_key, k in memo.pairs[pair_key]:
         p, zero_axes = src_key
-        dst, gp = k
+        dst_key, gp = k
         try:
-            c = sum(n * edge_cost(prob, member, p, dst, gp, zero_axes, sig) for sig, member, n, _ in alike)
+            c = sum(n * edge_cost(prob, member, p, dst_key, gp, zero_axes, sig) for sig, member, n, _ in alike)
         except UnsupportedRedistribution:
             continue
         if rerun_alike:
-            c += sum(m * recompute_edge_cost(prob, member, p, dst, gp, zero_axes, sig) for sig, member, m in rerun_alike)
-        memory = 0
+            c += sum(m * recompute_edge_cost(prob, member, p, dst_key, gp, zero_axes, sig)
+                     for sig, member, m in rerun_alike)
+        kept_bytes = 0
         if keepers:
-            memory += sum(n * regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst, gp, prob.mesh,
-                                              prob.grad_nodes) for m, n in keepers)
+            kept_bytes += sum(n * regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst_key, gp,
+                                                  prob.mesh, prob.grad_nodes) for m, n in keepers)
         if holders:
-            memory += sum(n * kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst, prob.grad_nodes,
-                                                prob.mesh) for m, n in holders)
-        y = ilp.var(c * TIME_SCALE, float(memory) * MEM_SCALE, integer=False)
-        by_src[src_key][y] = by_dst[k][y] = 1.0
+            kept_bytes += sum(n * kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst_key,
+                                                    prob.grad_nodes, prob.mesh) for m, n in holders)
         if is_weight:
-            gb = float(gathered_weight_bytes(cap, e.producer, p, dst, prob.mesh))
+            gb = float(gathered_weight_bytes(cap, e.producer, p, dst_key, prob.mesh))
             if gb:
-                gathered[y] = gb * MEM_SCALE
-    for groups, ys in ((src_groups, by_src), (dst_groups, by_dst)):
-        for key, vars_ in groups.items():
-            ilp.row({**ys[key], **{var: -1.0 for var in vars_}}, 0, 0)
-    return gathered
-
-
-_ALLOW = "allow_edge"   # the key of allow_edge's answers in a pairs memo (edge keys are tuples)
+                gathered.append((len(cost), gb * MEM_SCALE))
+        cost.append(c * TIME_SCALE)
+        memory.append(float(kept_bytes) * MEM_SCALE)
+        src.append(src_index[src_key])
+        dst.append(dst_index[k])
+    table = memo.tables[key] = _EdgeTable(np.array(cost), np.array(memory), np.array(src, dtype=np.int32),
+                                          np.array(dst, dtype=np.int32), gathered)
+    return table
 
 
 def _allowed_pairs(roles: Roles, cap, e, src_groups: dict, dst_groups: dict, consumer_replicated_only: bool,
@@ -300,23 +369,45 @@ def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transien
     seen = set()
     canon = prob.canonical
     frozen: dict = {}   # id of a gathered dict -> its items as a set (ops share their dicts: gathered_layers)
-    for i, (point, alive) in enumerate(prob.live):
-        alive = [u for u in alive if u in prob.strategies and not is_saved(prob, u)]
+    for i, (point, alive, alive_key) in enumerate(_transients(prob)):
         gathered = layers[i] if layers else gathered_at.get(canon.get(point, point), {})
         if id(gathered) not in frozen:
             frozen[id(gathered)] = (frozenset(gathered.items()), gathered)   # (holding it keeps the id its own)
-        key = (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)), frozen[id(gathered)][0])
+        key = (alive_key, frozen[id(gathered)][0])
         if key in seen:   # repeated blocks repeat their rows
             continue
         seen.add(key)
         row = dict(gathered)
         for u in alive:
-            ns = prob.strategies[u]
-            for s, var in zip(ns.strategies, xvars[u]):
+            for var, mib in zip(xvars[u], _output_mib(prob, u)):
                 if var is not None:
-                    row[var] = row.get(var, 0.0) + float(output_bytes(u, prob.cap, s.output, prob.mesh)) * MEM_SCALE
+                    row[var] = row.get(var, 0.0) + mib
         if row:
             ilp.row({**row, transient: -1.0}, -np.inf, 0)
+
+
+def _transients(prob: Problem) -> list:
+    """Per forward op (prob.live's order): (op, the transient tensors alive there, a key equal for ops of
+    repeated blocks that hold the same), once per problem: every search asks."""
+    found = prob.node_cost_cache.get(("transients",))
+    if found is None:
+        canon = prob.canonical
+        found = []
+        for point, alive in prob.live:
+            alive = [u for u in alive if u in prob.strategies and not is_saved(prob, u)]
+            found.append((point, alive, (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)))))
+        prob.node_cost_cache[("transients",)] = found
+    return found
+
+
+def _output_mib(prob: Problem, name: str) -> list:
+    """MiB of a node's output on one device, per strategy (once per problem)."""
+    key = ("output MiB", name)
+    mib = prob.node_cost_cache.get(key)
+    if mib is None:
+        mib = prob.node_cost_cache[key] = [float(output_bytes(name, prob.cap, s.output, prob.mesh)) * MEM_SCALE
+                                           for s in prob.strategies[name].strategies]
+    return mib
 
 
 def _backward_start_rows(prob: Problem, ilp: _ILP, xvars, transient: int, hold: int | None) -> None:
@@ -402,7 +493,7 @@ def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) ->
 
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None = 60.0,
           minimize_memory: bool = False, gap: float = 1e-3, checkpointing: str = "none",
-          free: Solution | None = None) -> Solution:
+          free: Solution | None = None, memo: RoleMemo | None = None) -> Solution:
     """Cheapest plan under the roles and memory limit; see _solve. With checkpointing="auto" under a
     limit, the best of one search per kind: no stack recomputed, every stack's attention cores
     recomputed (selective), every stack's blocks recomputed (full). (A binary per stack in one
@@ -416,13 +507,13 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
     both only buy memory with time.
 
     `free`: free_search's answer for these roles, where the caller has it (planner._best bounds role
-    assignments by it)."""
+    assignments by it); `memo`: the RoleMemo of its free search, where the caller has it."""
     limited = minimize_memory or memory_limit is not None
     # the undecided choices; True is the memory-saving side of each
     decide = [field for field in ("regather_activations", "reshard_after_forward") if getattr(prob, field) is None]
     base = replace(prob, **{field: False for field in decide})
     counted = []   # searches made here whose time the answer reports besides its own variants
-    pairs: dict = {}   # the edges' allowed layout pairs: the roles decide them, so every search below shares them
+    memo = memo or RoleMemo()   # the edges' allowed layout pairs and their prices: every search below shares them
     if checkpointing != "auto":
         kinds = [checkpointing]
     else:
@@ -431,7 +522,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
         # recomputing and re-gathering only add time to a layout: where the fastest plan without either
         # meets the limit anyway, no other is faster, and one solve answers for all of them
         if free is None:
-            free = free_search(prob, roles, time_limit, gap, pairs)
+            free = free_search(prob, roles, time_limit, gap, memo)
             counted.append(free)
         if free.status == OPTIMAL and free.memory <= memory_limit:   # (not a greedy plan: unmeasured)
             return free
@@ -440,14 +531,14 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
             # and re-gathering only take layouts away or reprice them, so none of their searches can
             # find one either
             return free
-    sols = [_solve(base, roles, memory_limit, time_limit, minimize_memory, gap, kind, pairs) for kind in kinds]
+    sols = [_solve(base, roles, memory_limit, time_limit, minimize_memory, gap, kind, memo) for kind in kinds]
     best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     if decide and limited:
         again = [next(iter(best.checkpointed.values()), NONE)] if best.choice else kinds
         # each memory-saving choice alone, then all of them
         variants = [{field: True} for field in decide] + ([{field: True for field in decide}] if len(decide) > 1 else [])
         for variant in variants:
-            sols += [_solve(replace(base, **variant), roles, memory_limit, time_limit, minimize_memory, gap, kind, pairs)
+            sols += [_solve(replace(base, **variant), roles, memory_limit, time_limit, minimize_memory, gap, kind, memo)
                      for kind in again]
         best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     best.solve_seconds = sum(sol.solve_seconds for sol in sols + counted)
@@ -466,22 +557,22 @@ def searches_free_first(prob: Problem, memory_limit, minimize_memory: bool, chec
 
 
 def free_search(prob: Problem, roles: Roles, time_limit: float | None, gap: float = 1e-3,
-                pairs: dict | None = None) -> Solution:
+                memo: RoleMemo | None = None) -> Solution:
     """The fastest plan under the roles with no memory limit, nothing recomputed, and the faster side of
     each undecided choice (activations kept whole, weights kept gathered)."""
     decide = [field for field in ("regather_activations", "reshard_after_forward") if getattr(prob, field) is None]
     return _solve(replace(prob, **{field: False for field in decide}), roles, None, time_limit, False, gap, NONE,
-                  pairs)
+                  memo)
 
 
 def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None,
-           minimize_memory: bool, gap: float, kind: str, pairs: dict | None = None) -> Solution:
+           minimize_memory: bool, gap: float, kind: str, memo: RoleMemo | None = None) -> Solution:
     """Cheapest plan under the roles and memory limit (or, with minimize_memory, the least memory).
 
     `gap`: HiGHS stops once the plan is provably within this fraction of the
     optimum; the plan reports the gap it reached. `kind`: the checkpointing
-    of every stack in prob.stacks (NONE, SELECTIVE or FULL). `pairs`: _edge_vars's
-    memo of allowed layout pairs, for searches under the same roles.
+    of every stack in prob.stacks (NONE, SELECTIVE or FULL). `memo`: what searches
+    under the same roles share (RoleMemo).
     """
     t_build = time.perf_counter()
     ilp = _ILP()
@@ -494,7 +585,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     stacks = [st for st in prob.stacks if st.kind == kind]
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
     for edges in tied_edges(prob):
-        gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun, {} if pairs is None else pairs)
+        gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun, memo or RoleMemo())
         if gathered:
             consumer = prob.canonical.get(edges[0].consumer, edges[0].consumer)
             gathered_at.setdefault(consumer, {}).update(gathered)
@@ -505,12 +596,15 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     _recompute_terms(prob, stacks, ilp, xvars, transient)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
-        ilp.row({i: m for i, m in enumerate(ilp.mem) if m}, -np.inf, (memory_limit - reserve) * MEM_SCALE)
+        mem = np.asarray(ilp.mem, dtype=float)
+        nonzero = np.flatnonzero(mem)
+        ilp.rows(1, np.zeros(len(nonzero), dtype=np.int64), nonzero, mem[nonzero], -np.inf,
+                 (memory_limit - reserve) * MEM_SCALE)
     t0 = time.perf_counter()
     built = t0 - t_build
     res = ilp.solve(ilp.mem if minimize_memory else ilp.cost, time_limit, gap)
     elapsed = time.perf_counter() - t0
-    nvar, nrow = len(ilp.cost), len(ilp.rows)
+    nvar, nrow = len(ilp.cost), ilp.num_rows
     log.debug("ilp: %d variables, %d rows, built in %.2f s, solved in %.2f s", nvar, nrow, built, elapsed,
               extra={"stage": {"stage": "ilp", "roles": ",".join(str(r or "any") for r in roles.roles),
                                "checkpointing": kind, "regather": bool(prob.regather_activations),
