@@ -622,8 +622,12 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
         return Solution({}, (), float("inf"), elapsed, INFEASIBLE if res.status == 2 else res.message,
                         nvar, nrow, build_seconds=built)
     x = res.x
-    choice = {name: max((i for i, v in enumerate(vs) if v is not None), key=lambda i: x[vs[i]])
-              for name, vs in xvars.items()}
+    picked: dict = {}   # id of a variable list -> its chosen strategy (repeats share their first copy's list)
+    choice = {}
+    for name, vs in xvars.items():
+        if id(vs) not in picked:
+            picked[id(vs)] = max((i for i, v in enumerate(vs) if v is not None), key=lambda i: x[vs[i]])
+        choice[name] = picked[id(vs)]
     batch_axes = tuple(a for a, b in enumerate(bvars) if x[b] > 0.5)
     objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
     status = OPTIMAL if res.status == 0 else TIME_LIMIT
