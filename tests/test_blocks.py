@@ -124,3 +124,15 @@ def test_auto_is_never_slower_than_a_classic_that_fits(make, mesh, limited):
             gap = max(SOLVER_GAP, auto.stats["mip_gap"], other.stats["mip_gap"])
             assert auto.stats["objective_seconds"] <= other.stats["objective_seconds"] * (1 + 2 * gap + 1e-9), (
                 f"auto is slower than {strategy} (memory limit {limit}):\n{auto}\n\n{other}")
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "auto"])
+def test_the_search_is_the_same_size_at_any_depth(strategy):
+    """Tied blocks share variables, and every row of the ILP too: a deeper stack adds neither (ZeRO-2's
+    bucket rows were once one per layer's weight, identical rows that grew the ILP with depth)."""
+    sizes = set()
+    for n_layer in (3, 6):
+        model, x = _gpt(n_layer)
+        plan = autopar.plan(model, (x,), {"dp": 2}, strategy=strategy, hardware="cpu")
+        sizes.add((plan.stats["num_variables"], plan.stats["num_constraints"]))
+    assert len(sizes) == 1, sizes

@@ -438,7 +438,7 @@ def _zero_bucket_rows(prob: Problem, ilp: _ILP, xvars) -> int | None:
     held = []   # (variable, MiB of that weight's whole local gradient)
     for name, ns in prob.strategies.items():
         info = prob.cap.info[name]
-        if info.kind != PARAM or name not in prob.grad_nodes:   # a repeated layer's weights: rows of their own
+        if info.kind != PARAM or name not in prob.grad_nodes:
             continue
         meta = first_meta(info.meta)
         itemsize = reduce_itemsize(prob.param_bytes, name) or meta.itemsize
@@ -449,7 +449,7 @@ def _zero_bucket_rows(prob: Problem, ilp: _ILP, xvars) -> int | None:
         return None
     bucket = min(prob.bucket_bytes, sum(b for _, b in held))
     hold = ilp.var(0.0, 0.0, integer=False, upper=np.inf)
-    for var, b in held:
+    for var, b in dict.fromkeys(held):   # a repeated layer's weight shares its first copy's variable: one row
         ilp.row({var: 3 * max(b, bucket) * MEM_SCALE, hold: -1.0}, -np.inf, 0)
     return hold
 
