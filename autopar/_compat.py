@@ -9,7 +9,7 @@ autopar may import those modules directly.
   which autopar.testing.run_threaded runs N ranks as N threads of this process.
 - init_fake_process_group: a "fake" backend whose collectives do nothing, so
   a 1000-rank DeviceMesh can be built (and a plan traced) in one process.
-- storage_id: which traced (fake) tensors share a storage.
+- storage_id, view_base: which traced (fake) tensors share a storage; what a view was made from.
 - operator_name, operator_named: a graph's operator by name and back (the capture cache).
 - pipeline_stage: a PipelineStage whose shape inference gives integer inputs zeros.
 - backward_keeps_graph, backward_id, leaf_gradient_use: what the backward now
@@ -147,6 +147,17 @@ def storage_id(t: torch.Tensor) -> int:
     while the tensors are alive (traced graphs keep theirs in node.meta).
     """
     return t.untyped_storage()._cdata
+
+
+def profiler_event_types():
+    """The kinds of the profiler's event tree nodes (TorchOp, PyCall, Allocation): benchmarks/peak_memory.py
+    reads which op allocated what from that tree, which torch.profiler exposes only through torch._C."""
+    return torch._C._profiler._EventType
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was made from (None for a tensor that owns its storage): autograd's `_base`."""
+    return t._base
 
 
 # -----------------------------------------------------------------------------

@@ -59,6 +59,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar._compat import profiler_event_types  # noqa: E402
 from autopar.testing import GPT, GPTConfig, gpt_loss  # noqa: E402
 from autopar.testing.harness import free_port  # noqa: E402
 
@@ -163,10 +164,10 @@ def _where(event, stacks: bool) -> str:
         name = e.name
         if name.startswith(MARK):
             break
-        if e.tag == torch._C._profiler._EventType.TorchOp:
+        if e.tag == profiler_event_types().TorchOp:
             if len(ops) < 2:
                 ops.append(name)
-        elif stacks and e.tag == torch._C._profiler._EventType.PyCall:
+        elif stacks and e.tag == profiler_event_types().PyCall:
             if ("autopar" in name or "distributed/checkpoint" in name or "torch/optim" in name
                     or "peak_memory.py" in name) and len(frames) < 4:
                 frames.append(name.split("site-packages/")[-1].replace(ROOT, ""))
@@ -185,7 +186,7 @@ def _walk(roots):
 def _session_events(prof, stacks: bool, events: list, windows: dict) -> None:
     """Append a finished profiler session's CPU allocation events, as (time, bytes (< 0: a free), running total,
     address, where), and its phase windows (read at once: a later session may invalidate the records)."""
-    ET = torch._C._profiler._EventType
+    ET = profiler_event_types()
     for e in _walk(prof.profiler.kineto_results.experimental_event_tree()):
         if e.tag == ET.Allocation:
             f = e.extra_fields

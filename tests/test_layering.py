@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import textwrap
 
 import networkx as nx
@@ -156,3 +157,26 @@ def test_the_check_catches_the_library_importing_its_test_harness(tmp_path):
     problems = layering_problems(root)
     assert any("autopar.runtime.module imports autopar.testing" in p for p in problems), problems
     assert not any("testing/__init__" in p and "against" in p for p in problems), problems
+
+
+# private PyTorch: torch._C, torch._dynamo, torch.distributed.tensor._ops, a tensor's autograd `_base`, ...
+_PRIVATE_TORCH = re.compile(r"torch\._[A-Za-z]|torch(\.[a-z_]+)*\._[a-z]|\._base\b")
+
+
+def test_private_torch_apis_are_used_only_in_compat():
+    """A PyTorch upgrade should break one module: autopar/_compat.py."""
+    found = []
+    for path in sorted((REPO / "autopar").rglob("*.py")):
+        if path.name == "_compat.py" and path.parent.name == "autopar":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if _PRIVATE_TORCH.search(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_the_private_api_check_catches_a_view_base_and_a_private_module():
+    assert _PRIVATE_TORCH.search("base = t._base")
+    assert _PRIVATE_TORCH.search("from torch.distributed.tensor._ops import x")
+    assert _PRIVATE_TORCH.search("torch._dynamo.utils.counters")
+    assert not _PRIVATE_TORCH.search("torch.distributed.tensor.Shard(0)")

@@ -20,9 +20,12 @@ import weakref
 
 import torch
 
+from .._compat import view_base
+
 
 def _root(t: torch.Tensor) -> torch.Tensor:
-    return t._base if t._base is not None else t
+    base = view_base(t)
+    return base if base is not None else t
 
 
 class GatheredParams:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.fx as fx
 
-from .._compat import unflatten_outputs
+from .._compat import unflatten_outputs, view_base
 from ..capture.export import INPUT, PARAM, Captured
 from ..errors import PlanError
 from ..search.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
@@ -186,7 +186,7 @@ class StageModule(torch.nn.Module):
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    return t.clone(memory_format=torch.contiguous_format) if t._base is not None or not t.is_contiguous() else t
+    return t.clone(memory_format=torch.contiguous_format) if view_base(t) is not None or not t.is_contiguous() else t
 
 
 SCHEDULE_CLASSES = {GPIPE: "ScheduleGPipe", ONE_F_ONE_B: "Schedule1F1B", INTERLEAVED: "ScheduleInterleaved1F1B",

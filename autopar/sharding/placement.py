@@ -123,15 +123,6 @@ def numel(shape: Sequence):
     return math.prod(shape) if shape else 1
 
 
-def normalize(placements: Placements, ndim: int) -> Placements:
-    """Turn negative shard dims into positive ones."""
-    out = []
-    for p in placements:
-        d = shard_dim(p)
-        out.append(S(d % ndim) if d is not None and d < 0 else p)
-    return tuple(out)
-
-
 def chunk_index(placements: Placements, dim: int, coords: Sequence[int], axis_sizes: Sequence[int]) -> int:
     """Which chunk of dim `dim` this rank holds (row-major over the axes that split it)."""
     idx = 0
