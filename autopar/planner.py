@@ -436,13 +436,22 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
     gap = 1e-6 if minimize_memory else 1e-3
     bounded = len(candidates) > 1 and searches_free_first(prob, limit, minimize_memory, checkpointing)
     free: dict = {}   # candidate index -> its free_search answer
-    memos: dict = {}  # candidate index -> what its free search priced (ilp.RoleMemo), for its limited searches
+    # what the free search of the candidate with the lowest bound priced (ilp.RoleMemo), for its searches under
+    # the limit; one only: on 4 axes a memo holds ~1M priced pairs, and that candidate is searched first
+    memos: dict = {}
     usable = []
     seconds = [0.0, 0.0]   # solve, build
 
     def count(sol):
         seconds[0] += sol.solve_seconds
         seconds[1] += sol.build_seconds
+
+    def bound(i):   # no plan under candidate i's roles is faster: HiGHS's proven bound on its optimum
+        if not bounded:
+            return 0.0
+        if free[i].choice:
+            return free[i].objective * (1 - free[i].mip_gap)
+        return float("inf") if free[i].status == INFEASIBLE else 0.0   # no layout at all / out of time: no bound
 
     for i, roles in enumerate(candidates):
         if len(candidates) > 1:
@@ -452,26 +461,20 @@ def _best(prob: Problem, candidates: list, limit, time_limit, minimize_memory=Fa
             if len(candidates) > 1:   # a batch the roles' data axes cannot divide: no layout (no input splits so)
                 _check_batch_divisible(prob.cap, prob.mesh, roles)
             if bounded:
-                memos[i] = RoleMemo()
-                free[i] = free_search(prob, roles, time_limit, gap, memos[i])
+                memo = RoleMemo()
+                free[i] = free_search(prob, roles, time_limit, gap, memo)
                 count(free[i])
+                if not memos or (bound(i), i) < min((bound(k), k) for k in memos):
+                    memos = {i: memo}
         except (ShardingError, InfeasiblePlanError):   # these roles cannot lay out some node
             if len(candidates) == 1:
                 raise
             continue
         usable.append(i)
 
-    def bound(i):   # no plan under candidate i's roles is faster: HiGHS's proven bound on its optimum
-        if not bounded:
-            return 0.0
-        if free[i].choice:
-            return free[i].objective * (1 - free[i].mip_gap)
-        return float("inf") if free[i].status == INFEASIBLE else 0.0   # no layout at all / out of time: no bound
-
     best = None
     for i in sorted(usable, key=lambda i: (bound(i), i)) if bounded else usable:
         if best is not None and (bound(i), i) >= (best[0].objective, best[2]):
-            memos.pop(i, None)
             continue   # no faster than the best so far (or as fast, and later in order): never chosen
         try:
             sol = solve(prob, candidates[i], limit, time_limit, minimize_memory=minimize_memory, gap=gap,
