@@ -1,7 +1,8 @@
-"""Every command and code block the README gives runs as written on a fresh checkout.
+"""Every command the README and its linked docs give, and the README's code blocks, run as written on a
+fresh checkout.
 
-The README is read here, not copied: a command it gives that this file does not
-know fails the first test, so an edit to the README comes with a way to run it.
+The pages are read here, not copied: a command they give that this file does not
+know fails the first test, so an edit to them comes with a way to run it.
 Each command runs in a scratch directory that sees this checkout's examples/,
 tests/, benchmarks/, scripts/ and README.md (what it writes, like plan.json, stays there),
 with small sizes appended where the README's own would take minutes; the
@@ -25,13 +26,15 @@ import autopar
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# the pages whose commands a user copies: the README and the reference and guides it links to
+DOCS = [README, ROOT / "docs" / "api.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 COMMAND_WORDS = ("python", "torchrun", "autopar", "bash", "pip")
 
 
 def readme_commands() -> list[str]:
-    """The README's shell commands, in order: each line of its bash blocks (a chain `a && b` as its
-    commands) and each inline code span that starts with a command word."""
-    text = README.read_text()
+    """The shell commands of the README and the docs it links (DOCS), in order: each line of their bash
+    blocks (a chain `a && b` as its commands) and each inline code span that starts with a command word."""
+    text = "\n".join(page.read_text() for page in DOCS)
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
