@@ -13,10 +13,14 @@ stages of each: capture, problem build (rules, edges, activation model), every I
 assignment, checkpointing kind, re-gather / reshard variant, its size, build and HiGHS seconds),
 the pipeline cuts, and the predictions. Timings, so a benchmark, not a test; on a shared machine,
 compare figures from one run only.
+
+HiGHS's answers are not taken from the solve cache (autopar/search/solve_cache.py) here: the point is
+to time the search. Set AUTOPAR_SOLVE_CACHE=1 to time a plan made again.
 """
 import argparse
 import json
 import logging
+import os
 import resource
 import subprocess
 import sys
@@ -26,6 +30,8 @@ import warnings
 import torch
 
 import autopar
+
+os.environ.setdefault("AUTOPAR_SOLVE_CACHE", "0")   # inherited by each case's child process
 
 SHAPES = {  # published Llama-3 shapes
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),

@@ -6,13 +6,26 @@ the cores, not all of them: two workers of two threads each on two cores would o
 
 The capture cache (autopar/capture/cache.py) is off for the suite, subprocesses included: a test must
 not write into the user's home, nor trace less than it means to; tests/test_capture_cache.py turns it
-on in a temporary directory."""
+on in a temporary directory.
+
+HiGHS's answers (autopar/search/solve_cache.py) are kept for the run, in a directory made for it and
+shared by every worker and every rank a test launches: the suite plans the same toy models in many
+files, and each distinct integer program is still solved once per run. Never in the user's ~/.cache;
+tests/test_solve_cache.py gives each of its tests a cache of its own, and tests that watch HiGHS's
+calls turn it off."""
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 from hypothesis import HealthCheck, settings
 
 os.environ["AUTOPAR_CAPTURE_CACHE"] = "0"
+if "PYTEST_XDIST_WORKER" not in os.environ:   # the controller (or a run without workers); workers inherit it
+    os.environ["AUTOPAR_SOLVE_CACHE"] = "1"
+    os.environ["AUTOPAR_SOLVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-solves-")
+    atexit.register(shutil.rmtree, os.environ["AUTOPAR_SOLVE_CACHE_DIR"], True)
 
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:

@@ -23,6 +23,12 @@ from autopar.testing import GPT, MLP, GPTConfig, run_threaded
 MESH = {"a": 2, "b": 2}
 
 
+@pytest.fixture(autouse=True)
+def _highs_runs_every_time(monkeypatch):
+    """These tests watch (or stand in for) HiGHS's calls: none may be answered from the solve cache."""
+    monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "0")
+
+
 def _gpt():
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8)

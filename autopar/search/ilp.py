@@ -32,6 +32,7 @@ from ..errors import InfeasiblePlanError
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import UnsupportedRedistribution
 from .classics import Roles, allow_edge, allowed_flags
+from . import solve_cache
 from .greedy import bound_gap, greedy
 from .solution import GREEDY_NO_BOUND, INFEASIBLE, OPTIMAL, TIME_LIMIT, Solution
 
@@ -99,10 +100,18 @@ class _ILP:
         # or 120 s limit returned either of two equally cheap plans, by the machine's load); without one
         # the same program always gets the same answer
         options = {"mip_rel_gap": gap} if time_limit is None else {"mip_rel_gap": gap, "time_limit": time_limit}
-        return milp(np.array(objective, dtype=float), integrality=np.array(self.integer),
-                    bounds=Bounds(np.zeros(n), np.array(self.upper, dtype=float)),
-                    constraints=[LinearConstraint(A, np.array(self.lb, float), np.array(self.ub, float))],
-                    options=options)
+        c, integrality = np.array(objective, dtype=float), np.array(self.integer)
+        lower, upper = np.zeros(n), np.array(self.upper, dtype=float)
+        row_lower, row_upper = np.array(self.lb, float), np.array(self.ub, float)
+        key = (solve_cache.program_key(c, integrality, lower, upper, A, row_lower, row_upper, options)
+               if solve_cache.cache_dir() else None)
+        res = solve_cache.load(key) if key else None
+        if res is None:
+            res = milp(c, integrality=integrality, bounds=Bounds(lower, upper),
+                       constraints=[LinearConstraint(A, row_lower, row_upper)], options=options)
+            if key:
+                solve_cache.store(key, res)
+        return res
 
 
 @dataclass
