@@ -1,21 +1,21 @@
 """autopar: automatic DP / FSDP / TP plans for PyTorch training, planned by ILP over a symbolic cost model."""
 from . import checkpoint
+from .checkpoint import load_checkpoint, load_hf_checkpoint   # deprecated: autopar.checkpoint.load, .load_hf
 from .api import compare, parallelize, plan
 from .audit import AuditReport, audit
 from .calibrate import Calibration, calibrate
 from .cost.precision import BF16_MIXED, OptimizerSpec, Precision
 from .errors import (AutoparError, CaptureError, DivisibilityWarning, InfeasiblePlanError, InputShapeError, MeshError,
                      PipelineError, PlanError, ShardingError, UnsupportedAutogradError, UnsupportedOpWarning)
+from .plan_options import PlanOptions
 from .plan_result import Plan
 from .runtime.clip_grad import clip_grad_norm_
-from .runtime.dcp_checkpoint import load_checkpoint
-from .runtime.hf_checkpoint import load_hf_checkpoint
 from .runtime.module import ParallelModule
 from .runtime.optim import ShardedOptimizer
 from .search.classics import STRATEGIES
 from .whatif import max_batch, min_axis_size, min_compute_bound_batch
 
-__all__ = ["plan", "compare", "parallelize", "checkpoint", "audit", "AuditReport", "calibrate", "Calibration", "Plan", "ParallelModule", "ShardedOptimizer", "clip_grad_norm_", "load_checkpoint",
+__all__ = ["plan", "compare", "parallelize", "checkpoint", "audit", "AuditReport", "calibrate", "Calibration", "Plan", "PlanOptions", "ParallelModule", "ShardedOptimizer", "clip_grad_norm_", "load_checkpoint",
            "load_hf_checkpoint",
            "Precision", "BF16_MIXED", "OptimizerSpec", "AutoparError", "CaptureError",
            "InfeasiblePlanError", "InputShapeError", "DivisibilityWarning", "MeshError", "PipelineError", "PlanError", "ShardingError", "UnsupportedAutogradError",

@@ -139,6 +139,24 @@ def operator_named(name: str):
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+def op_schema(target):
+    """An OpOverload's schema (its arguments' names and defaults): `_schema`, which torch.fx's own
+    argument normalization reads too."""
+    return target._schema
+
+
+def new_state_dict(destination=None, prefix: str = "", version=None):
+    """`destination` (a new OrderedDict when None) with `version` noted under `prefix` in its `_metadata`, as
+    nn.Module.state_dict notes each module's version for its _load_from_state_dict."""
+    from collections import OrderedDict
+    if destination is None:
+        destination = OrderedDict()
+        destination._metadata = OrderedDict()
+    if hasattr(destination, "_metadata"):
+        destination._metadata[prefix[:-1]] = {"version": version}
+    return destination
+
+
 def storage_id(t: torch.Tensor) -> int:
     """Identity of the storage behind a tensor, fake ones included: views share it.
 

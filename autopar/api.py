@@ -3,20 +3,20 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
 from .capture.compute_dtype import at_compute_dtype
 from .capture.export import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
 from .capture.repeat import capture_repeated
-from .cost.buckets import DEFAULT_BUCKET_BYTES
-from .cost.checkpointing import check_mode
-from .cost.precision import optimizer_spec, precision_of
+from .cost.precision import precision_of
 from .cost.terms import first_meta, needs_grad
 from .errors import AutoparError, CaptureError, MeshError, PlanError
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan
-from .planner import check_time_limit, check_reshard, plan_captured
+from .plan_options import PlanOptions
+from .planner import plan_captured
 from .runtime.collectives import AxisGroup, Comm
 from .runtime.module import ParallelModule, mesh_device
 from .runtime.rewrite import rewrite
@@ -27,11 +27,8 @@ from .search.pipeline import check_request
 log = logging.getLogger("autopar")   # progress (INFO), as planner.py's
 
 
-def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict | None = None, hardware=None,
-         memory_limit=None, strategy: str = "auto", precision=None, optimizer="adamw", checkpointing: str = "auto",
-         dynamic_shapes=AUTO, links=None, time_limit: float | None = 60.0, trace_every_layer: bool = False,
-         pipeline_axis: str | None = None, microbatches: int | None = None, schedule: str | None = None,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, reshard_after_forward: bool | str | None = None, **options) -> Plan:
+def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict | None = None,
+         dynamic_shapes=AUTO, trace_every_layer: bool = False, **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
 
     `mesh` is a DeviceMesh with named axes or a mapping {axis_name: size}; the
@@ -39,66 +36,24 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict |
     `model(*example_inputs, **example_kwargs)`: keyword inputs as torch.export's
     `kwargs` (how Hugging Face models are called: `example_kwargs=batch`); each
     input is one tensor, or a Python constant (a flag, None) that the plan
-    keeps as given. `precision` (an autopar.Precision, or
-    None for the model's own dtype) and `optimizer` ("adamw", "adam", "sgd",
-    "sgd-momentum" or a torch optimizer) set the bytes each parameter costs;
-    AdamW is the default because it is what large models train with.
-    `checkpointing`: "auto" lets the search recompute stacks of repeated
-    blocks when that is what fits memory_limit (it only costs time, so never
-    without a limit), each block whole or only its attention core, whichever
-    is faster; "full" recomputes every block of such stacks; "selective" only
-    their attention cores (Megatron's selective recompute: the activations
-    that grow with the square of the sequence, for little compute); "none"
-    never. `plan.checkpointed` says which stacks got which.
+    keeps as given. `options` are autopar.PlanOptions' fields (hardware,
+    memory_limit, strategy, precision, optimizer, checkpointing, links,
+    time_limit, pipeline_axis, microbatches, schedule, bucket_bytes,
+    reshard_after_forward), each documented there with its default.
     The model is traced with each stack of alike layers (an nn.ModuleList of
     one class, same parameter shapes) cut to three, the rest copied from the
     last (autopar.capture.repeat), so depth adds little time. `trace_every_layer=True`
     traces every layer, for a model whose alike layers run different code
     (e.g. a per-layer attention type in its config).
-    `pipeline_axis`: None (the default) never pipelines; "auto" lets the
-    search pipeline over an axis when that is faster or is what fits; a name
-    pins the axis. A pipelined module trains through
-    ParallelModule.train_step, not forward + backward, which is why the
-    search does not pick one unasked: a loop written for forward would break.
-    `microbatches` (default: the search tries p, 2p and 4p) and `schedule`
-    ("1f1b" by default: it holds fewer activations than "gpipe" for the same
-    bubble, and is the one torch's users know; "interleaved-1f1b";
-    "zero-bubble", torch's ScheduleInterleavedZeroBubble, whose bubble is a
-    third of 1F1B's; or "auto", the fastest of them as priced) pin those choices. `bucket_bytes`: the
-    most bytes one data-parallel gradient all-reduce carries
-    (runtime/grad_buckets.py); DDP's 25 MiB by default, large enough that
-    per-call latency is small beside the bytes, small enough that the first
-    buckets go out while backward still runs. `reshard_after_forward`: whether
-    an FSDP weight an op keeps for backward is kept as its shard and gathered
-    again when backward needs it (True, FSDP2's default: FSDP is chosen for
-    memory) or kept whole from forward to backward (False: one all-gather per
-    layer fewer, the gathered weights' memory more); "auto", the faster of the
-    two that fits memory_limit. None, the default, is True for a named
-    strategy and "auto" under strategy="auto". `time_limit`: seconds HiGHS may
-    spend on one ILP before the greedy's plan is taken instead (60 by default: a
-    search that cannot finish in a minute is one to be told about). Near its limit
-    HiGHS rations work by the clock, so among equally cheap plans the one it
-    returns can vary with the machine's load; None (no limit) always gives the
-    same plan for the same request.
     See docs/ARCHITECTURE.md.
     """
-    if options:
-        raise AutoparError(f"unknown option(s) {sorted(options)} for autopar.plan")
-    # bad values fail before the capture, which takes seconds
-    precision_of(precision)
-    optimizer_spec(optimizer)
-    check_mode(checkpointing)
-    check_reshard(strategy, reshard_after_forward)
-    check_time_limit(time_limit)
+    opts = PlanOptions.from_keywords("autopar.plan", options)   # bad values fail before the capture, which takes seconds
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
-    check_request(mesh_spec(mesh), pipeline_axis, microbatches, schedule, _first_batch(example_inputs, example_kwargs))
-    cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, precision, dynamic_shapes,
+    check_request(mesh_spec(mesh), opts.pipeline_axis, opts.microbatches, opts.schedule,
+                  _first_batch(example_inputs, example_kwargs))
+    cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, opts.precision, dynamic_shapes,
                                          trace_every_layer)
-    return plan_captured(cap, mesh, hardware=hardware, memory_limit=memory_limit, strategy=strategy,
-                          precision=precision, optimizer=optimizer, checkpointing=checkpointing, links=links,
-                          time_limit=time_limit, t_capture=t_capture, pipeline_axis=pipeline_axis,
-                          microbatches=microbatches, schedule=schedule, bucket_bytes=bucket_bytes,
-                          reshard_after_forward=reshard_after_forward, recapture=recapture)
+    return plan_captured(cap, mesh, opts, t_capture=t_capture, recapture=recapture)
 
 
 def compare(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict | None = None, strategies=None,
@@ -111,13 +66,9 @@ def compare(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dic
     autopar.plan's (hardware, memory_limit, precision, optimizer, ...), the same for every strategy.
     """
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
-    unknown = set(options) - _PLAN_OPTIONS
-    if unknown:
-        raise AutoparError(f"unknown option(s) {sorted(unknown)} for autopar.compare")
-    precision = options.get("precision")
-    precision_of(precision)
-    optimizer_spec(options.get("optimizer", "adamw"))
-    cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, precision, dynamic_shapes,
+    opts = PlanOptions.from_keywords("autopar.compare", options, "example_kwargs=, strategies=, dynamic_shapes=, "
+                                                                 "trace_every_layer=")
+    cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, opts.precision, dynamic_shapes,
                                          trace_every_layer)
     out = {}
     strategies = strategies or STRATEGIES
@@ -125,16 +76,11 @@ def compare(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dic
     for i, strategy in enumerate(strategies):
         log.info("strategy %s (%d of %d)", strategy, i + 1, len(strategies))
         try:
-            out[strategy] = plan_captured(cap, mesh, strategy=strategy, t_capture=t_capture, recapture=recapture,
-                                          problems=problems, **options)
+            out[strategy] = plan_captured(cap, mesh, replace(opts, strategy=strategy), t_capture=t_capture,
+                                          recapture=recapture, problems=problems)
         except AutoparError as e:
             out[strategy] = e
     return out
-
-
-# autopar.plan's options that compare passes on to each strategy's plan
-_PLAN_OPTIONS = {"hardware", "memory_limit", "precision", "optimizer", "checkpointing", "links", "time_limit",
-                 "pipeline_axis", "microbatches", "schedule", "bucket_bytes", "reshard_after_forward"}
 
 
 def _capture(model, example_inputs: tuple, example_kwargs: dict, precision, dynamic_shapes, trace_every_layer: bool):
@@ -211,14 +157,15 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
     if not dist.is_initialized():
         raise MeshError("torch.distributed is not initialized; run under torchrun and call "
                         "init_device_mesh first")
-    _check_plan_options(plan_kwargs)   # before the capture, which takes seconds
+    opts = PlanOptions.from_keywords("autopar.parallelize", plan_kwargs,   # before the capture, which takes seconds
+                                     "example_kwargs=, plan=, dynamic_shapes=, record_comm=")
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     spec = mesh_spec(mesh)
-    capture_fn = _at_compute_dtype(capture, model, plan.precision if plan is not None else plan_kwargs.get("precision"))
+    capture_fn = _at_compute_dtype(capture, model, plan.precision if plan is not None else opts.precision)
     cap = capture_fn(model, example_inputs, dynamic_shapes, example_kwargs)
     recapture = _recapture(capture_fn, model, example_inputs, example_kwargs, dynamic_shapes)
     if plan is None:
-        plan = _plan_on_rank0(cap, mesh, plan_kwargs, recapture)
+        plan = _plan_on_rank0(cap, mesh, opts, recapture)
     if plan.pipeline is not None:   # its graph is one microbatch's
         cap = recapture(plan.pipeline.microbatches)
     _check_plan_matches(plan, cap, spec)
@@ -266,7 +213,7 @@ def _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap: Capt
     return rewrite(other, plan, comm, needs_grad(other))
 
 
-def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict, recapture) -> Plan:
+def _plan_on_rank0(cap: Captured, mesh, opts: PlanOptions, recapture) -> Plan:
     """Rank 0 plans and broadcasts the plan, so ranks cannot disagree (and plan once, not N times).
 
     An error on rank 0 is broadcast too and raised on every rank, so no rank
@@ -276,7 +223,7 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict, recapture) -> Plan:
     message = [None]
     if dist.get_rank() == 0:
         try:
-            message[0] = ("plan", plan_captured(cap, mesh, recapture=recapture, **plan_kwargs).to_json())
+            message[0] = ("plan", plan_captured(cap, mesh, opts, recapture=recapture).to_json())
         except AutoparError as e:
             message[0] = ("error", e)
     dist.broadcast_object_list(message, src=0)
@@ -284,14 +231,6 @@ def _plan_on_rank0(cap: Captured, mesh, plan_kwargs: dict, recapture) -> Plan:
     if kind == "error":
         raise payload
     return Plan.from_json(payload)
-
-
-def _check_plan_options(plan_kwargs: dict) -> None:
-    known = _PLAN_OPTIONS | {"strategy"}
-    unknown = sorted(set(plan_kwargs) - known)
-    if unknown:
-        raise AutoparError(f"unknown option(s) {unknown} for autopar.parallelize; it takes example_kwargs=, plan=, "
-                           f"dynamic_shapes=, record_comm= and the planning options {sorted(known)}")
 
 
 def _check_plan_matches(plan: Plan, cap: Captured, spec: MeshSpec) -> None:

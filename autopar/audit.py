@@ -157,7 +157,7 @@ def _measuring(module: ParallelModule, local_inputs: tuple):
 
     Yields (the _SavedActivations counting, the fresh CommLog).
     """
-    gathered = module._gathered
+    gathered = module.gathered
     inner_pack = gathered.pack
     saved = _SavedActivations(module, local_inputs, inner_pack)
     regions = [m for m in module.modules() if isinstance(m, CheckpointRegion)]

@@ -18,8 +18,7 @@ from cost_models.hardware import resolve_hardware
 
 from .capture.blocks import find_blocks
 from .capture.export import PARAM, Captured
-from .cost.buckets import DEFAULT_BUCKET_BYTES
-from .cost.checkpointing import check_mode, checkpointable_stacks
+from .cost.checkpointing import checkpointable_stacks
 from .cost.liveness import backward_start, live_sets
 from .cost.precision import optimizer_spec
 from .cost.precision import param_bytes as param_bytes_of
@@ -29,6 +28,7 @@ from .cost.problem import Problem, build_edges
 from .cost.terms import first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
 from .mesh import MeshSpec, mesh_spec
+from .plan_options import PlanOptions, reshard_after
 from .plan_result import Plan, Searched, make_plan
 from .search.classics import (PIPE, Roles, axis_roles, check_promised_splits, check_tensor_parallel_divisibility,
                               role_assignments, with_pipeline)
@@ -84,21 +84,21 @@ def _check_batch_divisible(cap: Captured, spec: MeshSpec, roles) -> None:
                 f"({axes}) cannot divide into {n} equal shards; use a global batch that is a multiple of {n}")
 
 
-def plan_captured(cap: Captured, mesh, *, hardware=None, memory_limit=None, strategy="auto", precision=None,
-                   optimizer="adamw", checkpointing="auto", links=None, time_limit=60.0, t_capture=0.0,
-                   tie_blocks=True, pipeline_axis=None, microbatches=None, schedule=None,
-                   recapture=None, bucket_bytes=DEFAULT_BUCKET_BYTES, reshard_after_forward=None,
-                   problems: dict | None = None) -> Plan:
+def plan_captured(cap: Captured, mesh, options: PlanOptions | None = None, *, t_capture=0.0, tie_blocks=True,
+                  recapture=None, problems: dict | None = None, **keywords) -> Plan:
     """The plan for a captured model. `recapture(m)` captures it again with batches of 1/m the size,
     which a pipelined plan is made for (its graph runs one microbatch at a time); without it the
     search does not pipeline. `problems`: a dict that several calls with the same capture and options
     but another strategy share (autopar.compare), so the priced problem is built and priced once."""
+    if options is not None and keywords:
+        raise AutoparError(f"plan_captured takes its options as a PlanOptions or as keywords, not both: "
+                           f"{sorted(keywords)}")
+    opts = options.checked() if options is not None else PlanOptions.from_keywords("plan_captured", keywords)
     spec = mesh_spec(mesh)
-    check_mode(checkpointing)
+    strategy, pipeline_axis, microbatches, schedule = opts.strategy, opts.pipeline_axis, opts.microbatches, opts.schedule
     check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap))
-    env = Request(cap, spec, mesh, hardware, memory_limit, strategy, precision, optimizer, checkpointing, links,
-                   check_time_limit(time_limit), t_capture, tie_blocks, _check_bucket_bytes(bucket_bytes),
-                   check_reshard(strategy, reshard_after_forward), {} if problems is None else problems)
+    env = Request(cap, spec, mesh, opts, t_capture, tie_blocks, reshard_after(strategy, opts.reshard_after_forward),
+                  {} if problems is None else problems)
     axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule) if recapture is not None else []
     if pipeline_axis not in (None, "auto") and recapture is None:
         raise PipelineError("a pipelined plan needs the model to capture it again per microbatch; "
@@ -152,47 +152,11 @@ class Request:
     cap: Captured
     spec: MeshSpec
     mesh: object          # as given: a DeviceMesh's device type picks the default hardware
-    hardware: object
-    memory_limit: object
-    strategy: str
-    precision: object
-    optimizer: object
-    checkpointing: str
-    links: object
-    time_limit: float | None
+    options: PlanOptions  # checked (PlanOptions.checked)
     t_capture: float
     tie_blocks: bool
-    bucket_bytes: int     # gradient bucket size (cost/buckets.py)
     reshard_after_forward: bool | None   # Problem.reshard_after_forward (None: the search decides)
     problems: dict        # (what a Problem is built from) -> (the capture, the Problem, ...): see _problem
-
-
-def check_time_limit(time_limit) -> float | None:
-    if time_limit is None:
-        return None
-    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
-        raise PlanError(f"time_limit must be a positive number of seconds per ILP solve, or None for no limit, "
-                        f"got {time_limit!r}")
-    return float(time_limit)
-
-
-def _check_bucket_bytes(bucket_bytes) -> int:
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise PlanError(f"bucket_bytes must be a positive number of bytes (DDP's default is "
-                        f"{DEFAULT_BUCKET_BYTES}), got {bucket_bytes!r}")
-    return bucket_bytes
-
-
-def check_reshard(strategy: str, reshard_after_forward) -> bool | None:
-    """Problem.reshard_after_forward for a request: as asked ("auto": the search's choice), or by default True
-    for a named strategy (whoever names FSDP asks for its memory) and the search's choice under "auto"."""
-    if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)
-            or isinstance(reshard_after_forward, str) and reshard_after_forward == "auto"):
-        raise PlanError(f"reshard_after_forward must be True, False, 'auto' (the faster that fits memory_limit) or "
-                        f"None (True for a named strategy, 'auto' under strategy='auto'), got {reshard_after_forward!r}")
-    if reshard_after_forward is None:
-        return None if strategy == "auto" else True
-    return None if reshard_after_forward == "auto" else reshard_after_forward
 
 
 def _batch_size(cap: Captured):
@@ -239,20 +203,20 @@ def _problem(cap: Captured, env: Request, checkpointing: str):
     """(Problem, precision policy, optimizer spec, hardware) for a search under `env`'s strategy. The Problem's
     candidates, edges, activation model and memoised prices depend on the capture and options but not on
     the strategy, so requests that share `env.problems` build them once and share the prices."""
-    key = (id(cap), checkpointing != "none", env.spec, repr(env.hardware), repr(env.precision), repr(env.optimizer),
-           repr(env.links), env.tie_blocks, env.bucket_bytes, repr(env.mesh))
+    key = (id(cap), checkpointing != "none", env.spec, repr(env.options.hardware), repr(env.options.precision), repr(env.options.optimizer),
+           repr(env.options.links), env.tie_blocks, env.options.bucket_bytes, repr(env.mesh))
     entry = env.problems.get(key)
     if entry is None or entry[0] is not cap:   # (an id outlives its object: the capture itself must match)
         entry = env.problems[key] = (cap, *_base_problem(cap, env, checkpointing))
     _, base, policy, opt, hw = entry
-    prob = replace(base, regather_activations=REGATHER.get(env.strategy, False),
+    prob = replace(base, regather_activations=REGATHER.get(env.options.strategy, False),
                    reshard_after_forward=env.reshard_after_forward)
     return prob, policy, opt, hw
 
 
 def _base_problem(cap: Captured, env: Request, checkpointing: str):
     spec = env.spec
-    policy, opt = precision_of(env.precision), optimizer_spec(env.optimizer)
+    policy, opt = precision_of(env.options.precision), optimizer_spec(env.options.optimizer)
     # bytes from the dtype the model holds a parameter in: a graph traced at the compute dtype shows that one
     param_bytes = {n: param_bytes_of(policy, opt, cap.param_dtypes.get(i.target_name, first_meta(i.meta).dtype))
                    for n, i in cap.info.items() if i.kind == PARAM}
@@ -262,9 +226,9 @@ def _base_problem(cap: Captured, env: Request, checkpointing: str):
     if policy.compute is not None and not traced <= {policy.compute}:
         raise PlanError(f"the graph was traced with {sorted(map(str, traced))} weights, not the policy's compute dtype "
                         f"{policy.compute}: capture it with capture.compute_dtype.at_compute_dtype, as autopar.plan does")
-    hw, measured = _hardware(env.hardware, env.mesh)
+    hw, measured = _hardware(env.options.hardware, env.mesh)
     # a spec's links serve the axes of the same name; links= still overrides any axis
-    links = {**{a: link for a, link in measured.items() if a in spec.axis_names}, **(env.links or {})}
+    links = {**{a: link for a, link in measured.items() if a in spec.axis_names}, **(env.options.links or {})}
     try:
         axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, links)
     except cm.CostModelError as e:
@@ -276,13 +240,14 @@ def _base_problem(cap: Captured, env: Request, checkpointing: str):
                    grad_nodes, saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
                    backward_start=backward_start(cap, grad_nodes),
                    stacks=checkpointable_stacks(cap) if checkpointing != "none" else (),
-                   bucket_bytes=env.bucket_bytes)
+                   bucket_bytes=env.options.bucket_bytes)
     return prob, policy, opt, hw
 
 
 def _flat_plan(cap: Captured, env: Request) -> Plan:
-    spec, strategy, checkpointing, time_limit = env.spec, env.strategy, env.checkpointing, env.time_limit
-    limit = _memory_limit(env.memory_limit)
+    spec, strategy, checkpointing, time_limit = (env.spec, env.options.strategy, env.options.checkpointing,
+                                                 env.options.time_limit)
+    limit = _memory_limit(env.options.memory_limit)
     roles = axis_roles(strategy, spec)
     _check_batch_divisible(cap, spec, roles)
     check_tensor_parallel_divisibility(cap, roles)
@@ -320,7 +285,7 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     t_predict = time.perf_counter() - t0
     searched = Searched(prob, sol, roles, len(candidates), pred, sym, colls, policy, opt, hw,
                         {"rules_seconds": t_rules, "predict_seconds": t_predict})
-    return make_plan(searched, env.strategy, env.t_capture)
+    return make_plan(searched, env.options.strategy, env.t_capture)
 
 
 def _check_named_strategy(prob: Problem, roles: Roles, strategy: str, choice: dict) -> None:
@@ -371,11 +336,11 @@ def _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkp
 def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: str) -> Plan:
     """The best plan with `axis` pipelined in `m` microbatches: the ILP lays out one microbatch on the
     other axes (the pipeline axis whole), then stage_partition.partition cuts it into stages."""
-    spec, strategy = env.spec, env.strategy
-    if env.checkpointing in ("full", "selective"):
-        raise PipelineError(f"checkpointing={env.checkpointing!r} with a pipeline is not supported yet: a "
+    spec, strategy = env.spec, env.options.strategy
+    if env.options.checkpointing in ("full", "selective"):
+        raise PipelineError(f"checkpointing={env.options.checkpointing!r} with a pipeline is not supported yet: a "
                             "pipelined plan recomputes nothing; use checkpointing='auto' or 'none'")
-    limit = _memory_limit(env.memory_limit)
+    limit = _memory_limit(env.options.memory_limit)
     a = spec.axis_index(axis)
     p = spec.axis_sizes[a]
     rest = MeshSpec(spec.axis_names[:a] + spec.axis_names[a + 1:], spec.axis_sizes[:a] + spec.axis_sizes[a + 1:]) \
@@ -399,9 +364,9 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
         check_tensor_parallel_divisibility(cap, candidates[0])
     t_rules = time.perf_counter() - t0
     # the ILP sees the whole model on one device of each stage: p stages share p devices' memory
-    sol, roles = _best(prob, candidates, None if limit is None else limit * p, env.time_limit)
+    sol, roles = _best(prob, candidates, None if limit is None else limit * p, env.options.time_limit)
     if not sol.choice:
-        _explain_no_plan(prob, candidates, None if limit is None else limit * p, env.time_limit, strategy, spec,
+        _explain_no_plan(prob, candidates, None if limit is None else limit * p, env.options.time_limit, strategy, spec,
                          "none")
     t0 = time.perf_counter()
     prob = replace(prob, regather_activations=sol.regather_activations)   # as the solution was priced
@@ -417,7 +382,7 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
                                "seconds": t_predict}})
     searched = Searched(prob, sol, roles, len(candidates), pred, pred, colls, policy, opt, hw,
                         {"rules_seconds": t_rules, "predict_seconds": t_predict}, pipeline=pipe)
-    return make_plan(searched, env.strategy, env.t_capture)
+    return make_plan(searched, env.options.strategy, env.t_capture)
 
 
 # from this many mesh axes on, `auto` fixes each axis's role first (classics.role_assignments):

@@ -15,7 +15,7 @@ measured), then `--world` real processes each run
     pm = autopar.parallelize(model, mesh, (x,), strategy=...)                    # build
     pm.to_empty(device=...); sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path)
     pm.load_state_dict(sd)                                                       # load: dcp.load
-    autopar.load_checkpoint(pm, path)                                            # load: autopar
+    autopar.checkpoint.load(path, pm)                                            # load: autopar
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=...)
     loss = gpt_loss(pm(*local_x), *local_y); loss.backward(); opt.step()         # train step 1, 2, ...
 
@@ -288,7 +288,7 @@ def _rank(rank: int, world: int, cfg: GPTConfig, strategy: str, device: str, ckp
     del sd
     phases.stop()
     phases.start("load: autopar")
-    autopar.load_checkpoint(pm, ckpt)   # the same, one whole tensor at a time at most
+    autopar.checkpoint.load(ckpt, pm)   # the same, one whole tensor at a time at most
     phases.stop()
 
     (local_x,), (local_y,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)

@@ -6,7 +6,7 @@
 The model is used as its authors ship it: built from the directory's config.json (its default
 `use_cache=True` included) on the meta device (no memory for weights), called with keywords as every HF
 training loop calls it, `out = pm(**batch)`, and trained on `out.loss` (HF's `labels=`). autopar plans it
-for a 2-axis mesh of the ranks, and `autopar.load_hf_checkpoint` fills each rank's shards, reading from the
+for a 2-axis mesh of the ranks, and `autopar.checkpoint.load_hf` fills each rank's shards, reading from the
 safetensors files only the slices it holds.
 
 Each line of the text file is one example (the directory's tokenizer if it has one, else its bytes),
@@ -97,7 +97,7 @@ def main():
                "labels": torch.zeros(args.batch, args.seq, dtype=torch.long)}
     pm = autopar.parallelize(model, mesh, example_kwargs=example, strategy=args.strategy)
     pm.to_empty(device="cpu")
-    autopar.load_hf_checkpoint(pm, args.model)
+    autopar.checkpoint.load_hf(pm, args.model)
     if rank == 0:
         print(pm.plan)
 

@@ -1,5 +1,8 @@
-"""autopar.load_checkpoint: the DCP round trip in one call, reading one whole tensor at a time at most."""
+"""autopar.checkpoint.load of a model alone (a single device's dcp.save(model.state_dict())): the DCP round trip
+in one call, reading one whole tensor at a time at most; the deprecated autopar.load_checkpoint still works."""
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -32,11 +35,41 @@ def test_load_checkpoint_fills_uneven_shards_of_a_meta_built_model(tmp_path, mon
         pm = autopar.parallelize(meta, init_device_mesh("cpu", (3,), mesh_dim_names=("dp",)), (x,),
                                  strategy="fsdp", hardware="cpu")
         pm.to_empty(device="cpu")
-        result = autopar.load_checkpoint(pm, tmp_path)
-        return result, pm.state_dict(full=True)
+        step = autopar.checkpoint.load(tmp_path, pm)
+        return step, pm.state_dict(full=True)
 
-    for result, full in run_threaded(3, run):
-        assert result.missing_keys == [] and result.unexpected_keys == []
+    for step, full in run_threaded(3, run):
+        assert step is None   # a model's state_dict alone: no step saved
         for name, want in model.state_dict().items():
             torch.testing.assert_close(full[name], want, atol=0, rtol=0, msg=name)
     assert calls and set(calls) == {1}   # one whole tensor read, sliced and dropped, before the next
+
+
+def test_the_old_names_still_load_and_warn_and_an_optimizer_needs_its_state(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path), no_dist=True)
+    x = torch.randint(0, CFG.vocab_size, (6, CFG.block_size))
+
+    def run(rank):
+        with torch.device("meta"):
+            meta = GPT(CFG)
+        pm = autopar.parallelize(meta, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)), (x,),
+                                 strategy="fsdp", hardware="cpu")
+        pm.to_empty(device="cpu")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = autopar.load_checkpoint(pm, tmp_path)
+        opt = autopar.ShardedOptimizer(pm, torch.optim.SGD, lr=0.1)
+        with pytest.raises(autopar.PlanError, match="holds a model's state_dict alone .* no optimizer state"):
+            autopar.checkpoint.load(tmp_path, pm, opt)
+        with pytest.raises(autopar.PlanError, match="no DCP checkpoint there"):
+            autopar.checkpoint.load(tmp_path / "nowhere", pm)
+        return caught, result, pm.state_dict(full=True)
+
+    ((caught, result, full),) = run_threaded(1, run)
+    assert [w.category for w in caught] == [DeprecationWarning]
+    assert "autopar.checkpoint.load(path, pm)" in str(caught[0].message)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(full[name], want, atol=0, rtol=0, msg=name)

@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint (`save_pretrained`, safetensors) loaded into a Llama built on the meta
 device and parallelized fsdp+tp on 2 x 2 ranks computes the logits the single-device model computes.
 
-`autopar.load_hf_checkpoint(pm, path)` after `pm.to_empty(device="cpu")` fills the shards, each rank
+`autopar.checkpoint.load_hf(pm, path)` after `pm.to_empty(device="cpu")` fills the shards, each rank
 reading only its slices (recorded here at safetensors' read calls), from one `model.safetensors` or
 from the shards an index lists; a tied embedding (stored once) loads; the rotary `inv_freq`, which no
 checkpoint holds, is recomputed; a missing tensor, a wrong shape or a name without the wrapper's
@@ -127,19 +127,19 @@ def test_hf_checkpoint_fills_a_meta_built_llama_each_rank_reading_its_slices(tmp
         pm = _parallelize(model)
         pm.to_empty(device="cpu")   # the graph computes on the mesh's device, not meta (ParallelModule)
         local = {n: p.numel() for n, p in pm.named_parameters()}
-        assert autopar.load_hf_checkpoint(pm, single) == ([], [])
+        assert autopar.checkpoint.load_hf(pm, single) == ([], [])
         out_single = _local_logits(pm)
         inv_freq = dict(pm.store.named_buffers())["model.rotary_emb.inv_freq"].clone()
         with torch.no_grad():
             for t in [*pm.parameters(), *pm.store.buffers()]:   # garbage again, as after to_empty
                 t.fill_(float("nan"))
-        autopar.load_hf_checkpoint(pm, sharded)
+        autopar.checkpoint.load_hf(pm, sharded)
         out_sharded = _local_logits(pm)
         with pytest.raises(autopar.PlanError, match=r"no tensor for \['model.norm.weight'\].*strict=False"):
-            autopar.load_hf_checkpoint(pm, lacking)
+            autopar.checkpoint.load_hf(pm, lacking)
         with pytest.raises(autopar.PlanError, match=r"'model.norm.weight' has shape \(16,\).*shape \(32,\)"):
-            autopar.load_hf_checkpoint(pm, misshapen)
-        assert autopar.load_hf_checkpoint(pm, lacking, strict=False).missing_keys == ["model.norm.weight"]
+            autopar.checkpoint.load_hf(pm, misshapen)
+        assert autopar.checkpoint.load_hf(pm, lacking, strict=False).missing_keys == ["model.norm.weight"]
         return local, out_single, out_sharded, inv_freq
 
     results = run_threaded(4, run)
@@ -180,8 +180,8 @@ def test_tied_llama_in_a_wrapper_loads_with_key_map_and_warns_of_a_buffer_none_r
         pm = _parallelize(model)
         pm.to_empty(device="cpu")   # the graph computes on the mesh's device, not meta (ParallelModule)
         with pytest.raises(autopar.PlanError, match=r"no tensor for \[.model\.model\..*key_map=lambda"):
-            autopar.load_hf_checkpoint(pm, path)
-        assert autopar.load_hf_checkpoint(pm, path, key_map=lambda k: "model." + k) == ([], [])
+            autopar.checkpoint.load_hf(pm, path)
+        assert autopar.checkpoint.load_hf(pm, path, key_map=lambda k: "model." + k) == ([], [])
         pm.load_state_dict({"scale": torch.full((), 2.0)}, strict=False)   # what the warning says to do
         return pm(*pm.plan.local_inputs(IDS)).detach().clone()
 

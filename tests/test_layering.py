@@ -24,7 +24,7 @@ STAGES = [
     ("sharding", ("autopar.sharding",)),
     ("cost", ("autopar.cost",)),
     ("search", ("autopar.search",)),
-    ("plan", ("autopar.plan_result", "autopar.planner")),
+    ("plan", ("autopar.plan_options", "autopar.plan_result", "autopar.planner")),
     ("runtime", ("autopar.runtime",)),
     ("questions", ("autopar.whatif", "autopar.audit", "autopar.calibrate", "autopar.checkpoint", "autopar.plots")),   # of a finished plan or module
     ("api", ("autopar.api",)),
@@ -180,3 +180,75 @@ def test_the_private_api_check_catches_a_view_base_and_a_private_module():
     assert _PRIVATE_TORCH.search("from torch.distributed.tensor._ops import x")
     assert _PRIVATE_TORCH.search("torch._dynamo.utils.counters")
     assert not _PRIVATE_TORCH.search("torch.distributed.tensor.Shard(0)")
+
+
+def private_attribute_problems(package_dir: pathlib.Path) -> list[str]:
+    """A private name of another autopar module imported; `obj._name` read or written where `obj` is not
+    self, cls or super(), outside _compat.py, unless this
+    very file defines `_name` (as a function, class, variable or self._name): a module may use its own
+    classes' private parts, never another module's, and never torch's (that is _compat.py's job: a private
+    name no autopar file defines is torch's or another library's)."""
+    files = {p: ast.parse(p.read_text()) for p in sorted(package_dir.rglob("*.py"))}
+    defined: dict = {}   # private name -> the files that define it
+    for path, tree in files.items():
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names = [node.attr]
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names = [node.id]
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
+                    isinstance(node.slice.value, str) and isinstance(node.ctx, ast.Store):
+                names = [node.slice.value]   # self.__dict__["_name"] = ...
+            for name in names:
+                defined.setdefault(name, set()).add(path)
+    found = []
+    for path, tree in files.items():
+        if path.name == "_compat.py" and path.parent == package_dir:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("autopar")):
+                found += [f"{path.relative_to(package_dir.parent)}:{node.lineno}: imports {a.name} from "
+                          f"{'.' * node.level}{node.module or ''} (another module's private name)"
+                          for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                continue
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue   # an override calling the method it overrides
+            if path in defined.get(node.attr, ()):
+                continue
+            whose = ", ".join(str(p.relative_to(package_dir)) for p in sorted(defined.get(node.attr, ())))
+            found.append(f"{path.relative_to(package_dir.parent)}:{node.lineno}: {ast.unparse(node)} "
+                         f"({'defined in ' + whose if whose else 'not ours: behind _compat.py'})")
+    return found
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    """What a class offers other modules is public (runtime/module.ParallelModule's read-only views, for
+    one); its private attributes are its own file's business."""
+    problems = private_attribute_problems(REPO / "autopar")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_private_attribute_check_catches_reaching_into_another_module(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "runtime/module.py": "class M:\n    def __init__(self):\n        self._table = {}\n"
+                             "def own(m):\n    return m._table   # its own file's class: fine\n",
+        "runtime/stages.py": "def f(pm):\n    return pm._table\n",
+        "capture/dtype.py": "def g(module):\n    return module._parameters   # torch's\n",
+        "capture/ok.py": "class A(B):\n    def _apply(self, fn):\n        return super()._apply(fn)\n",
+        "capture/repeat.py": "from .export import capture, _canonical_names\n",
+    })
+    problems = private_attribute_problems(root)
+    assert any("runtime/stages.py:2: pm._table (defined in runtime/module.py)" in p for p in problems), problems
+    assert any("capture/dtype.py:2: module._parameters (not ours" in p for p in problems), problems
+    assert any("capture/repeat.py:1: imports _canonical_names from .export" in p for p in problems), problems
+    assert len(problems) == 3, problems

@@ -149,7 +149,7 @@ def test_resume_on_fewer_ranks_equals_one_device(tmp_path):
 def test_checkpoint_refuses_a_plain_optimizer(tmp_path):
     model = _model()
     with pytest.raises(autopar.PlanError, match="takes an autopar.ShardedOptimizer"):
-        autopar.checkpoint._state(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.1), None)
+        autopar.checkpoint.run.run_state(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.1), None)
 
 
 def _state_dict_mid_step(rank):

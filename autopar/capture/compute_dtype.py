@@ -39,18 +39,18 @@ def traced_in(model: torch.nn.Module, dtype: torch.dtype | None):
     stand_ins: dict = {}   # id(own parameter) -> its stand-in, so tied weights stay one parameter
     try:
         for module in model.modules():
-            for name, p in list(module._parameters.items()):
-                if p is None or not p.dtype.is_floating_point or p.dtype == dtype:
+            for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+                if not p.dtype.is_floating_point or p.dtype == dtype:
                     continue
                 if id(p) not in stand_ins:
                     stand_ins[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=p.device),
                                                           requires_grad=p.requires_grad)
                 swapped.append((module, name, p))
-                module._parameters[name] = stand_ins[id(p)]
+                setattr(module, name, stand_ins[id(p)])
         yield
     finally:
         for module, name, p in reversed(swapped):
-            module._parameters[name] = p
+            setattr(module, name, p)
 
 
 def cast_inputs(inputs: tuple, dtype: torch.dtype | None) -> tuple:

@@ -188,7 +188,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO, 
     auto = isinstance(dynamic_shapes, str) and dynamic_shapes == AUTO
     spec = _auto_spec(model, example_inputs, example_kwargs) if auto else dynamic_shapes
     ep = _export(model, example_inputs, example_kwargs, spec)
-    canonical = _canonical_names(model)
+    canonical = canonical_names(model)
     kinds = _placeholder_kinds(ep, canonical)
     graph = _renumbered(ep.graph)
     input_nodes = [n for n in graph.nodes if n.op == "placeholder" and kinds.get(n.name, (None,))[0] == INPUT]
@@ -348,7 +348,7 @@ def _as_int(bound):
         return None
 
 
-def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+def canonical_names(model: torch.nn.Module) -> dict[str, str]:
     """Every parameter/buffer name -> the name torch lists first for that tensor.
 
     Tied weights (GPT-2's embedding and output head) are one tensor under two

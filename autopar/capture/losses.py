@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .._compat import fake_mode_of
+from .._compat import fake_mode_of, op_schema
 
 _CE = torch.ops.aten.cross_entropy_loss.default
 _NONE, _MEAN, _SUM = 0, 1, 2   # torch's Reduction enum
@@ -33,7 +33,7 @@ _NONE, _MEAN, _SUM = 0, 1, 2   # torch's Reduction enum
 
 def _bound_args(node: fx.Node) -> dict:
     """Every argument of the call by schema name, defaults filled in."""
-    schema = node.target._schema
+    schema = op_schema(node.target)
     out = {}
     for i, a in enumerate(schema.arguments):
         if i < len(node.args):

@@ -32,7 +32,7 @@ from torch import nn
 from .._compat import storage_id, symint_hint, trace_lock
 from ..errors import CaptureError
 from .cache import cached_capture
-from .export import AUTO, BUFFER, OP, PARAM, Captured, _canonical_names, capture
+from .export import AUTO, BUFFER, OP, PARAM, Captured, canonical_names, capture
 from .traced_layers import (TRACED, NotRepeated, TracedLayers, check_repeat, moved_name, name_strides, placeholder_name,
                             renamed_block, section_of, split_name, traced_blocks)
 
@@ -132,7 +132,7 @@ def _shortened(model: nn.Module, stacks: dict[str, int]):
 def _check_tensors(cap: Captured, model: nn.Module) -> None:
     """The expanded graph has a placeholder for each of the model's parameters and buffers, and
     ties the same ones (a layer tied to something the shortened model lacks is not a repeat)."""
-    canonical = _canonical_names(model)   # capture's own rule for tied names, so the two agree
+    canonical = canonical_names(model)   # capture's own rule for tied names, so the two agree
     aliases = {a: c for a, c in canonical.items() if a != c}
     if aliases != cap.aliases:
         raise NotRepeated("parameters tied across a stack")

@@ -7,7 +7,6 @@ shards of the parameters and a local fx graph with every collective inserted, pl
 Reading order: collectives.py (collectives as autograd functions: each backward is the
 conjugate collective), rewrite.py (global graph -> local graph), recompute.py (checkpointed
 blocks), module.py (the module users train), initialization.py (a meta-built
-model's shards initialized from scratch), dcp_checkpoint.py and hf_checkpoint.py (its shards
-filled from a DCP or a Hugging Face safetensors checkpoint), optim.py, stages.py (pipeline
-stages under torch's schedules).
+model's shards initialized from scratch), optim.py, stages.py (pipeline stages under torch's
+schedules). Filling the shards from a checkpoint is autopar/checkpoint/'s job.
 """

@@ -65,7 +65,7 @@ def _local_grads(pm, optimizer) -> list:
                             "optimizer wrapper's slices, not in p.grad; pass the module's wrapper, "
                             "clip_grad_norm_(pm, max_norm, optimizer=opt) with opt = autopar.ShardedOptimizer(pm, ...)")
         optimizer.reduce_gradients()   # level 1: the unreduced p.grad into the slices, so step() does not again
-        zero = optimizer._zero
+        zero = optimizer.zero_params
     zero_names = {z.name for z in zero}
     out = [(p.grad, _counts(pm, plan.param_placements[name], ()))
            for name, p in pm.named_parameters() if p.grad is not None and name not in zero_names]

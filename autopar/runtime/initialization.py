@@ -46,7 +46,8 @@ def init_shards(model: torch.nn.Module, shards: dict, placements: dict, aliases:
     model_wide = fn is not None or callable(getattr(model, "_init_weights", None))
     untouched = []
     for prefix, module in model.named_modules():
-        names = {n: aliases.get(_join(prefix, n), _join(prefix, n)) for n, _ in _own_tensors(module)}
+        names = {n: aliases.get(qualified_name(prefix, n), qualified_name(prefix, n))
+                 for n, _ in _own_tensors(module)}
         if not any(fqn in shards for fqn in names.values()):
             continue    # no tensor of its own here (or, pipelined, on another stage)
         if not model_wide and not hasattr(module, "reset_parameters"):
@@ -83,5 +84,6 @@ def _device_of(shards: dict) -> torch.device:
     return devices.pop()
 
 
-def _join(prefix: str, name: str) -> str:
+def qualified_name(prefix: str, name: str) -> str:
+    """`name` under the module path `prefix` ("" for the root), as named_parameters spells it."""
     return f"{prefix}.{name}" if prefix else name

@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 import torch.fx as fx
 
-from .._compat import output_spec, unflatten_outputs
+from .._compat import new_state_dict, output_spec, unflatten_outputs
 from ..capture.compute_dtype import cast_inputs
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
 from ..cost.buckets import deferred_axes, params_by_first_use
@@ -241,7 +241,7 @@ class ParallelModule(torch.nn.Module):
         self._schedules = {}   # whether the loss takes targets -> (torch schedule, its StepLoss)
         return {fqn for s in self._stage_indices for _, fqn in built[s][1]}
 
-    def _weight_table(self) -> dict:
+    def weight_table(self) -> dict:
         """(kind, name) -> tensor, for the weights, buffers and constants a stage reads."""
         return {**{(PARAM, k): v for k, v in self.store.named_parameters()},
                 **{(BUFFER, k): v for k, v in self.store.named_buffers()},
@@ -391,11 +391,7 @@ class ParallelModule(torch.nn.Module):
         it, and any plan loads them. `destination`, `prefix` and `keep_vars` are torch's: a parent
         module's state_dict (or torch.compile's wrapper) lists these entries under its own prefix.
         """
-        if destination is None:
-            destination = OrderedDict()
-            destination._metadata = OrderedDict()
-        if hasattr(destination, "_metadata"):
-            destination._metadata[prefix[:-1]] = {"version": self._version}
+        destination = new_state_dict(destination, prefix, self._version)
         for fqn, value in self._own_state(full, keep_vars).items():
             destination[prefix + fqn] = value
         return destination
@@ -405,9 +401,9 @@ class ParallelModule(torch.nn.Module):
             return t if keep_vars else t.detach()
         out = OrderedDict()
         for fqn, p in self.store.named_parameters():
-            out[fqn] = self._export_tensor(local(p), self.plan.param_placements[fqn], full, self._global_shapes[fqn])
+            out[fqn] = self.export_tensor(local(p), self.plan.param_placements[fqn], full, self._global_shapes[fqn])
         for fqn, b in self.store.named_buffers():
-            out[fqn] = self._export_tensor(local(b), (R,) * self.plan.mesh.num_axes, full, tuple(b.shape))
+            out[fqn] = self.export_tensor(local(b), (R,) * self.plan.mesh.num_axes, full, tuple(b.shape))
         for alias, canonical in self._aliases.items():  # tied weights appear under every name, as in torch
             if canonical in out:
                 out[alias] = out[canonical]
@@ -416,13 +412,57 @@ class ParallelModule(torch.nn.Module):
     def full_grads(self) -> dict:
         """Whole gradients by original parameter name (gathers split ones): for checks and debugging.
         Copies: a bucketed .grad views its bucket, which the next backward fills again."""
-        return {fqn: self._export_tensor(p.grad.detach().clone(), self.plan.param_placements[fqn], True,
+        return {fqn: self.export_tensor(p.grad.detach().clone(), self.plan.param_placements[fqn], True,
                                          self._global_shapes[fqn])
                 for fqn, p in self.store.named_parameters() if p.grad is not None}
 
-    def _export_tensor(self, local, placements, full, shape):
+    def export_tensor(self, local, placements, full, shape):
         """This rank's `local` piece of a tensor of whole `shape`: gathered whole, or as a DTensor."""
         return export_tensor(self, local, placements, full, shape)
+
+    # ---- read by autopar's other runtime modules (state_dict, optim, optim_state, stages, checkpoint/,
+    # audit): read-only views, so that none of them reaches into this class's private attributes
+
+    @property
+    def gathered(self) -> GatheredParams:
+        """The re-gather registry of the captured mode's graph (runtime/regather.py)."""
+        return self._gathered
+
+    @property
+    def grad_buckets(self):
+        """The data-parallel gradient buckets (runtime/grad_buckets.GradBuckets), or None."""
+        return self._grad_buckets
+
+    @property
+    def output_spec(self):
+        """How the graph's flat outputs fold back into the model's output structure."""
+        return self._output_spec
+
+    @property
+    def aliases(self) -> dict:
+        """Tied parameter names -> the canonical name (state_dict lists both)."""
+        return self._aliases
+
+    @property
+    def model_names(self) -> set:
+        """Every parameter and buffer name of the whole model (a pipelined module holds only some)."""
+        return self._model_names
+
+    @property
+    def coords(self) -> tuple:
+        """This rank's coordinate on each mesh axis."""
+        return self._coords
+
+    @property
+    def global_shapes(self) -> dict:
+        """Parameter name -> its whole shape (an unevenly split shard does not tell it)."""
+        return self._global_shapes
+
+    @property
+    def meta_model(self):
+        """The meta-built model's module tree (init_weights, checkpoint.load_hf), None for a model built with
+        real tensors."""
+        return self._meta_model
 
     def stored_layout(self, placements) -> tuple:
         """(DeviceMesh, placements) a stored tensor is given as (state_dict.stored_layout)."""

@@ -28,7 +28,7 @@ from ..errors import PlanError
 from ..sharding.placement import P, R, S, gathered_size, shard_full_tensor
 from ..sharding.redistribute import plan_steps
 from .collectives import transform
-from .optim_state import drop_placeholder_state, export_state, init_state, load_state
+from .optim_state import PlaceholderState, drop_placeholder_state, export_state, init_state, load_state
 from .zero_buckets import ZeroBuckets
 
 
@@ -64,7 +64,7 @@ class ShardedOptimizer:
         coords = tuple(a.coord for a in module.comm.axes)
         self.comm = module.comm
         self.module = module
-        self._zero: list[_ZeroParam] = []
+        self.zero_params: list[_ZeroParam] = []
         self._hooks = []
         if module.zero_optimizer is not None:
             # a new wrapper replaces the old one (e.g. made again after loading a checkpoint): the old
@@ -74,8 +74,7 @@ class ShardedOptimizer:
         policy = precision_of(plan.precision)
         params = []
         self.param_names: list[str] = []   # the wrapped optimizer's parameters' names, in its order
-        self._state_initialized = False    # optim_state.init_state ran (or had nothing to make)
-        self._placeholder_state = None     # the state init_state made, until the first step drops it
+        self.placeholder = PlaceholderState()   # what optim_state.init_state made, until the first step
         for fqn, p in module.named_parameters():
             self.param_names.append(fqn)
             level, axis_names = plan.param_zero.get(fqn, (0, ()))
@@ -91,7 +90,7 @@ class ShardedOptimizer:
                            plan_steps(sliced, whole), policy.resolve(p.dtype).reduce)
             if level >= 2:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda _, z=z: self._arrived(z)))
-            self._zero.append(z)
+            self.zero_params.append(z)
             params.append(z.slice)
         self._buckets = {level: self._zero_buckets(module, level) for level in (1, 2)}
         self.optimizer = optimizer_class(params, **kwargs)
@@ -102,19 +101,19 @@ class ShardedOptimizer:
         plan prices its stages' ZeRO reductions one weight at a time (search/stage_costs.py), so its stages
         reduce them that way."""
         sizes = {z.name: (z.param.numel(), z.reduce_dtype.itemsize, z.param.element_size())
-                 for z in self._zero if z.param.requires_grad}
+                 for z in self.zero_params if z.param.requires_grad}
         plan = module.plan
         if plan.pipeline is not None:
             sizes = {}
         buckets = zero_buckets(module.params_by_first_use, plan.param_zero, sizes, plan.bucket_bytes, level,
                                dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes)))
         return ZeroBuckets([(plan.mesh.axis_names.index(a), names) for a, names in buckets],
-                           {z.name: z for z in self._zero}, self.comm, "backward" if level >= 2 else "optimizer")
+                           {z.name: z for z in self.zero_params}, self.comm, "backward" if level >= 2 else "optimizer")
 
     def _reduce_level1(self) -> None:
         """Reduce the ZeRO-1 gradients accumulated so far into their slices: in buckets, where they have one."""
         self._buckets[1].flush()
-        for z in self._zero:
+        for z in self.zero_params:
             if z.level == 1 and z.param.grad is not None and z.name not in self._buckets[1]:
                 self._reduce(z, "optimizer")
 
@@ -144,15 +143,15 @@ class ShardedOptimizer:
         self.optimizer.step()
         for level in (1, 2):
             self._buckets[level].gather_weights()
-        for z in self._zero:
+        for z in self.zero_params:
             if z.name not in self._buckets[z.level]:
-                z.param.copy_(self._gather(z, z.slice.detach(), "optimizer").view_as(z.param))
+                z.param.copy_(self.gather(z, z.slice.detach(), "optimizer").view_as(z.param))
             if z.level == 1:
                 z.slice.grad = None   # level 1 keeps the whole gradient, not a second, sliced one
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        for z in self._zero:
+        for z in self.zero_params:
             z.param.grad = None
             z.slice.grad = None
 
@@ -163,20 +162,20 @@ class ShardedOptimizer:
         axes, a level-2 one gathered from the slices.
         """
         grads = self.module.full_grads()
-        for z in self._zero:
+        for z in self.zero_params:
             if z.level == 1 and z.param.grad is not None:
                 g = z.param.grad
                 for st in z.reduce_steps:
                     g = transform(g, P, R, st.axis, self.comm, "checkpoint")
             elif z.slice.grad is not None:
-                g = self._gather(z, z.slice.grad, "checkpoint").view_as(z.param)
+                g = self.gather(z, z.slice.grad, "checkpoint").view_as(z.param)
             else:
                 continue
-            grads[z.name] = self.module._export_tensor(g, self.module.plan.param_placements[z.name], True,
-                                                       self.module._global_shapes[z.name])
+            grads[z.name] = self.module.export_tensor(g, self.module.plan.param_placements[z.name], True,
+                                                       self.module.global_shapes[z.name])
         return grads
 
-    def _gather(self, z: _ZeroParam, x: torch.Tensor, phase: str) -> torch.Tensor:
+    def gather(self, z: _ZeroParam, x: torch.Tensor, phase: str) -> torch.Tensor:
         """The whole flat tensor from this rank's slice (slices of a count the axes do not divide are
         padded for the all-gather: placement.chunk_span)."""
         flat = (z.param.numel(),)
@@ -187,7 +186,7 @@ class ShardedOptimizer:
 
     def slice_grads(self) -> list:
         """Gradients this wrapper holds for ZeRO-2 slices (for audits)."""
-        return [z.slice.grad for z in self._zero if z.slice.grad is not None]
+        return [z.slice.grad for z in self.zero_params if z.slice.grad is not None]
 
     @property
     def param_groups(self):
@@ -215,6 +214,6 @@ class ShardedOptimizer:
         """Reduce level-1 ZeRO gradients into their slices now, as step() would (it then does not again):
         for autopar.clip_grad_norm_, which needs every gradient reduced. Level 2 reduced them in backward."""
         self._reduce_level1()
-        for z in self._zero:
+        for z in self.zero_params:
             if z.level == 1:
                 z.param.grad = None   # reduced: step() skips it, full_grads() reads the slice

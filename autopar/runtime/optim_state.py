@@ -19,11 +19,21 @@ its own, index-keyed format.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import PlanError
 from ..sharding.placement import R, S, shard_full_tensor
 from .state_dict import same_layout
+
+
+@dataclass
+class PlaceholderState:
+    """What init_state made for a ShardedOptimizer (its `placeholder`): whether it ran (or had nothing to
+    make), and the state it made, until the first real step drops it."""
+    made: bool = False
+    state: dict | None = None
 
 
 def init_state(opt) -> None:
@@ -36,13 +46,13 @@ def init_state(opt) -> None:
     made (`drop_placeholder_state`), so the optimizer starts as it would have on one device (Adam's bias
     correction counts steps; SGD's first step takes the gradient as its momentum buffer)."""
     inner = opt.optimizer
-    if inner.state or opt._state_initialized:
+    if inner.state or opt.placeholder.made:
         return   # (SGD without momentum keeps no state: one try is enough)
-    if any(p.grad is not None for p in _params(inner)) or any(z.param.grad is not None for z in opt._zero):
+    if any(p.grad is not None for p in _params(inner)) or any(z.param.grad is not None for z in opt.zero_params):
         return   # between backward and step: the user's gradients are not ours to replace
-    opt._state_initialized = True
+    opt.placeholder.made = True
     lrs = [g["lr"] for g in inner.param_groups]
-    for z in opt._zero:
+    for z in opt.zero_params:
         z.param.grad = None
     for p in _params(inner):
         if p.requires_grad:
@@ -60,15 +70,15 @@ def init_state(opt) -> None:
             entry["step"].zero_()
         elif "step" in entry:
             entry["step"] = 0
-    opt._placeholder_state = inner.state
+    opt.placeholder.state = inner.state
 
 
 def drop_placeholder_state(opt) -> None:
     """Before the first real step: forget the state init_state made, unless a checkpoint replaced it
     (torch's Optimizer.load_state_dict installs a new state dict)."""
-    if opt._placeholder_state is not None and opt.optimizer.state is opt._placeholder_state:
+    if opt.placeholder.state is not None and opt.optimizer.state is opt.placeholder.state:
         opt.optimizer.state.clear()
-    opt._placeholder_state = None
+    opt.placeholder.state = None
 
 
 def export_state(opt) -> dict:
@@ -76,7 +86,7 @@ def export_state(opt) -> dict:
     module = opt.module
     inner = opt.optimizer
     names = opt.param_names
-    zero = {id(z.slice): z for z in opt._zero}
+    zero = {id(z.slice): z for z in opt.zero_params}
     state = {}
     for p, fqn in zip(_params(inner), names):
         entry = inner.state.get(p)
@@ -90,7 +100,7 @@ def export_state(opt) -> dict:
     if len(groups) == 1 and module.plan.pipeline is not None:
         # DCP keeps one rank's copy of what is not a tensor: the one group names the whole model's parameters,
         # not this stage's, so a plan that holds others can load it
-        groups[0]["params"] = [n for n in module._global_shapes if n not in module._aliases]
+        groups[0]["params"] = [n for n in module.global_shapes if n not in module.aliases]
     return {"state": state, "param_groups": groups}
 
 
@@ -107,7 +117,7 @@ def load_state(opt, state_dict: dict) -> None:
         raise PlanError(f"optimizer state for parameters this module does not have: {unknown[:5]}"
                         f"{' ...' if len(unknown) > 5 else ''}")
     params = list(_params(inner))
-    zero = {id(z.slice): z for z in opt._zero}
+    zero = {id(z.slice): z for z in opt.zero_params}
     state = {}
     for fqn, entry in state_dict["state"].items():
         i = index[fqn]
@@ -147,8 +157,8 @@ def _export(module, opt, fqn: str, p, z, key: str, value):
                         f"{tuple(p.shape)}: autopar cannot lay it out for another plan")
     local = value.detach()
     if z is not None:   # a ZeRO slice: gather the rank's whole local tensor first
-        local = opt._gather(z, local, "checkpoint").view_as(z.param)
-    return module._export_tensor(local, module.plan.param_placements[fqn], False, module._global_shapes[fqn])
+        local = opt.gather(z, local, "checkpoint").view_as(z.param)
+    return module.export_tensor(local, module.plan.param_placements[fqn], False, module.global_shapes[fqn])
 
 
 def _import(opt, fqn: str, p, z, key: str, value):
@@ -156,10 +166,10 @@ def _import(opt, fqn: str, p, z, key: str, value):
         return value.clone() if isinstance(value, torch.Tensor) else value
     module = opt.module
     plan = module.plan
-    sizes, coords = plan.mesh.axis_sizes, module._coords
-    if tuple(value.shape) != tuple(module._global_shapes[fqn]):
+    sizes, coords = plan.mesh.axis_sizes, module.coords
+    if tuple(value.shape) != tuple(module.global_shapes[fqn]):
         raise PlanError(f"optimizer state {key!r} of {fqn!r} has shape {tuple(value.shape)}, the parameter "
-                        f"{tuple(module._global_shapes[fqn])}")
+                        f"{tuple(module.global_shapes[fqn])}")
     if same_layout(value, *module.stored_layout(plan.param_placements[fqn])):
         local = value.to_local().to(p.dtype)   # this rank's piece already (DCP loaded it in place)
     else:

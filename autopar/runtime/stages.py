@@ -162,22 +162,22 @@ class StageModule(torch.nn.Module):
     def parameters(self, recurse: bool = True):
         """The weights this stage reads, though the ParallelModule holds them: a zero-bubble schedule
         computes their gradients in a pass of its own, from the stage module's parameters."""
-        table = self._owner()._weight_table()
+        table = self._owner().weight_table()
         return iter([table[w] for w in self._weights if w[0] == PARAM])
 
     def forward(self, *inputs):
         pm = self._owner()
-        table = pm._weight_table()
+        table = pm.weight_table()
         inputs = [_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in inputs]
         # a weight read through the gradient buckets (grad_buckets.py) when its data-axis reduction is theirs
-        args = inputs + pm._grad_buckets.use([w[1] for w in self._weights], [table[w] for w in self._weights])
+        args = inputs + pm.grad_buckets.use([w[1] for w in self._weights], [table[w] for w in self._weights])
         try:
-            with pm._gathered.hooks():
+            with pm.gathered.hooks():
                 flat = self.graph_module(*args)
         finally:
-            pm._gathered.clear()
+            pm.gathered.clear()
         if self._is_last:
-            return unflatten_outputs(pm._output_spec, flat)
+            return unflatten_outputs(pm.output_spec, flat)
         # torch makes the next stage's receive buffers with these tensors' strides, and gloo and NCCL send and
         # receive only contiguous tensors: a view the graph made (attention's transposed output) is copied; so is
         # a contiguous view (a reshape's output), which torch's zero-bubble schedules detach in place once its

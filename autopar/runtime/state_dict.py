@@ -61,10 +61,10 @@ def load_module_state(pm, state_dict, strict: bool = True):
     """Accepts DTensors or whole tensors, in any layout; keeps this module's layout."""
     own = dict(pm.store.named_parameters())
     own.update(dict(pm.store.named_buffers()))
-    own.update({a: own[c] for a, c in pm._aliases.items() if c in own})
+    own.update({a: own[c] for a, c in pm.aliases.items() if c in own})
     missing = [k for k in own if k not in state_dict]
     # a pipelined module holds its stages' tensors: the model's others are expected, and skipped
-    known = set(own) if pm.plan.pipeline is None else set(own) | pm._model_names
+    known = set(own) if pm.plan.pipeline is None else set(own) | pm.model_names
     unexpected = [k for k in state_dict if k not in known]
     if strict and (missing or unexpected):
         raise PlanError(f"state_dict does not match the model: missing {missing}, unexpected {unexpected}")
@@ -72,14 +72,14 @@ def load_module_state(pm, state_dict, strict: bool = True):
         for fqn, value in state_dict.items():
             if fqn not in own:
                 continue
-            placements = pm.plan.param_placements.get(pm._aliases.get(fqn, fqn),
+            placements = pm.plan.param_placements.get(pm.aliases.get(fqn, fqn),
                                                          (R,) * pm.plan.mesh.num_axes)
             if same_layout(value, *stored_layout(pm, placements)):
                 own[fqn].copy_(value.to_local())   # this rank's piece already: nothing whole is made
                 continue
             if hasattr(value, "full_tensor"):
                 value = value.full_tensor()
-            own[fqn].copy_(shard_full_tensor(value, placements, pm._coords, pm.plan.mesh.axis_sizes))
+            own[fqn].copy_(shard_full_tensor(value, placements, pm.coords, pm.plan.mesh.axis_sizes))
     return LoadResult(missing, unexpected)
 
 

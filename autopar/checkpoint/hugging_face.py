@@ -2,7 +2,7 @@
 
 A model too big for one device is built on the meta device, parallelized and
 allocated shard by shard (`pm.to_empty(device=...)`); its shards then hold
-garbage. `load_hf_checkpoint` fills them from the `*.safetensors` files that
+garbage. `load_hf` fills them from the `*.safetensors` files that
 `save_pretrained` wrote (one `model.safetensors`, or the shards that
 `model.safetensors.index.json` lists), and no rank reads more than its shards
 hold: torch.distributed.checkpoint plans, from the DTensors of
@@ -26,14 +26,15 @@ import warnings
 import torch
 
 from ..errors import PlanError
-from .state_dict import LoadResult
+from ..runtime.initialization import qualified_name
+from ..runtime.state_dict import LoadResult
 
 # Ranks run as threads of one process (autopar.testing.run_threaded) share one meta module tree: each
 # makes a module real and puts it back on meta, so one at a time, or a rank finds another's module on meta
 _tree_lock = threading.Lock()
 
 
-def load_hf_checkpoint(pm, path, *, key_map=None, strict: bool = True) -> LoadResult:
+def load_hf(pm, path, *, key_map=None, strict: bool = True) -> LoadResult:
     """Fill `pm`'s shards from the safetensors checkpoint in directory `path`; call on every rank.
 
     Call it after `pm.to_empty(device=...)`. It is collective (the ranks agree on who reads what),
@@ -84,23 +85,23 @@ def load_hf_checkpoint(pm, path, *, key_map=None, strict: bool = True) -> LoadRe
                         "and fill them with pm.load_state_dict({...}, strict=False)")
     if to_read:
         dcp.load(to_read, storage_reader=reader)
-    if pm._meta_model is not None:
+    if pm.meta_model is not None:
         _recompute_buffers(pm, (optional & {n for n, _ in pm.store.named_buffers()}) - loaded)
     return LoadResult(missing, sorted(set(stored) - used))
 
 
 def _check_ready(pm, path: str) -> None:
     if not os.path.isdir(path):
-        raise PlanError(f"load_hf_checkpoint takes the directory save_pretrained wrote, got {path!r}")
+        raise PlanError(f"autopar.checkpoint.load_hf takes the directory save_pretrained wrote, got {path!r}")
     if not glob.glob(os.path.join(glob.escape(path), "*.safetensors")):
         raise PlanError(f"no *.safetensors file in {path}: save with model.save_pretrained(path) (safetensors "
                         "is its default), or convert a pytorch_model.bin checkpoint first")
     if pm.plan.pipeline is not None:
-        raise PlanError("load_hf_checkpoint loads into pm.state_dict()'s DTensors, which a pipelined module "
+        raise PlanError("autopar.checkpoint.load_hf loads into pm.state_dict()'s DTensors, which a pipelined module "
                         "cannot give; load the stages' whole tensors with pm.load_state_dict instead")
     if any(t.is_meta for t in [*pm.parameters(), *pm.buffers()]):
         raise PlanError("the parallel module's shards are still on the meta device: call "
-                        "pm.to_empty(device=...) before load_hf_checkpoint")
+                        "pm.to_empty(device=...) before autopar.checkpoint.load_hf")
 
 
 def _match(sd: dict, by_name: dict, stored: dict, optional: set) -> tuple:
@@ -143,9 +144,9 @@ def _tied_groups(sd: dict) -> list:
 def _buffers_the_checkpoint_may_lack(pm) -> set:
     """Non-persistent buffers: those of the module tree its state_dict leaves out. A model built with
     real tensors is no longer at hand, but its buffers hold their values already: all may be absent."""
-    if pm._meta_model is None:
+    if pm.meta_model is None:
         return {n for n, _ in pm.store.named_buffers()}
-    tree = pm._meta_model
+    tree = pm.meta_model
     return {n for n, _ in tree.named_buffers(remove_duplicate=False)} - set(tree.state_dict(keep_vars=True))
 
 
@@ -157,13 +158,13 @@ def _recompute_buffers(pm, names: set) -> None:
     whole (every rank keeps buffers whole) before the module goes back to meta.
     """
     own_buffers = dict(pm.store.named_buffers())
-    tree = pm._meta_model
+    tree = pm.meta_model
     not_set = []
     # fork_rng: an initializer also redraws the module's parameters (thrown away), which must not move the
     # caller's random state
     with _tree_lock, torch.random.fork_rng(devices=[]), torch.no_grad():
         for prefix, module in tree.named_modules():
-            own = {n: _join(prefix, n) for n, _ in module.named_buffers(recurse=False) if _join(prefix, n) in names}
+            own = {n: qualified_name(prefix, n) for n, _ in module.named_buffers(recurse=False) if qualified_name(prefix, n) in names}
             if not own:
                 continue
             module.to_empty(device=own_buffers[next(iter(own.values()))].device, recurse=False)
@@ -184,7 +185,7 @@ def _recompute_buffers(pm, names: set) -> None:
             finally:
                 module.to_empty(device="meta", recurse=False)
     if not_set:
-        warnings.warn(f"load_hf_checkpoint: non-persistent buffer(s) {not_set} are not in the checkpoint and no "
+        warnings.warn(f"autopar.checkpoint.load_hf: non-persistent buffer(s) {not_set} are not in the checkpoint and no "
                       "initializer of the model recomputes them (no _init_weights of the module or its parents "
                       "sets them, no reset_parameters): they hold garbage; set them with "
                       "pm.load_state_dict({name: value}, strict=False)", stacklevel=3)
@@ -219,7 +220,3 @@ def _is_sentinel(t: torch.Tensor) -> bool:
     if t.dtype == torch.bool:
         return False
     return bool((t == torch.iinfo(t.dtype).max).any())
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name

@@ -1,12 +1,12 @@
-"""Filling a ParallelModule's shards from a torch.distributed.checkpoint (DCP) directory, one whole
-tensor at a time at most.
+"""Reading a torch.distributed.checkpoint (DCP) directory into a ParallelModule's shards, one whole
+tensor at a time at most (run.load reads through it; load_model is the model alone).
 
 The standard round trip works as it is: `sd = pm.state_dict(); dcp.load(sd, checkpoint_id=path);
 pm.load_state_dict(sd)`. `pm.state_dict()`'s DTensors view this rank's shards, so DCP writes the
 slices into them. But a checkpoint that one device wrote stores every tensor whole, and DCP's
 filesystem reader `torch.load`s each whole tensor, copies the slice this rank needs, and moves to
 the next while its loop still holds the previous one: two whole tensors at once (measured by
-benchmarks/peak_memory.py). `load_checkpoint` hands the reader one read request at a time, so
+benchmarks/peak_memory.py). `OneTensorAtATimeReader` hands the reader one read request at a time, so
 the whole tensor it loaded is dropped before the next is read.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 from torch.distributed.checkpoint import FileSystemReader
 
 from ..errors import PlanError
-from .state_dict import LoadResult
+from ..runtime.state_dict import LoadResult
 
 
 class OneTensorAtATimeReader(FileSystemReader):
@@ -31,7 +31,7 @@ class OneTensorAtATimeReader(FileSystemReader):
         return fut if fut is not None else super().read_data(plan, planner)
 
 
-def load_checkpoint(pm, path, *, strict: bool = True) -> LoadResult:
+def load_model(pm, path, *, strict: bool = True) -> LoadResult:
     """Fill `pm`'s shards from the DCP checkpoint in directory `path`; call on every rank, after
     `pm.to_empty(device=...)`.
 
@@ -43,7 +43,7 @@ def load_checkpoint(pm, path, *, strict: bool = True) -> LoadResult:
     import torch.distributed.checkpoint as dcp
 
     if pm.plan.pipeline is not None:
-        raise PlanError("load_checkpoint fills the DTensors of pm.state_dict(), which a pipelined module does not "
+        raise PlanError("autopar.load_checkpoint fills the DTensors of pm.state_dict(), which a pipelined module does not "
                         "give; plan without a pipeline to load a checkpoint into shards")
     from torch.distributed.checkpoint import DefaultLoadPlanner
 

@@ -1,0 +1,113 @@
+"""PlanOptions: every option of a planning request, in one place, each with its default and the reason for it.
+
+autopar.plan, compare, parallelize and min_axis_size take these as keywords (`autopar.plan(model, inputs,
+mesh, memory_limit="80GB", strategy="fsdp")`); the `autopar` command sets them from its flags. The
+planner (planner.plan_captured) reads them from here, so a new option is written once, here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from .cost.buckets import DEFAULT_BUCKET_BYTES
+from .cost.checkpointing import check_mode
+from .cost.precision import optimizer_spec, precision_of
+from .errors import AutoparError, PlanError
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What to plan for, and how hard to search.
+
+    - `hardware`: a preset ("h100", "h200", "a100", "tpu-v5p", "cpu", "cpu-gloo"), a `cost_models.Hardware`,
+      an `autopar.calibrate` result or the path of the JSON spec it wrote. None: "cpu-gloo" for a CPU
+      DeviceMesh, else "h100" (what large models train on).
+    - `memory_limit`: bytes per device, or a string like "80GB" / "70GiB". None: no limit.
+    - `strategy`: "auto" (the whole search, which may mix strategies layer by layer) or a named one:
+      "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp" (autopar.STRATEGIES).
+    - `precision`: an autopar.Precision or "bf16-mixed"; None keeps the model's own dtype.
+    - `optimizer`: "adamw" (the default: what large models train with), "adam", "sgd", "sgd-momentum" or a
+      torch optimizer; with `precision` it sets the bytes each parameter costs.
+    - `checkpointing`: "auto" lets the search recompute stacks of repeated blocks when that is what fits
+      `memory_limit` (it only costs time, so never without a limit), each block whole or only its attention
+      core, whichever is faster; "full" recomputes every block of such stacks; "selective" only their
+      attention cores (Megatron's selective recompute); "none" never.
+    - `links`: {axis name: cost_models.Link} overriding the hardware's link for an axis (by default the
+      last mesh axis is taken to be inside a node).
+    - `time_limit`: seconds HiGHS may spend on one ILP before the greedy's plan is taken instead (60: a
+      search that cannot finish in a minute is one to be told about). Near its limit HiGHS rations work by
+      the clock, so among equally cheap plans the one it returns can vary with the machine's load; None (no
+      limit) always gives the same plan for the same request.
+    - `pipeline_axis`: None never pipelines (a pipelined module trains through train_step, not forward, so
+      the search does not pick one unasked); "auto" lets the search pipeline over an axis when that is
+      faster or is what fits; a name pins the axis.
+    - `microbatches`: None lets the search try p, 2p and 4p.
+    - `schedule`: None or "1f1b" (it holds fewer activations than "gpipe" for the same bubble),
+      "gpipe", "interleaved-1f1b", "zero-bubble" (torch's ScheduleInterleavedZeroBubble: a third of
+      1F1B's bubble), or "auto" (the fastest as priced).
+    - `bucket_bytes`: the most bytes one data-parallel gradient all-reduce carries; DDP's 25 MiB: large
+      enough that per-call latency is small beside the bytes, small enough that the first buckets go out
+      while backward still runs.
+    - `reshard_after_forward`: whether an FSDP weight an op keeps for backward is kept as its shard and
+      gathered again in backward (True, FSDP2's default: FSDP is chosen for memory) or kept whole (False:
+      one all-gather per layer fewer, those weights' bytes more); "auto", the faster that fits
+      `memory_limit`. None: True for a named strategy, "auto" under strategy="auto".
+    """
+    hardware: object = None
+    memory_limit: object = None
+    strategy: str = "auto"
+    precision: object = None
+    optimizer: object = "adamw"
+    checkpointing: str = "auto"
+    links: object = None
+    time_limit: float | None = 60.0
+    pipeline_axis: str | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    reshard_after_forward: bool | str | None = None
+
+    @classmethod
+    def from_keywords(cls, where: str, options: dict, also: str = "") -> "PlanOptions":
+        """The options `where` (a function's name, for the error) was given, checked: an unknown name or a bad
+        value raises AutoparError / PlanError before any capture, which takes seconds. `also`: the function's
+        other keywords, which the error lists beside the planning options."""
+        unknown = sorted(set(options) - OPTION_NAMES)
+        if unknown:
+            raise AutoparError(f"unknown option(s) {unknown} for {where}; it takes {also + ' and ' if also else ''}"
+                               f"the planning options {sorted(OPTION_NAMES)} (autopar.PlanOptions)")
+        return cls(**options).checked()
+
+    def checked(self) -> "PlanOptions":
+        """These options with every value checked, the time limit as a float."""
+        precision_of(self.precision)
+        optimizer_spec(self.optimizer)
+        check_mode(self.checkpointing)
+        reshard_after(self.strategy, self.reshard_after_forward)
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise PlanError(f"bucket_bytes must be a positive number of bytes (DDP's default is "
+                            f"{DEFAULT_BUCKET_BYTES}), got {self.bucket_bytes!r}")
+        return replace(self, time_limit=check_time_limit(self.time_limit))
+
+
+OPTION_NAMES = frozenset(f.name for f in fields(PlanOptions))
+
+
+def check_time_limit(time_limit) -> float | None:
+    if time_limit is None:
+        return None
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
+        raise PlanError(f"time_limit must be a positive number of seconds per ILP solve, or None for no limit, "
+                        f"got {time_limit!r}")
+    return float(time_limit)
+
+
+def reshard_after(strategy: str, reshard_after_forward) -> bool | None:
+    """Problem.reshard_after_forward for a request: as asked ("auto": the search's choice), or by default True
+    for a named strategy (whoever names FSDP asks for its memory) and the search's choice under "auto"."""
+    if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)
+            or isinstance(reshard_after_forward, str) and reshard_after_forward == "auto"):
+        raise PlanError(f"reshard_after_forward must be True, False, 'auto' (the faster that fits memory_limit) or "
+                        f"None (True for a named strategy, 'auto' under strategy='auto'), got {reshard_after_forward!r}")
+    if reshard_after_forward is None:
+        return None if strategy == "auto" else True
+    return None if reshard_after_forward == "auto" else reshard_after_forward
