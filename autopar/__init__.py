@@ -9,9 +9,9 @@ from .errors import (AutoparError, CaptureError, DivisibilityWarning, Infeasible
                      PipelineError, PlanError, ShardingError, UnsupportedAutogradError, UnsupportedOpWarning)
 from .plan_options import PlanOptions
 from .plan_result import Plan
-from .runtime.clip_grad import clip_grad_norm_
+from .runtime.optim.clip_grad import clip_grad_norm_
 from .runtime.module import ParallelModule
-from .runtime.optim import ShardedOptimizer
+from .runtime.optim.sharded import ShardedOptimizer
 from .search.classics import STRATEGIES
 from .whatif import max_batch, min_axis_size, min_compute_bound_batch
 

@@ -19,7 +19,7 @@ from .plan_options import PlanOptions
 from .planner import plan_captured
 from .runtime.collectives import AxisGroup, Comm
 from .runtime.module import ParallelModule, mesh_device
-from .runtime.rewrite import rewrite
+from .runtime.lowering.rewrite import rewrite
 from .runtime.rng import RandomStreams, agreed_seed
 from .search.classics import STRATEGIES
 from .search.pipeline import check_request

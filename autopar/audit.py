@@ -32,7 +32,7 @@ import cost_models as cm
 
 from .runtime.collectives import CommLog
 from .runtime.module import ParallelModule
-from .runtime.recompute import CheckpointRegion
+from .runtime.lowering.recompute import CheckpointRegion
 
 
 @dataclass(frozen=True)

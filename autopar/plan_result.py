@@ -68,10 +68,10 @@ class Plan:
     pipeline: PipelinePlan | None = None  # stages over a pipeline axis (search/pipeline.py); None: not pipelined
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most bytes one gradient bucket's all-reduce carries (cost/buckets.py)
     # an activation gathered whole for an op that keeps it (sequence parallelism's norm output) is kept as
-    # its shard and gathered again in backward (runtime/regather.py), as Megatron does
+    # its shard and gathered again in backward (runtime/lowering/regather.py), as Megatron does
     regather_activations: bool = False
     # an FSDP weight an op keeps for backward: kept as its shard and gathered again in backward (True, FSDP2's
-    # default), or kept whole from forward to backward (False; runtime/rewrite.py)
+    # default), or kept whole from forward to backward (False; runtime/lowering/rewrite.py)
     reshard_after_forward: bool = True
     # per entry of input_placements, how the model is called with it: a position (int) or a keyword (str);
     # () for a plan of a format before keyword inputs, whose inputs are all positional

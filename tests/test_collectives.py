@@ -94,7 +94,7 @@ def linear_weight_placements(plan, model):
 @pytest.mark.parametrize("shape", MESHES, ids=str)
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_ddp_all_reduces_every_gradient_once_per_axis_and_nothing_else(kind, shape):
-    """Under ddp the gradients go out in buckets (runtime/grad_buckets.py): tiny models fit one 25 MiB bucket,
+    """Under ddp the gradients go out in buckets (runtime/reduction/grad_buckets.py): tiny models fit one 25 MiB bucket,
     so one all-reduce per axis carries every weight's gradient, once. The GPT's position embedding output is
     whole on the data axes and read by the batch-split add: its partial gradient flows on to the wpe weight
     and is reduced in the bucket with the others (cost/buckets.partial_gradients), not where backward
@@ -136,7 +136,7 @@ FSDP_CASES = [("mlp", (2,)), ("mlp", (4,)), ("mlp", (2, 2)), ("gpt", (2,)), ("gp
 
 
 def _layer_groups(kind, model) -> dict:
-    """Layer -> its parameters, as FSDP groups them on one axis (runtime/layer_groups.py): the item of a
+    """Layer -> its parameters, as FSDP groups them on one axis (runtime/reduction/layer_groups.py): the item of a
     numbered module list a weight is in, else the root. GPT's position embedding moves alone: its
     gradient is summed as an activation's (see below), so its gather is not a gather+reduce-scatter pair."""
     groups: dict = {}
@@ -231,9 +231,9 @@ def _fsdp_backward(rank, model, x, y):
 
 def test_fsdp_backward_holds_one_layer_reduce_scatter_in_flight(monkeypatch):
     """Each layer's reduce-scatter holds the layer's whole gradients until it completes: launching the next
-    first waits for it (runtime/layer_groups.InFlight), so backward never holds every layer's at once. (It
+    first waits for it (runtime/reduction/layer_groups.InFlight), so backward never holds every layer's at once. (It
     did: a 16-layer GPT's step peaked at 1.4x the predicted memory; benchmarks/peak_memory.py.)"""
-    import autopar.runtime.layer_groups as lg
+    import autopar.runtime.reduction.layer_groups as lg
     counted = _CountedReduceScatters(lg.reduce_scatter_flat)
     monkeypatch.setattr(lg, "reduce_scatter_flat", counted)
     torch.manual_seed(0)

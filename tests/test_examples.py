@@ -116,7 +116,7 @@ COMMANDS: dict = {
     "autopar compare tests/data/llama3_8b_config.json --mesh dp=8,tp=8 --memory 80GB": Run(check=_compared),
     "autopar show plan.json": Run(check=_shown),
     # 8 layers: enough that every layer's whole gradients held through backward exceed the predicted
-    # total (the exit status fails), as they did before runtime/layer_groups.InFlight
+    # total (the exit status fails), as they did before runtime/reduction/layer_groups.InFlight
     "python benchmarks/peak_memory.py": Run(["--world", "2", "--n-layer", "8", "--n-embd", "64", "--n-head", "4",
                                              "--vocab-size", "64", "--block-size", "16", "--batch", "4",
                                              "--steps", "1"], _bounded, gloo=True),

@@ -1,4 +1,4 @@
-"""Gradient buckets (runtime/grad_buckets.py): data-parallel gradients reduced in a few asynchronous
+"""Gradient buckets (runtime/reduction/grad_buckets.py): data-parallel gradients reduced in a few asynchronous
 all-reduces per step, and gradient accumulation (no_sync) that reduces once per optimizer step.
 
 Every check compares with one device under SGD, whose step shows a gradient of the wrong scale
@@ -456,7 +456,7 @@ def test_another_threads_export_does_not_route_a_weight_through_the_buckets_twic
 
 def _routing(rank, model, x, y, group_bytes):
     from torch.distributed.device_mesh import init_device_mesh
-    from autopar.runtime import grad_buckets
+    from autopar.runtime.reduction import grad_buckets
     grad_buckets.ROUTE_GROUP_BYTES = group_bytes   # read when the module is built; threads share it
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="ddp", bucket_bytes=8192)
@@ -475,7 +475,7 @@ def test_weights_go_through_the_buckets_in_groups_of_one_bucket_up_to_the_group_
     """One autograd node routes a group of weights (grad_buckets.ROUTE_GROUP_BYTES): consecutive in the order
     of first use, of one bucket, no more bytes than the group size unless a weight alone is larger. Every
     bucketed weight goes through exactly one, and training matches one device whatever the grouping."""
-    from autopar.runtime import grad_buckets
+    from autopar.runtime.reduction import grad_buckets
     monkeypatch.setattr(grad_buckets, "ROUTE_GROUP_BYTES", grad_buckets.ROUTE_GROUP_BYTES)   # restored after
     model, x, y = _gpt()
     grads, params = _reference(model, x, y)

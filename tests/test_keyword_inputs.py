@@ -186,7 +186,7 @@ def test_module_called_with_keywords_trains_like_one_device(strategy, optimizer,
 
 
 def test_a_constant_the_graph_baked_in_must_be_given_again():
-    from autopar.runtime.input_shapes import ordered_inputs
+    from autopar.runtime.lowering.input_shapes import ordered_inputs
     x = torch.ones(2)
     assert ordered_inputs(["x"], {"flag": True, "mask": None}, (), {"x": x, "flag": True})[0] is x
     with pytest.raises(InputShapeError, match="'flag' is False, but the model was captured with True"):

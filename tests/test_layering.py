@@ -242,13 +242,13 @@ def test_the_private_attribute_check_catches_reaching_into_another_module(tmp_pa
         "__init__.py": "",
         "runtime/module.py": "class M:\n    def __init__(self):\n        self._table = {}\n"
                              "def own(m):\n    return m._table   # its own file's class: fine\n",
-        "runtime/stages.py": "def f(pm):\n    return pm._table\n",
+        "runtime/pipeline/stages.py": "def f(pm):\n    return pm._table\n",
         "capture/dtype.py": "def g(module):\n    return module._parameters   # torch's\n",
         "capture/ok.py": "class A(B):\n    def _apply(self, fn):\n        return super()._apply(fn)\n",
         "capture/repeat.py": "from .export import capture, _canonical_names\n",
     })
     problems = private_attribute_problems(root)
-    assert any("runtime/stages.py:2: pm._table (defined in runtime/module.py)" in p for p in problems), problems
+    assert any("runtime/pipeline/stages.py:2: pm._table (defined in runtime/module.py)" in p for p in problems), problems
     assert any("capture/dtype.py:2: module._parameters (not ours" in p for p in problems), problems
     assert any("capture/repeat.py:1: imports _canonical_names from .export" in p for p in problems), problems
     assert len(problems) == 3, problems

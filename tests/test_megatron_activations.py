@@ -9,7 +9,7 @@ norms' per-row statistics (CUDA keeps mean and rstd in fp32: 16sb bytes a layer,
 under SP); the prediction has them, and this file adds them to the paper's figure.
 
 TP+SP reaches 34/t only because the sequence-split norm output a column-parallel linear keeps is
-kept as its shard and all-gathered again in backward (runtime/regather.py); selective recompute
+kept as its shard and all-gathered again in backward (runtime/lowering/regather.py); selective recompute
 drops the 5as/(ht) of the attention core (scores, softmax, dropout, weighted sum), which backward
 runs again (cost/checkpointing.py).
 

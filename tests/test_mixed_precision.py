@@ -138,7 +138,7 @@ def test_fsdp_all_gathers_bf16_weights_and_reduce_scatters_float32_gradients():
     gathers = [b for kind, _, b, phase in records if kind == "all_gather" and phase == "forward"]
     scatters = [b for kind, _, b, _ in records if kind == "reduce_scatter"]
     # each weight gathered whole in bf16 (2 B an element), its gradient reduce-scattered in float32 (4 B),
-    # a layer at a time (runtime/layer_groups.py); but the position table's gradient: it is looked up by
+    # a layer at a time (runtime/reduction/layer_groups.py); but the position table's gradient: it is looked up by
     # positions, not by the batch, so its sum over the batch shards is an all-reduce of the (bf16)
     # activation gradient before the lookup
     assert sum(gathers) == sum(2 * n for n in sizes.values())

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from autopar.capture.export import capture
 from autopar.mesh import MeshSpec
 from autopar.sharding.placement import P, R, S, dim_factor, local_shape, shard_dim, shard_full_tensor
-from autopar.runtime.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, squeezed_dims
-from autopar.runtime.vocab_parallel import local_target
+from autopar.runtime.lowering.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, squeezed_dims
+from autopar.runtime.lowering.vocab_parallel import local_target
 from autopar.sharding.rules import vocab_split_axes
 from autopar.sharding.rules import RULES
 from autopar.sharding.op_spec import op_name, tensor_args

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import autopar
 from autopar.capture.export import capture
 from autopar.errors import UnsupportedOpWarning
-from autopar.runtime.vocab_parallel import VocabParallelCrossEntropy, local_target, vocab_parallel_embedding
+from autopar.runtime.lowering.vocab_parallel import VocabParallelCrossEntropy, local_target, vocab_parallel_embedding
 from autopar.sharding.strategies import Strategy
 from autopar.testing import GPT, GPTConfig, GPTWithLoss, gpt_loss, parallel_record, run_threaded, single_device_reference
 

@@ -15,7 +15,7 @@ before any planning, into
 
 -- the same number on one device. The per-position losses keep the
 positions' dims: split positions stay split (S), a split vocabulary leaves
-partial sums (P, runtime/vocab_parallel.py), and the sums and count are
+partial sums (P, runtime/lowering/vocab_parallel.py), and the sums and count are
 reductions the sharding rules already split, reduced by scalar all-reduces
 the cost model prices like any other. Class weights keep the op as it is,
 whole over the classes (the weighted count needs the weights of every target).

@@ -6,7 +6,7 @@
 
 run.py saves and loads a run; streaming.py is the DCP reader that holds one whole tensor at a time;
 hugging_face.py reads safetensors. (Activation checkpointing -- recomputing layers in backward -- is
-another thing: cost/checkpointing.py and runtime/recompute.py.)
+another thing: cost/checkpointing.py and runtime/lowering/recompute.py.)
 
 The names of the earlier release, `autopar.load_checkpoint(pm, path)` and
 `autopar.load_hf_checkpoint(pm, path)`, still work for this release and warn.

@@ -253,7 +253,7 @@ class ActivationModel:
     saves_through: Mapping = field(default_factory=dict)
     # the pairs of saves_through on the way from an activation's storage to the op that pays for all of
     # it (charged in the layout it takes it in): where the activation arrives all-gathered on one of them,
-    # the module keeps the shard instead (runtime/regather.py) and the edge corrects the charge
+    # the module keeps the shard instead (runtime/lowering/regather.py) and the edge corrects the charge
     # (terms.regather_saving)
     payers: frozenset = frozenset()
 

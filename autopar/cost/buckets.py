@@ -1,6 +1,6 @@
 """Gradient buckets as the plan predicts them: which weights' data-axis reductions are bucketed, and how.
 
-The runtime (runtime/grad_buckets.py) all-reduces the gradients of weights
+The runtime (runtime/reduction/grad_buckets.py) all-reduces the gradients of weights
 replicated on a data axis in flat buckets after their last use in backward,
 as DDP does; the plan's list of collectives must show those buckets, not one
 all-reduce per weight, or its bytes per call and its latency terms would not
@@ -134,7 +134,7 @@ def params_by_first_use(cap: Captured) -> list:
 
 
 def zero_buckets(order: list, param_zero: dict, sizes: dict, bucket_bytes: int, level: int, axis_sizes: dict) -> list:
-    """The buckets of one ZeRO level (runtime/zero_buckets.py): [(ZeRO axis name, [FQN])] in launch order.
+    """The buckets of one ZeRO level (runtime/reduction/zero_buckets.py): [(ZeRO axis name, [FQN])] in launch order.
     Their gradients are reduce-scattered together (level 2 in backward, level 1 at the optimizer step) and
     their updated slices all-gathered together after the step.
 

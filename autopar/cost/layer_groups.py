@@ -11,7 +11,7 @@ one reduce-scatter backward) apart from gradient sums on other axes (a
 norm weight whose input is split along the sequence over tp gets partial
 gradients there): the group all-reduces its reduce-scattered shard over
 those axes, one collective per layer instead of one per weight, on 1/n of
-the bytes. The runtime (runtime/layer_groups.py) and the prediction
+the bytes. The runtime (runtime/reduction/layer_groups.py) and the prediction
 (`grouped`) call the same functions, so the plan lists the collectives the
 module launches.
 """
@@ -55,7 +55,7 @@ def group_key(fqn: str, steps: list, dtype) -> tuple:
 
 def alive_spans(uses: dict) -> dict:
     """{group: (first, last) forward op index while its weights are gathered}, from {group: [indices of the
-    ops that read them]}: as the module runs them (runtime/layer_groups.py), a group's weights arrive in one
+    ops that read them]}: as the module runs them (runtime/reduction/layer_groups.py), a group's weights arrive in one
     gather at the first use of any of them, which also launches the next group's (the prefetch), and stay
     until the last has been used; so group k lives from group k-1's first use (its own, for the first) to
     its own last use, and the root group (embeddings, head: first and last) through the whole forward."""

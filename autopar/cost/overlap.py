@@ -7,13 +7,13 @@ Those are exposed: the step takes compute + their time.
 Three kinds are launched ahead of whatever waits for them, and hide behind
 the compute that runs meanwhile:
 
-    gradient buckets (buckets.py, runtime/grad_buckets.py) and FSDP's per-layer
+    gradient buckets (buckets.py, runtime/reduction/grad_buckets.py) and FSDP's per-layer
         reduce-scatters (layer_groups.py): launched as soon as backward has made
         their last gradient, waited for when backward ends; a layer's
         reduce-scatter (and a ZeRO-2 bucket's) also waits for the one before it
         at its launch (the module keeps one in flight)
     FSDP's per-layer all-gathers in forward: a layer's first use launches the
-        next layer's gather (runtime/layer_groups.py's prefetch), which runs
+        next layer's gather (runtime/reduction/layer_groups.py's prefetch), which runs
         while this layer computes; the first layer's is waited on whole
     FSDP's per-layer re-gathers in backward: likewise, a layer's re-gather
         launches the one of the layer before it (in forward order)
@@ -30,7 +30,7 @@ is still in flight when backward ends: that waiting is the exposed part of
 those collectives; the rest of them hides.
 
 A bucket summed over several axes reduces the first asynchronously and the
-others when backward ends (runtime/grad_buckets.py), so only the first hides.
+others when backward ends (runtime/reduction/grad_buckets.py), so only the first hides.
 Gathers of activation checkpointing's recompute are priced as exposed.
 Nothing hides where the hardware says communication takes the compute's own
 resources (`Hardware.comm_overlaps_compute`: CPU ranks using every core, whose
@@ -103,7 +103,7 @@ def _hides(c, seen_bucket: set) -> bool:
 
 def _chain(c) -> str:
     """The collectives the module keeps one in flight of, this one's among them ("" if none): an FSDP
-    layer's reduce-scatters (runtime/layer_groups.InFlight), ZeRO-2's buckets (runtime/zero_buckets.py)."""
+    layer's reduce-scatters (runtime/reduction/layer_groups.InFlight), ZeRO-2's buckets (runtime/reduction/zero_buckets.py)."""
     if c.where.startswith(LAYER) and c.kind == REDUCE_SCATTER:
         return "fsdp"
     return "zero2" if c.where.startswith(BUCKET + "ZeRO-2") else ""

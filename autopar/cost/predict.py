@@ -52,7 +52,7 @@ def group_redistributions(prob, choice) -> list[Redistribution]:
         g = groups.setdefault(key, [src, [], 0, keep])
         g[1].append((e.consumer, e.index))
         g[2] += int(edge_regathers(prob, e))
-    # an activation is gathered again once for all its readers (runtime/regather.py), a weight per reader
+    # an activation is gathered again once for all its readers (runtime/lowering/regather.py), a weight per reader
     return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]),
                            g[2] if prob.cap.info[p].kind == PARAM else min(g[2], 1), tuple(g[3]))
             for (p, d, gp), g in groups.items()]
@@ -176,7 +176,7 @@ def bucketed(prob, choice, colls: list) -> list:
 
 def zero_bucketed(prob, choice, colls: list) -> list:
     """`colls` with the ZeRO weights' gradient reduce-scatters and weight all-gathers replaced by the buckets
-    that carry them (buckets.zero_buckets, runtime/zero_buckets.py): one reduce-scatter per bucket,
+    that carry them (buckets.zero_buckets, runtime/reduction/zero_buckets.py): one reduce-scatter per bucket,
     asynchronous in backward at level 2 (the overlap model hides those like DDP's buckets), at the optimizer
     step at 1; and one all-gather per bucket after the step."""
     cap, mesh = prob.cap, prob.mesh
@@ -210,7 +210,7 @@ def zero_bucketed(prob, choice, colls: list) -> list:
 
 
 def zero_bucket_hold(colls: list):
-    """Whole gradients ZeRO-2's buckets hold during backward (runtime/zero_buckets.py): the bucket filling,
+    """Whole gradients ZeRO-2's buckets hold during backward (runtime/reduction/zero_buckets.py): the bucket filling,
     the one in flight, and the copy of it a backend may take (gloo's reduce-scatter does): three times the
     largest, a bound (NCCL takes no copy)."""
     sizes = [c.full_bytes for c in colls if c.where.startswith(f"{BUCKET}ZeRO-2 ")]

@@ -143,7 +143,7 @@ def _dropout(node, ins, out, kernels):
 
 def _embedding(node, ins, out, kernels):
     # A whole table keeps the indices. A vocab-split table (partial-sum output) runs
-    # runtime/vocab_parallel.vocab_parallel_embedding: it keeps the shifted indices and the bool mask of
+    # runtime/lowering/vocab_parallel.vocab_parallel_embedding: it keeps the shifted indices and the bool mask of
     # the tokens outside this rank's rows instead, both shaped like the indices.
     split = frozenset({P})
     return [Arg(1, unless=split),
@@ -154,7 +154,7 @@ def _embedding(node, ins, out, kernels):
 def _cross_entropy(node, ins, out, kernels):
     # aten's: log_softmax's output (input shape and dtype), the targets and nll_loss's total weight.
     # Split classes (partial-sum output, reduction "none" only: rules.cross_entropy_rule) run
-    # runtime/vocab_parallel.py's op instead, which keeps only the gradient's factor, shaped
+    # runtime/lowering/vocab_parallel.py's op instead, which keeps only the gradient's factor, shaped
     # and typed like its slice of the input.
     if op_arg(node, 3, "reduction", 1) != 0:
         return [New(ins[0], follows=0, dims=ins[0].ndim), Arg(1), New(_meta((), (), ins[0].dtype))]

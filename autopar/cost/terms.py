@@ -103,7 +103,7 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
 def op_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, symbolic=False) -> list[Collective]:
     """Collectives an op launches inside itself: a cross-entropy over classes split on some axes
     all-reduces a max and then a sum of exponentials, one number per position (fp32 at least), over each
-    of them (runtime/vocab_parallel.py). Every other op launches none."""
+    of them (runtime/lowering/vocab_parallel.py). Every other op launches none."""
     axes = vocab_split_axes(node, strategy, mesh.axis_sizes)
     if not axes:
         return []
@@ -269,7 +269,7 @@ def regathers(cap: Captured, producer: str, consumer: str, index: int, grad_node
     (`reshard_weights` False: FSDP2's reshard_after_forward=False); an activation with a gradient once
     when autograd keeps some tensor of it through this op (`saved`; sequence parallelism: gathers_again
     decides which layout changes qualify) -- once for all the ops that read one gathered activation
-    (runtime/regather.py)."""
+    (runtime/lowering/regather.py)."""
     if cap.info[producer].kind != PARAM:
         return int(saved is not None and producer in grad_nodes and saved.saves_through.get((consumer, index), 0) > 0)
     if not reshard_weights:
@@ -286,7 +286,7 @@ def regather_saving(cap: Captured, saved: ActivationModel | None, producer: str,
                     grad_partial, mesh: MeshSpec, grad_nodes: set, symbolic=False):
     """Activation bytes an edge changes by when its consumer keeps the activation it gathers as the shard
     (negative, or 0): the consumer is charged its input in the gathered layout (activations.py), and
-    the module keeps the producer's layout instead (runtime/regather.py)."""
+    the module keeps the producer's layout instead (runtime/lowering/regather.py)."""
     if saved is None or cap.info[producer].kind == PARAM or (consumer, index) not in saved.payers \
             or producer not in grad_nodes:
         return 0

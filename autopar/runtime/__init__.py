@@ -2,11 +2,17 @@
 
 Takes the `Captured` graph and a `Plan`; hands on `ParallelModule` (module.py): this rank's
 shards of the parameters and a local fx graph with every collective inserted, plus
-`ShardedOptimizer` (optim.py) for ZeRO-1/2 and the pipeline's stages when the plan has them.
+`ShardedOptimizer` (optim/sharded.py) for ZeRO-1/2 and the pipeline's stages when the plan has them.
 
-Reading order: collectives.py (collectives as autograd functions: each backward is the
-conjugate collective), rewrite.py (global graph -> local graph), recompute.py (checkpointed
-blocks), module.py (the module users train), initialization.py (a meta-built
-model's shards initialized from scratch), optim.py, stages.py (pipeline stages under torch's
-schedules). Filling the shards from a checkpoint is autopar/checkpoint/'s job.
+Reading order:
+- collectives.py: collectives as autograd functions (each backward is the conjugate collective);
+- lowering/: the plan turned into the local graph (rewrite.py first; regather.py, recompute.py,
+  vocab_parallel.py, input_shapes.py);
+- reduction/: gradients reduced while backward runs, FSDP weights gathered ahead (grad_buckets.py,
+  layer_groups.py, zero_buckets.py);
+- module.py: the module users train; state_dict.py and initialization.py (its state, and a meta-built
+  model's shards initialized from scratch); rng.py (dropout's streams per shard);
+- optim/: ShardedOptimizer, its state_dict, clip_grad_norm_;
+- pipeline/: stages under torch's schedules.
+Filling the shards from a checkpoint is autopar/checkpoint/'s job.
 """

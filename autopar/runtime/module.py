@@ -23,11 +23,11 @@ from ..errors import PlanError
 from ..search.pipeline import ZERO_BUBBLE
 from ..sharding.placement import R, shard_full_tensor
 from .collectives import Comm
-from .grad_buckets import GradBuckets, route_through_buckets
+from .reduction.grad_buckets import GradBuckets, route_through_buckets
 from .initialization import init_shards
-from .input_shapes import check_input_shapes, input_shape_specs, ordered_inputs
-from .regather import GatheredParams
-from .zero_buckets import refuse_returned_gradient
+from .lowering.input_shapes import check_input_shapes, input_shape_specs, ordered_inputs
+from .lowering.regather import GatheredParams
+from .reduction.zero_buckets import refuse_returned_gradient
 from .state_dict import export_tensor, load_module_state, stored_layout
 
 
@@ -215,7 +215,7 @@ class ParallelModule(torch.nn.Module):
         """This device's stages of the local graph (stages.py); returns the weights they read."""
         import weakref
 
-        from .stages import StageModule, cut, stage_graph
+        from .pipeline.stages import StageModule, cut, stage_graph
         pipe = plan.pipeline
         placeholders_of = {n.name: (cap.info[n.name].kind, cap.info[n.name].target_name)
                            for n in gm.graph.nodes if n.op == "placeholder" and cap.info[n.name].kind != INPUT}
@@ -268,7 +268,7 @@ class ParallelModule(torch.nn.Module):
         import torch.distributed as dist
 
         from .._compat import pipeline_stage
-        from .stages import StepLoss, make_schedule
+        from .pipeline.stages import StepLoss, make_schedule
         self._graph_for_mode()   # raises if this mode's graph is not the one the stages were cut from
         pipe = self.plan.pipeline
         group = self.device_mesh.get_group(pipe.axis)
@@ -425,12 +425,12 @@ class ParallelModule(torch.nn.Module):
 
     @property
     def gathered(self) -> GatheredParams:
-        """The re-gather registry of the captured mode's graph (runtime/regather.py)."""
+        """The re-gather registry of the captured mode's graph (runtime/lowering/regather.py)."""
         return self._gathered
 
     @property
     def grad_buckets(self):
-        """The data-parallel gradient buckets (runtime/grad_buckets.GradBuckets), or None."""
+        """The data-parallel gradient buckets (runtime/reduction/grad_buckets.GradBuckets), or None."""
         return self._grad_buckets
 
     @property

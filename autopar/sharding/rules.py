@@ -96,7 +96,7 @@ def addmm_rule(node, ins, out):
 
 def embedding_rule(node, ins, out):
     """A lookup is a one-hot matmul: splitting the vocab (v) leaves partial sums, as long as each
-    rank looks up only its own rows (runtime/vocab_parallel.local_target swaps in vocab_parallel_embedding)."""
+    rank looks up only its own rows (runtime/lowering/vocab_parallel.local_target swaps in vocab_parallel_embedding)."""
     new = Letters()
     v, d = new(), new()
     batch = new(ins[1].ndim)
@@ -201,7 +201,7 @@ def cross_entropy_rule(node, ins, out):
     reduction "none" is elementwise over N and d...; split classes (the vocabulary) leave
     partial sums: each rank's share of every position's loss, from its own slice of the
     logits and two all-reduces of a max and a sum per position inside the op
-    (runtime/vocab_parallel.py, Megatron's vocab-parallel cross-entropy). "sum" and "mean"
+    (runtime/lowering/vocab_parallel.py, Megatron's vocab-parallel cross-entropy). "sum" and "mean"
     only reach here with class weights (capture/losses.py rewrites the unweighted ones as
     sums of "none"): the classes stay whole there, and so do the positions under "mean",
     which divides by a weighted count no rank holds alone.
@@ -223,7 +223,7 @@ def cross_entropy_rule(node, ins, out):
 
 def vocab_split_axes(node, strategy, axis_sizes) -> tuple:
     """The mesh axes that split the classes (dim 1) of a cross-entropy's logits under `strategy`: the
-    axes its local op all-reduces over (runtime/vocab_parallel.py); () for any other op or layout."""
+    axes its local op all-reduces over (runtime/lowering/vocab_parallel.py); () for any other op or layout."""
     if op_name(node) != "aten.cross_entropy_loss.default" or strategy is None:
         return ()
     return tuple(a for a, p in enumerate(strategy.inputs[0]) if shard_dim(p) == 1 and axis_sizes[a] > 1)

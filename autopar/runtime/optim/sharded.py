@@ -22,14 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cost.buckets import zero_buckets
-from ..cost.precision import precision_of
-from ..errors import PlanError
-from ..sharding.placement import P, R, S, gathered_size, shard_full_tensor
-from ..sharding.redistribute import plan_steps
-from .collectives import transform
-from .optim_state import PlaceholderState, drop_placeholder_state, export_state, init_state, load_state
-from .zero_buckets import ZeroBuckets
+from ...cost.buckets import zero_buckets
+from ...cost.precision import precision_of
+from ...errors import PlanError
+from ...sharding.placement import P, R, S, gathered_size, shard_full_tensor
+from ...sharding.redistribute import plan_steps
+from ..collectives import transform
+from .state import PlaceholderState, drop_placeholder_state, export_state, init_state, load_state
+from ..reduction.zero_buckets import ZeroBuckets
 
 
 @dataclass

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._compat import RETURNED, TO_GRAD, at_backward_end, backward_id, backward_keeps_graph, leaf_gradient_use
-from ..cost.buckets import assign_buckets
-from ..errors import PlanError, UnsupportedAutogradError
-from ..sharding.redistribute import ALL_REDUCE
-from .collectives import Comm, log_collective
+from ..._compat import RETURNED, TO_GRAD, at_backward_end, backward_id, backward_keeps_graph, leaf_gradient_use
+from ...cost.buckets import assign_buckets
+from ...errors import PlanError, UnsupportedAutogradError
+from ...sharding.redistribute import ALL_REDUCE
+from ..collectives import Comm, log_collective
 
 
 @dataclass

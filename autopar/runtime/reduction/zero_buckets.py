@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._compat import RETURNED, at_backward_end, leaf_gradient_use
-from ..errors import PlanError, UnsupportedAutogradError
-from .collectives import Comm, all_gather_flat, reduce_scatter_async
+from ..._compat import RETURNED, at_backward_end, leaf_gradient_use
+from ...errors import PlanError, UnsupportedAutogradError
+from ..collectives import Comm, all_gather_flat, reduce_scatter_async
 
 
 @dataclass

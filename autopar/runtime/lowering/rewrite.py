@@ -15,22 +15,22 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..capture.export import PARAM, Captured
-from ..cost.buckets import bucket_grad_scale, output_grad_scale, partial_gradients
-from ..cost.layer_groups import group_key, groupable
-from ..cost.activations import activation_model
-from ..cost.checkpointing import checkpointable_stacks
-from ..cost.precision import precision_of
-from ..errors import PlanError
-from ..sharding.op_spec import op_name, tensor_args
-from ..sharding.placement import R, dim_factor, gathered_size, is_shard
-from ..sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
-from ..sharding.rules import vocab_split_axes
-from .collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
-from .layer_groups import GroupGather, InFlight, LayerGroup
+from ...capture.export import PARAM, Captured
+from ...cost.buckets import bucket_grad_scale, output_grad_scale, partial_gradients
+from ...cost.layer_groups import group_key, groupable
+from ...cost.activations import activation_model
+from ...cost.checkpointing import checkpointable_stacks
+from ...cost.precision import precision_of
+from ...errors import PlanError
+from ...sharding.op_spec import op_name, tensor_args
+from ...sharding.placement import R, dim_factor, gathered_size, is_shard
+from ...sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
+from ...sharding.rules import vocab_split_axes
+from ..collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
+from ..reduction.layer_groups import GroupGather, InFlight, LayerGroup
 from .recompute import outline
 from .regather import GatheredParams
-from .rng import RandomOp, draws_random, shard_key
+from ..rng import RandomOp, draws_random, shard_key
 from .vocab_parallel import local_target, vocab_parallel_loss
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.export import Captured
-from ..errors import InputShapeError
-from ..sharding.placement import dim_factor
+from ...capture.export import Captured
+from ...errors import InputShapeError
+from ...sharding.placement import dim_factor
 
 
 def input_shape_specs(cap: Captured, plan) -> list:

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from .collectives import Comm
+from ..collectives import Comm
 
 
 class CheckpointRegion(torch.nn.Module):

@@ -20,10 +20,10 @@ from contextlib import contextmanager
 import torch
 import torch.fx as fx
 
-from .._compat import unflatten_outputs, view_base
-from ..capture.export import INPUT, PARAM, Captured
-from ..errors import PlanError
-from ..search.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
+from ..._compat import unflatten_outputs, view_base
+from ...capture.export import INPUT, PARAM, Captured
+from ...errors import PlanError
+from ...search.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
 
 FIRST = -1   # owner of the model's inputs: they enter before stage 0
 

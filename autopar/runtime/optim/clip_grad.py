@@ -22,10 +22,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError
-from ..sharding.placement import R
-from ..sharding.redistribute import ALL_REDUCE
-from .collectives import log_collective
+from ...errors import PlanError
+from ...sharding.placement import R
+from ...sharding.redistribute import ALL_REDUCE
+from ..collectives import log_collective
 
 
 @torch.no_grad()

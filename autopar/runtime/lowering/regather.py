@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from .._compat import view_base
+from ..._compat import view_base
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

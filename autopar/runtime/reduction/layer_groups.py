@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._compat import RETURNED, at_backward_end, backward_id, backward_keeps_graph, leaf_gradient_use
-from ..sharding.redistribute import ALL_REDUCE
+from ..._compat import RETURNED, at_backward_end, backward_id, backward_keeps_graph, leaf_gradient_use
+from ...sharding.redistribute import ALL_REDUCE
 # collectives' shard_dim: uncached, as torch.compile traces these calls (it warns at a functools cache)
-from .collectives import Comm, all_gather_flat, log_collective, reduce_scatter_flat, shard_dim
+from ..collectives import Comm, all_gather_flat, log_collective, reduce_scatter_flat, shard_dim
 from .grad_buckets import returned_gradient_error
 
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PlanError
-from ..sharding.placement import R, S, shard_full_tensor
-from .state_dict import same_layout
+from ...errors import PlanError
+from ...sharding.placement import R, S, shard_full_tensor
+from ..state_dict import same_layout
 
 
 @dataclass

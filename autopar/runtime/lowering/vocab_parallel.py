@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..sharding.op_spec import op_arg, op_name
-from ..sharding.placement import chunk_index, dim_factor
-from ..sharding.rules import vocab_split_axes
-from ..sharding.redistribute import ALL_REDUCE
-from .collectives import Comm, logged
+from ...sharding.op_spec import op_arg, op_name
+from ...sharding.placement import chunk_index, dim_factor
+from ...sharding.rules import vocab_split_axes
+from ...sharding.redistribute import ALL_REDUCE
+from ..collectives import Comm, logged
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int,
