@@ -24,7 +24,8 @@ STAGES = [
     ("sharding", ("autopar.sharding",)),
     ("cost", ("autopar.cost",)),
     ("search", ("autopar.search",)),
-    ("plan", ("autopar.plan_options", "autopar.plan_result", "autopar.planner")),
+    ("plan", ("autopar.plan_options", "autopar.plan_text", "autopar.plan_json", "autopar.plan_inputs",
+              "autopar.plan_result", "autopar.planner")),
     ("runtime", ("autopar.runtime",)),
     ("questions", ("autopar.whatif", "autopar.audit", "autopar.calibrate", "autopar.checkpoint", "autopar.plots")),   # of a finished plan or module
     ("api", ("autopar.api",)),

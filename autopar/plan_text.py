@@ -1,0 +1,125 @@
+"""A Plan as text: the table `print(plan)` shows (Plan.__str__ calls render).
+
+Reads only a Plan's fields, so it imports nothing of plan_result.py.
+"""
+from __future__ import annotations
+
+from cost_models import format_bytes
+
+from .search.pipeline import PipelinePlan
+from .search.solution import GREEDY, GREEDY_NO_BOUND, OPTIMAL, TIME_LIMIT
+from .sharding.placement import format_placements
+
+
+def render(plan) -> str:
+    """The plan as a person checks it: one row per module (parameter layouts, activations, collectives),
+    then memory per device, the pipeline, what backward makes again, communication and the step time."""
+    names = plan.mesh.axis_names
+    lines = [f"autopar plan  strategy={plan.strategy}  mesh: {plan.mesh}  hardware={plan.hardware}  "
+             f"batch split over: {', '.join(plan.batch_axes) or 'none'}"]
+    rows = []
+    by_module: dict[str, dict] = {}
+    for fqn, pl in plan.param_placements.items():
+        mod = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        by_module.setdefault(mod, {"params": [], "acts": [], "colls": {}})["params"].append(
+            f"{fqn.rsplit('.', 1)[-1]} {format_placements(pl, names)}")
+    for node, s in plan.node_strategies.items():
+        mod = plan.module_paths.get(node)
+        if mod is None or node.startswith("p_") or node == "output":
+            continue
+        by_module.setdefault(mod, {"params": [], "acts": [], "colls": {}})["acts"].append(
+            format_placements(s.output, names))
+    for c in plan.collectives:
+        d = by_module.setdefault(c.module_path, {"params": [], "acts": [], "colls": {}})["colls"]
+        key = f"{c.kind}@{c.axis}"
+        d[key] = d.get(key, 0) + 1
+    header = ("module", "parameters (storage)", "activations out", "collectives per step")
+    first_op: dict = {}   # module -> its first op's place in the graph: rows in forward order
+    for i, node in enumerate(n for n in plan.node_strategies if not n.startswith("p_")):
+        first_op.setdefault(plan.module_paths.get(node), i)
+    order = sorted(by_module, key=lambda mod: first_op.get(mod, len(first_op)))
+    for mod, d in ((m, by_module[m]) for m in order):
+        acts = d["acts"][-1] if d["acts"] else "-"
+        colls = ", ".join(f"{k} x{n}" for k, n in d["colls"].items()) or "-"
+        params = "; ".join(d["params"]) or "-"
+        rows.append((mod or "<root>", params, acts, colls))
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+    widths = [min(w, 60) for w in widths]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines.append(fmt.format(*header))
+    lines.append(fmt.format(*("-" * w for w in widths)))
+    for r in rows:
+        lines.append(fmt.format(*r))
+    m = plan.predicted.memory
+    lines.append("")
+    parts = ("params", "master", "grads", "optimizer", "activations", "transient", "total")
+    lines.append("predicted per device: " + ", ".join(
+        f"{k} {format_bytes(getattr(m, k))}" for k in parts if k != "master" or getattr(m, k)))
+    if plan.param_zero:
+        by_kind: dict = {}
+        for lvl, axes in plan.param_zero.values():
+            key = f"ZeRO-{lvl} over {'x'.join(axes)}"
+            by_kind[key] = by_kind.get(key, 0) + 1
+        lines.append("optimizer state split: " + ", ".join(f"{k} ({n} parameters)" for k, n in by_kind.items()))
+    if plan.pipeline is not None:
+        lines += pipeline_lines(plan.pipeline)
+    lines += backward_lines(plan)
+    p = plan.predicted
+    lines.append("communication per step: " + ", ".join(
+        f"{a} {format_bytes(p.comm_bytes[a])} ({p.comm_time[a] * 1e3:.3f} ms, "
+        f"{p.hidden_comm_time[a] * 1e3:.3f} ms of it hidden behind compute)" for a in names))
+    lines.append(f"compute {p.compute_time * 1e3:.3f} ms, optimizer step {p.optimizer_time * 1e3:.3f} ms, "
+                 f"step {p.step_time * 1e3:.3f} ms (compute + optimizer + the communication not hidden)")
+    if "status" in plan.stats:
+        lines.append(search_line(plan.stats))
+    return "\n".join(lines)
+
+
+def backward_lines(plan) -> list:
+    """What backward makes again instead of keeping (gathered activations, FSDP weights, recomputed blocks),
+    or keeps instead of making again."""
+    lines = []
+    fsdp = any(c.kind == "all_gather" and c.phase == "forward" and c.tensor.startswith("p_") for c in plan.collectives)
+    if fsdp:
+        lines.append("FSDP weights an op keeps for backward are kept as shards and gathered again in backward "
+                     "(reshard_after_forward=True)" if plan.reshard_after_forward else
+                     "FSDP weights an op keeps for backward stay whole from forward to backward, not gathered "
+                     "again (reshard_after_forward=False)")
+    if plan.regather_activations:
+        lines.append("activations gathered for an op that keeps them are kept as shards and gathered again "
+                     "in backward (sequence parallelism as Megatron does it)")
+    for path, kind in plan.checkpointed.items():
+        what = "every block" if kind == "full" else "the attention core of every block"
+        lines.append(f"activation checkpointing ({kind}): {what} of {path} is recomputed in backward")
+    return lines
+
+
+_BUBBLE = {"interleaved-1f1b": "(p-1)/(vm)", "zero-bubble": "(p-1)/(3m)"}   # search/pipeline.py
+
+
+def pipeline_lines(pipe: PipelinePlan) -> list:
+    """The stages as a table: what runs where, and what the schedule predicts for each."""
+    p = pipe.num_stages // pipe.stages_per_device
+    lines = ["", f"pipeline over {pipe.axis} ({p} devices, {pipe.num_stages} stages): {pipe.schedule}, "
+                 f"{pipe.microbatches} microbatches, bubble {_BUBBLE.get(pipe.schedule, '(p-1)/m')} = "
+                 f"{pipe.bubble:.3f}, step {pipe.step_time * 1e3:.3f} ms"]
+    header = ("stage", "device", "modules", "time/microbatch", "memory", "in flight", "sends/microbatch")
+    rows = [(str(s.index), f"{pipe.axis}={s.index % p}", s.modules, f"{s.time * 1e3:.3f} ms",
+             format_bytes(s.memory), str(s.in_flight), format_bytes(s.send_bytes)) for s in pipe.stages]
+    widths = [min(max(len(r[i]) for r in rows + [header]), 60) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines += [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+    return lines
+
+
+def search_line(stats: dict) -> str:
+    """How the plan was found and how far from the best plan it may be: the gap HiGHS proved, or for
+    the greedy fallback (search/greedy.py) its distance from a lower bound on the ILP's optimum."""
+    status, gap = stats["status"], f"{100 * stats.get('mip_gap', 0.0):.2g}%"
+    what = {OPTIMAL: f"ILP optimal (gap {gap})",
+            TIME_LIMIT: f"ILP stopped at time limit (gap {gap})",
+            GREEDY: f"greedy fallback, within {gap} of the ILP bound",
+            GREEDY_NO_BOUND: "greedy fallback (the ILP stopped at its time limit, no bound to compare with)",
+            }.get(status, status)
+    seconds = stats.get("solve_seconds")
+    return f"search: {what}" + (f", solved in {seconds:.2f} s" if seconds is not None else "")
