@@ -18,7 +18,7 @@ FIRST_RELEASE = {
     "pipelining schedules' scale_grads=": ("scale_grads=", "autopar/runtime/pipeline/stages.py", (2, 7)),
     # 2.7 has it only as torch.distributed.checkpoint._HuggingFaceStorageReader
     "torch.distributed.checkpoint.HuggingFaceStorageReader": ("dcp.HuggingFaceStorageReader",
-                                                              "autopar/runtime/hf_checkpoint.py", (2, 8)),
+                                                              "autopar/checkpoint/hugging_face.py", (2, 8)),
 }
 
 
