@@ -18,7 +18,8 @@ from .plan_result import Plan
 from .plan_options import PlanOptions
 from .planner import plan_captured
 from .runtime.collectives import AxisGroup, Comm
-from .runtime.module import ParallelModule, mesh_device
+from .runtime.devices import mesh_device
+from .runtime.module import OtherMode, ParallelModule
 from .runtime.lowering.rewrite import rewrite
 from .runtime.rng import RandomStreams, agreed_seed
 from .search.classics import STRATEGIES
@@ -47,7 +48,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict |
     (e.g. a per-layer attention type in its config).
     See docs/ARCHITECTURE.md.
     """
-    opts = PlanOptions.from_keywords("autopar.plan", options)   # bad values fail before the capture, which takes seconds
+    opts = PlanOptions.from_keywords("autopar.plan", options)   # bad values fail before the capture (seconds)
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     check_request(mesh_spec(mesh), opts.pipeline_axis, opts.microbatches, opts.schedule,
                   _first_batch(example_inputs, example_kwargs))
@@ -181,7 +182,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
     if plan.pipeline is None:
         other_mode = _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap, plan, comm)
     else:   # stages are cut from one graph; say so rather than run the other mode with the wrong one
-        other_mode = ("a pipelined module runs only the graph of the mode it was parallelized in"
+        other_mode = (OtherMode(refused="a pipelined module runs only the graph of the mode it was parallelized in")
                       if mode_dependent_ops(cap.graph) else None)
     pm = ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh, other_mode=other_mode,
                         grad_nodes=grad_nodes)
@@ -194,8 +195,8 @@ def _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap: Capt
     Dropout, random ops and batch norm are traced in the mode the model is in,
     so pm.eval() needs a graph of its own. The same plan lays it out: its
     nodes are the training graph's, with other arguments (dropout off). None
-    when the graph has no such op (it is then the same in both modes), or a
-    string saying why the other mode cannot run.
+    when the graph has no such op (it is then the same in both modes); an
+    OtherMode saying why where the other mode cannot run.
     """
     if not mode_dependent_ops(cap.graph):
         return None
@@ -204,13 +205,15 @@ def _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap: Capt
         model.train(not was)
         other = _at_compute_dtype(capture, model, plan.precision)(model, example_inputs, dynamic_shapes, example_kwargs)
     except CaptureError as e:
-        return f"the model does not capture in {'eval' if was else 'train'} mode: {e}"
+        return OtherMode(refused=f"the model does not capture in {'eval' if was else 'train'} mode: {e}")
     finally:
         model.train(was)
     if not same_structure(cap.graph, other.graph):
-        return (f"the model's graph in {'eval' if was else 'train'} mode has other ops than in the mode it was "
-                "parallelized in (forward branches on self.training), so the plan does not apply to it")
-    return rewrite(other, plan, comm, needs_grad(other))
+        return OtherMode(refused=f"the model's graph in {'eval' if was else 'train'} mode has other ops than in "
+                                 "the mode it was parallelized in (forward branches on self.training), so the plan "
+                                 "does not apply to it")
+    graph, gathered = rewrite(other, plan, comm, needs_grad(other))
+    return OtherMode(graph, gathered)
 
 
 def _plan_on_rank0(cap: Captured, mesh, opts: PlanOptions, recapture) -> Plan:

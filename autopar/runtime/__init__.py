@@ -13,6 +13,7 @@ Reading order:
 - module.py: the module users train; state_dict.py and initialization.py (its state, and a meta-built
   model's shards initialized from scratch); rng.py (dropout's streams per shard);
 - optim/: ShardedOptimizer, its state_dict, clip_grad_norm_;
-- pipeline/: stages under torch's schedules.
+- pipeline/: stages under torch's schedules (stages.py cuts them, runner.py runs a train_step);
+- devices.py: the device this rank computes on.
 Filling the shards from a checkpoint is autopar/checkpoint/'s job.
 """

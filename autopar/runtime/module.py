@@ -9,6 +9,7 @@ checkpoint does not depend on the layout it was saved from.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -16,17 +17,19 @@ import torch.fx as fx
 from .._compat import new_state_dict, output_spec, unflatten_outputs
 from ..capture.compute_dtype import cast_inputs
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
-from ..cost.buckets import deferred_axes, params_by_first_use
+from ..cost.buckets import params_by_first_use
 from ..cost.overlap import BUCKET
 from ..cost.precision import precision_of
 from ..errors import PlanError
-from ..search.pipeline import ZERO_BUBBLE
 from ..sharding.placement import R, shard_full_tensor
 from .collectives import Comm
-from .reduction.grad_buckets import GradBuckets, route_through_buckets
+from .devices import on_mesh_device
+from .reduction.grad_buckets import GradBuckets, grad_buckets_of, route_through_buckets
+from .reduction.layer_groups import serve_layer_groups
 from .initialization import init_shards
 from .lowering.input_shapes import check_input_shapes, input_shape_specs, ordered_inputs
 from .lowering.regather import GatheredParams
+from .pipeline.runner import PipelineRunner
 from .reduction.zero_buckets import refuse_returned_gradient
 from .state_dict import export_tensor, load_module_state, stored_layout
 
@@ -59,19 +62,29 @@ class _Store(torch.nn.Module):
         pass
 
 
+@dataclass(frozen=True)
+class OtherMode:
+    """The mode the model was not captured in (eval for a training model): its local graph, laid out by the
+    same plan, with its re-gather registry; or, where it cannot run, why (`refused`)."""
+    graph: fx.GraphModule | None = None
+    gathered: GatheredParams | None = None
+    refused: str | None = None
+
+
 class ParallelModule(torch.nn.Module):
     def __init__(self, gm: fx.GraphModule, gathered: GatheredParams, cap: Captured, plan, comm: Comm,
-                 model: torch.nn.Module, device_mesh=None, other_mode=None, grad_nodes=frozenset()):
+                 model: torch.nn.Module, device_mesh=None, other_mode: OtherMode | None = None,
+                 grad_nodes=frozenset()):
         super().__init__()
         # bound to the mesh's ranks, so plan.local_inputs cuts by the coordinates the runtime uses here
         self.plan = plan.on_ranks(device_mesh.mesh.tolist()) if device_mesh is not None else plan
-        _on_mesh_device((gm, other_mode[0] if isinstance(other_mode, tuple) else None), device_mesh)
+        other_graph = other_mode.graph if other_mode is not None else None
+        on_mesh_device((gm, other_graph), device_mesh)
         self.graph_module = gm
         self.comm = comm
         self.device_mesh = device_mesh
         self._gathered = gathered
-        # the graph of the mode the model was not captured in (api._other_mode): (GraphModule, GatheredParams),
-        # None when the graph is the same in both modes, or why the other mode cannot run
+        # the mode the model was not captured in (api._other_mode); None when the graph is the same in both
         self._captured_training = model.training
         self._other_mode = other_mode
         self._input_shapes = input_shape_specs(cap, plan)
@@ -82,7 +95,9 @@ class ParallelModule(torch.nn.Module):
         # meta tensors are not this module's parameters); None for a model built with real tensors
         self.__dict__["_meta_model"] = model if _on_meta(model) else None
         ep = cap.exported
-        needed = self._cut_stages(gm, cap, plan) if plan.pipeline is not None else None
+        # this device's stages of the graph (pipeline/runner.py) and the weights they read
+        self._pipeline = PipelineRunner(self, gm, cap, plan) if plan.pipeline is not None else None
+        needed = self._pipeline.weights if self._pipeline is not None else None
         full_params = dict(model.named_parameters(remove_duplicate=False))
         full_buffers = dict(model.named_buffers(remove_duplicate=False))
         # whole shapes: a shard split unevenly (placement.py) does not tell them
@@ -125,7 +140,7 @@ class ParallelModule(torch.nn.Module):
         self._input_keys, self._constant_inputs = list(cap.input_keys), dict(cap.constant_inputs)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
         self._zero_hooked = {}   # ZeRO parameter name -> the parameter _hook_zero_params hooked
-        _serve_layer_groups(self, [gathered] + ([other_mode[1]] if isinstance(other_mode, tuple) else []))
+        serve_layer_groups(self, [gathered] + ([other_mode.gathered] if other_graph is not None else []))
         self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
 
     def _apply(self, fn, recurse=True):
@@ -157,10 +172,10 @@ class ParallelModule(torch.nn.Module):
         self.params_by_first_use = params_by_first_use(cap)   # ShardedOptimizer's ZeRO buckets follow it
         self._hook_zero_params()
         scale = self.graph_module.meta["bucket_grad_scale"]   # rewrite() sets it on every graph it makes
-        if isinstance(self._other_mode, tuple) and self._other_mode[0].meta["bucket_grad_scale"] != scale:
+        other = [self._other_mode.graph] if getattr(self._other_mode, "graph", None) is not None else []
+        if other and other[0].meta["bucket_grad_scale"] != scale:
             raise PlanError("the two modes' graphs scale the outputs' gradient in different places; report this")
-        buckets = _grad_buckets(cap, self.plan, self.comm, grad_nodes, params, scale)
-        other = [self._other_mode[0]] if isinstance(self._other_mode, tuple) else []
+        buckets = grad_buckets_of(cap, self.plan, self.comm, grad_nodes, params, scale)
         return buckets, self._route_to_buckets(buckets, [self.graph_module] + other)
 
     def _route_to_buckets(self, buckets: GradBuckets, graph_modules: list) -> set:
@@ -211,36 +226,6 @@ class ParallelModule(torch.nn.Module):
         return {n for n, _ in self.store.named_parameters()}
 
     # ------------------------------------------------------------ pipeline
-    def _cut_stages(self, gm, cap: Captured, plan) -> set:
-        """This device's stages of the local graph (stages.py); returns the weights they read."""
-        import weakref
-
-        from .pipeline.stages import StageModule, cut, stage_graph
-        pipe = plan.pipeline
-        placeholders_of = {n.name: (cap.info[n.name].kind, cap.info[n.name].target_name)
-                           for n in gm.graph.nodes if n.op == "placeholder" and cap.info[n.name].kind != INPUT}
-        specs = cut(gm, cap, pipe.stage_of(), pipe.num_stages)
-        built = [stage_graph(gm, spec, placeholders_of) for spec in specs]
-        p = pipe.num_stages // pipe.stages_per_device
-        holders: dict = {}
-        for s, (_, weights) in enumerate(built):
-            for kind, fqn in weights:
-                if kind == PARAM:
-                    holders.setdefault(fqn, set()).add(s % p)
-        shared = sorted(f for f, devices in holders.items() if len(devices) > 1)
-        if shared:
-            raise PlanError(f"parameters {shared[:3]} are read by stages on different devices of pipeline axis "
-                            f"{pipe.axis!r} (tied weights, e.g. an embedding shared with the output head); autopar "
-                            "cannot keep such copies in step yet: untie them, or plan without a pipeline "
-                            "(pipeline_axis=None)")
-        coord = self._coords[plan.mesh.axis_index(pipe.axis)]
-        self._stage_indices = pipe.stages_on(coord)
-        self._stage_modules = [StageModule(built[s][0], built[s][1], weakref.ref(self), s == pipe.num_stages - 1)
-                               for s in self._stage_indices]
-        self._pipeline_stages = None   # torch PipelineStages, made at the first train_step
-        self._schedules = {}   # whether the loss takes targets -> (torch schedule, its StepLoss)
-        return {fqn for s in self._stage_indices for _, fqn in built[s][1]}
-
     def weight_table(self) -> dict:
         """(kind, name) -> tensor, for the weights, buffers and constants a stage reads."""
         return {**{(PARAM, k): v for k, v in self.store.named_parameters()},
@@ -261,53 +246,9 @@ class ParallelModule(torch.nn.Module):
             loss = loss_fn(out) if targets is None else loss_fn(out, targets)
             loss.backward()
             return loss.detach()
-        local_inputs = ordered_inputs(self._input_keys, self._constant_inputs, local_inputs, local_kwargs)
-        return self._pipeline_step(tuple(local_inputs), loss_fn, targets)
-
-    def _pipeline_step(self, local_inputs, loss_fn, targets):
-        import torch.distributed as dist
-
-        from .._compat import pipeline_stage
-        from .pipeline.stages import StepLoss, make_schedule
         self._graph_for_mode()   # raises if this mode's graph is not the one the stages were cut from
-        pipe = self.plan.pipeline
-        group = self.device_mesh.get_group(pipe.axis)
-        if self._pipeline_stages is None:
-            device = mesh_device(self.device_mesh)
-            self._pipeline_stages = [pipeline_stage(m, s, pipe.num_stages, device, group)
-                                     for s, m in zip(self._stage_indices, self._stage_modules)]
-        has_targets = targets is not None   # decided before the placeholder targets below replace None
-        if has_targets not in self._schedules:
-            step_loss = StepLoss(has_targets, pipe.microbatches)
-            self._schedules[has_targets] = (make_schedule(self._pipeline_stages, pipe.schedule, pipe.microbatches,
-                                                          step_loss), step_loss)
-        schedule, step_loss = self._schedules[has_targets]
-        first, last = 0 in self._stage_indices, pipe.num_stages - 1 in self._stage_indices
-        if first and local_inputs and local_inputs[0].shape[0] % pipe.microbatches:
-            raise PlanError(f"this rank's batch of {local_inputs[0].shape[0]} does not divide into "
-                            f"{pipe.microbatches} microbatches (plan.pipeline.microbatches); give the global batch "
-                            "the plan was made for, cut by plan.local_inputs")
-        if not has_targets and last:   # torch's schedule splits a target per microbatch even when the loss takes none
-            targets = torch.zeros(local_inputs[0].shape[0] if local_inputs else pipe.microbatches,
-                                  device=mesh_device(self.device_mesh))
-        local_inputs = cast_inputs(local_inputs, self._compute_dtype)   # as forward does
-        losses = []
-        # every microbatch's data-axis gradient summed here, reduced once below
-        summing = (self._grad_buckets.through_autograd() if pipe.schedule == ZERO_BUBBLE
-                   else self._grad_buckets.accumulating())
-        # the outputs are not merged: only the losses are used, and a model that returns its loss (0-dim)
-        # would make torch's merge fail to concatenate the microbatches' scalars
-        with summing, step_loss.calling(loss_fn):
-            schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses,
-                          return_outputs=False)
-        self._grad_buckets.flush()
-        loss = (torch.stack([x.detach() for x in losses]).sum() if last
-                else torch.zeros((), dtype=torch.float32, device=mesh_device(self.device_mesh)))   # NCCL: on the GPU
-        if last:
-            loss = loss.to(torch.float32)
-        p = pipe.num_stages // pipe.stages_per_device
-        dist.broadcast(loss, group=group, group_src=(pipe.num_stages - 1) % p)
-        return loss
+        local_inputs = ordered_inputs(self._input_keys, self._constant_inputs, local_inputs, local_kwargs)
+        return self._pipeline.step(self, cast_inputs(tuple(local_inputs), self._compute_dtype), loss_fn, targets)
 
     def manual_seed(self, seed: int) -> None:
         """Start the random streams of dropout and the other random ops again from `seed`; call it with the same
@@ -372,10 +313,10 @@ class ParallelModule(torch.nn.Module):
         """The local graph for the current mode: dropout and the like were traced in one mode."""
         if self.training == self._captured_training or self._other_mode is None:
             return self.graph_module, self._gathered
-        if isinstance(self._other_mode, str):
-            raise PlanError(f"cannot run in {'train' if self.training else 'eval'} mode: {self._other_mode}; "
+        if self._other_mode.refused is not None:
+            raise PlanError(f"cannot run in {'train' if self.training else 'eval'} mode: {self._other_mode.refused}; "
                             f"parallelize the model in the mode you will run it in")
-        return self._other_mode
+        return self._other_mode.graph, self._other_mode.gathered
 
     # ------------------------------------------------------------ checkpoints
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -508,61 +449,6 @@ def _backward_axes(plan) -> set:
     """Mesh axes (indices) on which some collective other than a gradient bucket's runs during backward."""
     return {plan.mesh.axis_names.index(c.axis) for c in plan.collectives
             if c.phase not in ("forward", "optimizer") and not c.where.startswith(BUCKET)}
-
-
-def _serve_layer_groups(pm: "ParallelModule", registries: list) -> None:
-    """Let the FSDP layer groups (layer_groups.py) read this module's shards by name (looked up at each
-    use: to_empty and load_state_dict may replace or refill them)."""
-    import weakref
-    ref = weakref.ref(pm)
-    for registry in registries:
-        for group in registry.groups:
-            group.params = lambda name: ref().store.get_parameter(name)
-
-
-def _grad_buckets(cap: Captured, plan, comm: Comm, grad_nodes, params: dict, grad_scale: float) -> GradBuckets:
-    """The buckets of the weights whose gradient the graph leaves partial (grad_buckets.deferred_axes), in the
-    order backward makes those gradients: the reverse of their first use."""
-    policy = precision_of(plan.precision)
-    entries = []
-    for node, axes in reversed(deferred_axes(cap, plan.node_strategies, grad_nodes).items()):
-        fqn = cap.info[node].target_name
-        if fqn in params:   # a pipeline stage holds only its own weights
-            own = cap.param_dtypes.get(fqn, params[fqn].dtype)
-            entries.append((fqn, params[fqn], axes, policy.resolve(own).reduce))
-    return GradBuckets(entries, comm, plan.bucket_bytes, grad_scale)
-
-
-def mesh_device(device_mesh) -> torch.device | None:
-    """The device this rank computes on: the mesh's type (this process's current CUDA device on "cuda")."""
-    if device_mesh is None:
-        return None
-    device = torch.device(device_mesh.device_type)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _on_mesh_device(graphs, device_mesh) -> None:
-    device = mesh_device(device_mesh)
-    for graph in graphs:
-        if graph is not None and device is not None:
-            on_device(graph, device)
-
-
-def on_device(gm: fx.GraphModule, device: torch.device) -> None:
-    """Every device the graph names (`torch.arange(T, device=idx.device)` traced on the CPU, or on meta for
-    a model built there) made `device`, in the graph and the subgraphs of its higher-order ops: the module
-    computes where its mesh is, whatever device the example inputs were on."""
-    def retarget(a):
-        return device if isinstance(a, torch.device) and a != device else a
-
-    for module in gm.modules():
-        if isinstance(module, fx.GraphModule):
-            for node in module.graph.nodes:
-                node.args = fx.node.map_aggregate(node.args, retarget)
-                node.kwargs = fx.node.map_aggregate(node.kwargs, retarget)
-            module.recompile()
 
 
 def _master_dtypes(params: dict, plan) -> dict:

@@ -1,2 +1,2 @@
-"""Pipeline: stages.py cuts the local graph into this rank's stages and runs them under
-torch.distributed.pipelining's schedules (ParallelModule.train_step)."""
+"""Pipeline: stages.py cuts the local graph into stages and wraps each as a module; runner.py holds this
+device's stages and runs ParallelModule.train_step over them under torch.distributed.pipelining's schedules."""

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..._compat import RETURNED, TO_GRAD, at_backward_end, backward_id, backward_keeps_graph, leaf_gradient_use
-from ...cost.buckets import assign_buckets
+from ...cost.buckets import assign_buckets, deferred_axes
+from ...cost.precision import precision_of
 from ...errors import PlanError, UnsupportedAutogradError
 from ...sharding.redistribute import ALL_REDUCE
 from ..collectives import Comm, log_collective
@@ -462,3 +463,16 @@ def route_through_buckets(gm, placeholder_names: dict, buckets: GradBuckets) -> 
     gm.graph.lint()
     gm.recompile()
     return route
+
+
+def grad_buckets_of(cap, plan, comm, grad_nodes, params: dict, grad_scale: float) -> "GradBuckets":
+    """The buckets of the weights whose gradient the graph leaves partial (grad_buckets.deferred_axes), in the
+    order backward makes those gradients: the reverse of their first use."""
+    policy = precision_of(plan.precision)
+    entries = []
+    for node, axes in reversed(deferred_axes(cap, plan.node_strategies, grad_nodes).items()):
+        fqn = cap.info[node].target_name
+        if fqn in params:   # a pipeline stage holds only its own weights
+            own = cap.param_dtypes.get(fqn, params[fqn].dtype)
+            entries.append((fqn, params[fqn], axes, policy.resolve(own).reduce))
+    return GradBuckets(entries, comm, plan.bucket_bytes, grad_scale)

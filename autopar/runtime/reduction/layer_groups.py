@@ -23,6 +23,8 @@ collectives are the module's.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -262,3 +264,12 @@ class GroupGather(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.group.arrive(ctx.i, grad)
         return None, None, None, None
+
+
+def serve_layer_groups(pm, registries: list) -> None:
+    """Let the FSDP layer groups (layer_groups.py) read this module's shards by name (looked up at each
+    use: to_empty and load_state_dict may replace or refill them)."""
+    ref = weakref.ref(pm)
+    for registry in registries:
+        for group in registry.groups:
+            group.params = lambda name: ref().store.get_parameter(name)
