@@ -263,7 +263,7 @@ def _train_with_a_new_lambda_each_step(rank, x, y):
         out[name] = {"losses": losses, "params": {k: v.clone() for k, v in pm.state_dict(full=True).items()}}
     gc.collect()
     out["loss_fns_kept"] = sum(r() is not None for r in passed)
-    out["num_schedules"] = len(pm._schedules)
+    out["num_schedules"] = len(pm._pipeline.schedules)   # (runtime/pipeline/runner.PipelineRunner)
     return out
 
 
