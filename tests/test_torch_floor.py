@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # API -> (a string of its call in autopar's source, the file, the first torch release that has it)
 FIRST_RELEASE = {
-    "dist.broadcast(group_src=)": ("group_src=", "autopar/runtime/module.py", (2, 6)),
+    "dist.broadcast(group_src=)": ("group_src=", "autopar/runtime/pipeline/runner.py", (2, 6)),
     "pipelining schedules' scale_grads=": ("scale_grads=", "autopar/runtime/pipeline/stages.py", (2, 7)),
     # 2.7 has it only as torch.distributed.checkpoint._HuggingFaceStorageReader
     "torch.distributed.checkpoint.HuggingFaceStorageReader": ("dcp.HuggingFaceStorageReader",
