@@ -15,6 +15,8 @@ autopar may import those modules directly.
 - backward_keeps_graph, backward_id, leaf_gradient_use: what the backward now
   running is, for the gradient reductions that run inside it.
 - register_ordered_effect: a custom op whose calls torch.compile must keep, each one, in order.
+- functional_collectives: torch's functional collectives (a result tensor instead of a work handle),
+  which torch.compile can trace, reorder and bucket; the reduction engine's other launcher.
 """
 
 import threading
@@ -261,3 +263,28 @@ def pipeline_stage(submodule, stage_index: int, num_stages: int, device, group):
             return t
 
     return _Stage(submodule, stage_index, num_stages, device, group=group)
+
+
+# -----------------------------------------------------------------------------
+# functional collectives (runtime/reduction/engine.FunctionalLauncher)
+
+def functional_collectives():
+    """(all_reduce, reduce_scatter, all_gather, wait) of torch.distributed._functional_collectives, each
+    taking (tensor, group) and returning a tensor whose value is ready once `wait` has returned it.
+
+    torch 2.13 renamed the tensor-in/tensor-out ones *_single (the old names warn); 2.11 has only the old."""
+    import torch.distributed._functional_collectives as funcol
+    # same signatures under both names
+    reduce_scatter_tensor = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    all_gather_tensor = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+    def reduce_scatter(t, group):
+        return reduce_scatter_tensor(t, "sum", 0, group)
+
+    def all_gather(t, group):
+        return all_gather_tensor(t, 0, group)
+
+    def all_reduce(t, group):
+        return funcol.all_reduce(t, "sum", group)
+
+    return all_reduce, reduce_scatter, all_gather, funcol.wait_tensor

@@ -30,9 +30,8 @@ import torch
 
 import cost_models as cm
 
-from .runtime.collectives import CommLog
 from .runtime.module import ParallelModule
-from .runtime.lowering.recompute import CheckpointRegion
+from .runtime.observe import observing
 
 
 @dataclass(frozen=True)
@@ -116,36 +115,27 @@ def _time_rows(module: ParallelModule, timed: tuple) -> list:
 class _SavedActivations:
     """Bytes autograd keeps for backward, one entry per storage (see the module docstring)."""
 
-    def __init__(self, module: ParallelModule, local_inputs: tuple, inner_pack):
+    def __init__(self, module: ParallelModule, local_inputs: tuple):
         # parameters and buffers are counted in their own row, whichever view of them is saved
         self._weights = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
         # plan.local_inputs cuts a rank's batch as a view of the global one; in a real run the
         # rank holds only its shard, so an input's storage counts as the shard's bytes
         self._shards = {t.untyped_storage().data_ptr(): _nbytes(t) for t in local_inputs
                         if isinstance(t, torch.Tensor)}
-        self._inner_pack = inner_pack
         self._bytes: dict = {}   # storage address -> bytes
 
-    def _count(self, t: torch.Tensor) -> None:
+    def saved(self, t: torch.Tensor) -> None:
+        """A tensor backward keeps (runtime/observe.observing's on_saved)."""
         storage = t.untyped_storage()
         # saved tensors stay alive until backward, so no other storage can reuse this address
         if storage.data_ptr() not in self._weights:
             self._bytes[storage.data_ptr()] = self._shards.get(storage.data_ptr(), storage.nbytes())
 
-    def pack(self, t: torch.Tensor):
-        """The saved-tensor hook: GatheredParams' own, counting what it keeps."""
-        packed = self._inner_pack(t)
-        if packed is t:
-            self._count(t)
-        elif packed[2].activation:   # an activation kept as its shard (sequence parallelism): the shard counts
-            self._count(packed[1])
-        return packed                # else an FSDP weight: a handle is kept, not the tensor
-
     def region_inputs(self, inputs) -> None:
-        """A CheckpointRegion's observer: a checkpointed block keeps no activations but holds the tensors it reads."""
+        """A checkpointed block keeps no activations but holds the tensors it reads."""
         for t in inputs:
             if isinstance(t, torch.Tensor):
-                self._count(t)
+                self.saved(t)
 
     def total(self) -> int:
         return sum(self._bytes.values())
@@ -153,27 +143,13 @@ class _SavedActivations:
 
 @contextmanager
 def _measuring(module: ParallelModule, local_inputs: tuple):
-    """Within: saved tensors are counted and collectives logged to a fresh CommLog; the module is restored after.
+    """Within: saved tensors are counted and collectives logged to a fresh CommLog (runtime/observe.py).
 
     Yields (the _SavedActivations counting, the fresh CommLog).
     """
-    gathered = module.gathered
-    inner_pack = gathered.pack
-    saved = _SavedActivations(module, local_inputs, inner_pack)
-    regions = [m for m in module.modules() if isinstance(m, CheckpointRegion)]
-    log = module.comm.log
-    module.comm.log = CommLog()
-    gathered.pack = saved.pack
-    needed, gathered.needed = gathered.needed, True   # the hooks run even where nothing gathers again
-    for region in regions:
-        region.observer = saved.region_inputs
-    try:
-        yield saved, module.comm.log
-    finally:
-        gathered.pack, gathered.needed = inner_pack, needed
-        module.comm.log = log
-        for region in regions:
-            region.observer = None
+    saved = _SavedActivations(module, local_inputs)
+    with observing(module, saved.saved, saved.region_inputs) as log:
+        yield saved, log
 
 
 def _train_step(module: ParallelModule, local_inputs: tuple, loss_fn, optimizer) -> int:

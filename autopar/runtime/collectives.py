@@ -10,7 +10,6 @@ all-to-all <-> all-to-all.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -83,6 +82,9 @@ class Comm:
     # axis -> seconds this rank spent blocked in collectives (calls and waits); None: not timed.
     # autopar.audit sets it to measure the exposed communication the plan predicts.
     clock: dict | None = None
+    # the reduction engine's collectives as torch's functional collectives (reduction/engine.launch), which
+    # torch.compile can trace into its graph; False: torch.distributed's asynchronous calls
+    functional: bool = False
     # the streams this rank's random ops draw from (rng.py): parallelize seeds them alike on every rank
     random_streams: RandomStreams = field(default_factory=lambda: RandomStreams(0))
 
@@ -96,8 +98,8 @@ class Comm:
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the old names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # uncached here: torch.compile traces transform, and warns at each functools.cache it meets
@@ -163,11 +165,11 @@ def _all_gather_padded(x: torch.Tensor, d: int, size: int, comm: Comm, axis: int
     ax = comm.axes[axis]
     n = ax.size
     piece = -(-size // n)
-    xs = _pad_to(x.movedim(d, 0), piece).contiguous()
+    xs = pad_to(x.movedim(d, 0), piece).contiguous()
     xs = logged(xs, comm, ALL_GATHER, axis, n * _bytes(xs), phase)
     out = xs.new_empty((n * piece,) + tuple(xs.shape[1:]))
     t0 = comm.start()
-    _all_gather(out, xs, group=ax.group)
+    all_gather_tensor(out, xs, group=ax.group)
     comm.stop(axis, t0)
     out = out[:size]   # the padding off (a prefix: still contiguous)
     return out if d == 0 else out.movedim(0, d).contiguous()
@@ -180,11 +182,11 @@ def _reduce_scatter_padded(x: torch.Tensor, d: int, comm: Comm, axis: int, phase
     n = ax.size
     size = x.shape[d]
     piece = -(-size // n)
-    xs = _pad_to(x.movedim(d, 0), n * piece).contiguous()
+    xs = pad_to(x.movedim(d, 0), n * piece).contiguous()
     xs = logged(xs, comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
     out = xs.new_empty((piece,) + tuple(xs.shape[1:]))
     t0 = comm.start()
-    _reduce_scatter(out, xs, group=ax.group)
+    reduce_scatter_tensor(out, xs, group=ax.group)
     comm.stop(axis, t0)
     out = out[:chunk_span(size, n, ax.coord)[1]]
     return out if d == 0 else out.movedim(0, d).contiguous()
@@ -200,7 +202,7 @@ def _all_gather_inner(x: torch.Tensor, d: int, comm: Comm, axis: int, phase: str
     xs = logged(x.contiguous(), comm, ALL_GATHER, axis, n * _bytes(x), phase)
     out = xs.new_empty((n * xs.shape[0],) + tuple(xs.shape[1:]))
     t0 = comm.start()
-    _all_gather(out, xs, group=ax.group)
+    all_gather_tensor(out, xs, group=ax.group)
     comm.stop(axis, t0)
     shape = list(xs.shape)
     shape[d] *= n
@@ -222,83 +224,12 @@ def _reduce_scatter_inner(x: torch.Tensor, d: int, comm: Comm, axis: int, phase:
     xs = logged(xs, comm, REDUCE_SCATTER, axis, _bytes(xs), phase)
     out = xs.new_empty(shape[:d] + (piece,) + shape[d + 1:])
     t0 = comm.start()
-    _reduce_scatter(out, xs, group=ax.group)
+    reduce_scatter_tensor(out, xs, group=ax.group)
     comm.stop(axis, t0)
     return out
 
 
-def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, phase: str,
-                    async_op: bool = False):
-    """Several tensors split on `axis` (along dims[i], whole length wholes[i]) gathered whole in one
-    all-gather: each rank's pieces padded to ceil(whole / n) and concatenated, as FSDP2 lays out a layer.
-    Returns the whole tensors, or with async_op (work, finish): finish() waits and returns them."""
-    ax = comm.axes[axis]
-    n = ax.size
-    moved = [_pad_to(x.movedim(d, 0), -(-w // n)).contiguous() for x, d, w in zip(xs, dims, wholes)]
-    send = torch.cat([t.reshape(-1) for t in moved])
-    out = send.new_empty(n * send.numel())
-    log_collective(comm, ALL_GATHER, axis, _bytes(out), phase)
-    t0 = comm.start()   # a launch counts too: some backends (the threaded one) block in it
-    work = _all_gather(out, send, group=ax.group, async_op=async_op)
-    comm.stop(axis, t0)
-
-    def finish() -> list:
-        if work is not None:
-            t1 = comm.start()
-            work.wait()
-            comm.stop(axis, t1)
-        per_rank = out.view(n, send.numel())
-        fulls, off = [], 0
-        for t, d, w in zip(moved, dims, wholes):
-            full = per_rank[:, off: off + t.numel()].reshape((n * t.shape[0],) + tuple(t.shape[1:]))[:w]
-            off += t.numel()
-            fulls.append(full if d == 0 else full.movedim(0, d).contiguous())
-        return fulls
-    return (work, finish) if async_op else finish()
-
-
-def reduce_scatter_flat(grads: list, dims: list, comm: Comm, axis: int):
-    """Whole gradients summed over `axis` and split along dims[i], in one asynchronous reduce-scatter.
-    Returns (work, out, pieces): after work.wait(), `out` holds this rank's flat result (padded pieces)
-    and pieces(coord) lists this rank's piece of each (torch.chunk's), read from `out`. Only the send
-    buffer (held by `work` until it completes) keeps the gradients' bytes: `pieces` holds their shapes."""
-    ax = comm.axes[axis]
-    n = ax.size
-    moved = [_pad_to(g.movedim(d, 0), n * -(-g.shape[d] // n)).contiguous() for g, d in zip(grads, dims)]
-    send = torch.cat([t.reshape(n, -1) for t in moved], dim=1).reshape(-1)   # rank r's pieces together
-    layout = [(tuple(t.shape), d, g.shape[d]) for t, d, g in zip(moved, dims, grads)]
-    del moved
-    out = send.new_empty(send.numel() // n)
-    log_collective(comm, REDUCE_SCATTER, axis, _bytes(send), "backward")
-    t0 = comm.start()
-    work = _reduce_scatter(out, send, group=ax.group, async_op=True)
-    comm.stop(axis, t0)
-
-    def pieces(coord: int) -> list:
-        res, off = [], 0
-        for shape, d, whole in layout:
-            k = math.prod(shape) // n
-            piece = out[off: off + k].view((shape[0] // n,) + shape[1:])
-            piece = piece[: chunk_span(whole, n, coord)[1]]
-            off += k
-            res.append(piece if d == 0 else piece.movedim(0, d).contiguous())
-        return res
-    return work, out, pieces
-
-
-def reduce_scatter_async(send: torch.Tensor, comm: Comm, axis: int, phase: str) -> tuple:
-    """A flat buffer summed over `axis`, this rank's 1/n of it (its row of [n, numel / n]) kept, launched
-    asynchronously: (work, out); `out` holds the result once work.wait() returns."""
-    ax = comm.axes[axis]
-    out = send.new_empty(send.numel() // ax.size)
-    log_collective(comm, REDUCE_SCATTER, axis, _bytes(send), phase)
-    t0 = comm.start()   # a launch counts too: some backends (the threaded one) block in it
-    work = _reduce_scatter(out, send, group=ax.group, async_op=True)
-    comm.stop(axis, t0)
-    return work, out
-
-
-def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
     """`x` with zeros appended along dim 0 up to `length` rows (itself when it has them)."""
     if x.shape[0] == length:
         return x
@@ -306,7 +237,7 @@ def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def log_collective(comm: Comm, kind, axis, nbytes, phase):
-    """A launch logged (when comm logs), by code that runs eagerly: the buckets, layer groups and clipping.
+    """A launch logged (when comm logs), by code that runs eagerly: the reduction engine and clipping.
     Inside a graph torch.compile may trace, use `logged`."""
     if comm.log is not None:
         comm.log.add(kind, axis, nbytes, phase)

@@ -38,6 +38,9 @@ class GatheredParams:
         # whether any layout change of the graph gathers again (rewrite sets it): without one, forward runs
         # without the hooks, whose Python call per saved tensor costs a data-parallel step ~1%
         self.needed = True
+        # observer(t), if set, sees each tensor backward keeps: an activation kept as its shard is seen as the
+        # shard; an FSDP weight, kept as a handle to gather again, is not seen (runtime/observe.py)
+        self.observer = None
 
     def hooks(self):
         """The saved-tensor hooks forward runs under, or a context that does nothing when none is needed."""
@@ -63,7 +66,11 @@ class GatheredParams:
             module.saved()
             if slot is not None:
                 slot.pending += 1
+            if self.observer is not None and module.activation:
+                self.observer(entry[1])
             return ("regather", entry[1], module, t.size(), t.stride(), t.storage_offset(), slot)
+        if self.observer is not None:
+            self.observer(t)
         return t
 
     def unpack(self, packed):

@@ -27,7 +27,7 @@ from ...sharding.placement import R, dim_factor, gathered_size, is_shard
 from ...sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
 from ...sharding.rules import vocab_split_axes
 from ..collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
-from ..reduction.layer_groups import GroupGather, InFlight, LayerGroup
+from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
 from .recompute import outline
 from .regather import GatheredParams
 from ..rng import RandomOp, draws_random, shard_key
@@ -186,7 +186,7 @@ class _Rewriter:
         self.saves = activation_model(cap, plan.hardware).saves_through if plan.regather_activations else {}
         self.reshard = plan.reshard_after_forward
         self.groups: dict = {}   # cost/layer_groups.group_key -> LayerGroup
-        self.in_flight = InFlight()   # the groups' reduce-scatters, one in flight at a time
+        self.in_flight = in_flight()   # the groups' reduce-scatters, one in flight at a time
         # weights whose data-axis gradient the buckets reduce, and activations whose gradient flows on to them
         # partial (cost/buckets.partial_gradients)
         self.deferred = partial_gradients(cap, plan.node_strategies, grad_nodes)

@@ -37,14 +37,14 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from ..._compat import RETURNED, TO_GRAD, at_backward_end, backward_id, backward_keeps_graph, leaf_gradient_use
+from ..._compat import RETURNED, TO_GRAD, backward_keeps_graph, leaf_gradient_use
 from ...cost.buckets import assign_buckets, deferred_axes
 from ...cost.precision import precision_of
 from ...errors import PlanError, UnsupportedAutogradError
 from ...sharding.redistribute import ALL_REDUCE
-from ..collectives import Comm, log_collective
+from ..collectives import Comm
+from .engine import BackwardEnd, InOrder, accumulate_grad, launch
 
 
 @dataclass
@@ -67,7 +67,7 @@ class _Bucket:
     buffer: torch.Tensor | None = None  # the buffer kept from step to step (the .grad views point into it)
     written: set = field(default_factory=set)   # slots whose piece of `flat` holds a gradient
     outstanding: int = 0               # its slots' forward uses whose gradient has not arrived
-    work: object = None                # the launched all-reduce on axes[0]
+    work: object = None                # the launched all-reduce on axes[0] (engine.Launched)
 
 
 class DeferredReduce(torch.autograd.Function):
@@ -149,8 +149,9 @@ class GradBuckets:
         self._pending: dict[int, torch.Tensor] = {}   # slot -> local gradient summed under accumulating()
         self._accumulating = False
         self._through_autograd = False
-        self._next_launch = 0          # buckets launch in index order
-        self._callback_queued = None   # the backward_id whose end runs _finish
+        self._order = InOrder(self.buckets, lambda b: b.flat is not None and b.outstanding == 0,
+                              lambda b: self._launch(b))   # looked up at each launch: tests wrap it
+        self._end = BackwardEnd(self._finish, self._drop_backward)
         self._reducing = False
 
     def use(self, names: list, params: list) -> list:
@@ -234,11 +235,7 @@ class GradBuckets:
 
     def arrive(self, slots: tuple, grads: tuple, accumulate: bool = False) -> None:
         """The gradients of one DeferredReduce's weights (None where one did not come) are in."""
-        if self._callback_queued != backward_id():
-            if self._callback_queued is not None:   # queued in a backward that raised: torch never ran it
-                self._drop_backward()
-            self._callback_queued = backward_id()
-            at_backward_end(self._finish)
+        self._end.queue()
         summing = accumulate or self._accumulating
         for i, grad in zip(slots, grads):
             slot = self.slots[i]
@@ -253,7 +250,7 @@ class GradBuckets:
                 self._reducing = True   # this backward reduces: _finish completes it
                 self._copy_in(i, grad)
         if not summing:
-            self._launch_ready()
+            self._order.advance()
 
     def _copy_in(self, i: int, grad: torch.Tensor) -> None:
         slot = self.slots[i]
@@ -296,14 +293,6 @@ class GradBuckets:
     def _views(grad, buffer: torch.Tensor) -> bool:
         return grad is not None and grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets) and self._ready(self.buckets[self._next_launch]):
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
-
-    def _ready(self, b: _Bucket) -> bool:
-        return b.flat is not None and b.outstanding == 0
-
     def _launch(self, b: _Bucket) -> None:
         if b.flat is None:   # nothing arrived, but the slots may hold gradients summed under accumulating()
             self._take_pending(b)
@@ -313,11 +302,7 @@ class GradBuckets:
             if i not in b.written:
                 slot = self.slots[i]
                 b.flat[slot.offset: slot.offset + slot.param.numel()].zero_()
-        ax = self.comm.axes[b.axes[0]]
-        self._log(b.axes[0], b.flat)
-        t0 = self.comm.start()   # a launch counts too: some backends (the threaded one) block in it
-        b.work = dist.all_reduce(b.flat, group=ax.group, async_op=True)
-        self.comm.stop(b.axes[0], t0)
+        b.work = launch(ALL_REDUCE, b.flat, self.comm, b.axes[0], "backward")
 
     def _take_pending(self, b: _Bucket) -> None:
         for i in b.slots:
@@ -327,14 +312,13 @@ class GradBuckets:
 
     def _finish(self) -> None:
         """End of backward: launch what has not launched, wait for all, set the gradients."""
-        self._callback_queued = None
         if self._reducing:   # else every gradient of this backward was only summed (no_sync)
             self._reducing = False
             for b in self.buckets:   # in index order, as on every rank; those launched in backward are on their way
                 if b.work is None:
                     self._take_pending(b)
                     self._launch(b)
-            self._next_launch = 0
+            self._order.next = 0
             for b in self.buckets:
                 self._complete(b)
         self._count_uses_again(backward_keeps_graph())
@@ -349,7 +333,7 @@ class GradBuckets:
             b.written.clear()
         for s in self.slots:
             s.outstanding = s.uses = 0
-        self._next_launch, self._reducing = 0, False
+        self._order.next, self._reducing = 0, False
 
     def _count_uses_again(self, graph_kept: bool) -> None:
         """A backward that keeps its graph may be followed by another through it, which brings the gradients
@@ -374,29 +358,16 @@ class GradBuckets:
     def _complete(self, b: _Bucket) -> None:
         if b.work is None:
             return
-        t0 = self.comm.start()
-        b.work.wait()
-        self.comm.stop(b.axes[0], t0)
+        flat = b.work.wait()
         for a in b.axes[1:]:   # a weight partial over several axes: the others after the first, in turn
-            self._log(a, b.flat)
-            t0 = self.comm.start()
-            dist.all_reduce(b.flat, group=self.comm.axes[a].group)
-            self.comm.stop(a, t0)
+            flat = launch(ALL_REDUCE, flat, self.comm, a, "backward").wait()
         for i in b.slots:
-            slot = self.slots[i]
-            p = slot.param
-            g = b.flat[slot.offset: slot.offset + p.numel()].view(p.shape).to(p.dtype)
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+            p = self.slots[i].param
+            accumulate_grad(p, flat[self.slots[i].offset: self.slots[i].offset + p.numel()].view(p.shape).to(p.dtype))
         b.flat, b.work, b.outstanding = None, None, 0
         b.written.clear()
         for i in b.slots:
             self.slots[i].outstanding = 0
-
-    def _log(self, axis: int, flat: torch.Tensor) -> None:
-        log_collective(self.comm, ALL_REDUCE, axis, flat.numel() * flat.element_size(), "backward")
 
     def num_buckets(self) -> int:
         return len(self.buckets)

@@ -26,12 +26,12 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed as dist
 
-from ..._compat import RETURNED, at_backward_end, backward_id, backward_keeps_graph, leaf_gradient_use
+from ..._compat import RETURNED, backward_keeps_graph, leaf_gradient_use
 from ...sharding.redistribute import ALL_REDUCE
 # collectives' shard_dim: uncached, as torch.compile traces these calls (it warns at a functools cache)
-from ..collectives import Comm, all_gather_flat, log_collective, reduce_scatter_flat, shard_dim
+from ..collectives import Comm, shard_dim
+from .engine import BackwardEnd, InFlight, accumulate_grad, all_gather_flat, launch, reduce_scatter_flat
 from .grad_buckets import returned_gradient_error
 
 
@@ -49,17 +49,17 @@ class _Member:
 class LayerGroup:
     """The FSDP weights of one layer on one axis; `params()` maps a weight's name to its local shard."""
 
-    def __init__(self, axis: int, comm: Comm, sum_axes: tuple, in_flight: "InFlight"):
+    def __init__(self, axis: int, comm: Comm, sum_axes: tuple, in_flight: InFlight):
         self.axis, self.comm, self.sum_axes = axis, comm, sum_axes
-        self.in_flight = in_flight   # the module's launched reduce-scatters, shared by its groups
+        self.in_flight = in_flight   # the module's launched reduce-scatters, shared by its groups (in_flight())
         self.params = None          # name -> this rank's shard; set by the ParallelModule that holds them
         self.next = self.prev = None   # the groups forward gathers after and before this one
         self._prefetched = None     # finish() of this group's gather launched ahead of its first use
         self.members: list[_Member] = []
         self._served: dict = {}     # member index -> gathered weight, handed out once
         self._grads = None          # this backward's whole gradients, until the reduce-scatter takes them
-        self._work = None           # the launched reduce-scatter: (work or None once waited on, output, pieces)
-        self._callback_queued = None   # the backward_id whose end runs _finish
+        self._work = None           # the launched reduce-scatter: (launched, its result once waited on, pieces)
+        self._end = BackwardEnd(self._finish, self._drop_backward)
 
     def add(self, module, param_name: str) -> int:
         self.members.append(_Member(module, param_name))
@@ -151,17 +151,14 @@ class LayerGroup:
         self._grads = None   # the send buffer holds them from here on
         self.in_flight.make_room()
         self._work = reduce_scatter_flat(grads, [self._dim(m) for m in self.members], self.comm, self.axis)
-        self.in_flight.groups.append(self)
+        self.in_flight.add(self)
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
         """Wait for this group's reduce-scatter and drop the work, and with it the send buffer."""
         if self._work is None or self._work[0] is None:
             return
-        work, out, pieces = self._work
-        t0 = self.comm.start()
-        work.wait()
-        self.comm.stop(self.axis, t0)
-        self._work = (None, out, pieces)
+        launched, _, pieces = self._work
+        self._work = (None, launched.wait(), pieces)
 
     def _zeros(self, k: int) -> torch.Tensor:
         m = self.members[k]
@@ -174,21 +171,18 @@ class LayerGroup:
     def _queue_end(self) -> None:
         """At this group's first part in a backward: refuse torch.autograd.grad with respect to its weights
         (before anything of this backward is kept), and have _finish run when backward ends."""
-        if self._callback_queued == backward_id():
+        if self._end.is_queued():
             return
-        if self._callback_queued is not None:   # queued in a backward that raised: torch never ran it
-            self._drop_backward()
         for m in self.members:
             p = self.params(m.param_name)
             if p.requires_grad and leaf_gradient_use(torch.autograd.graph.get_gradient_edge(p).node) == RETURNED:
                 raise returned_gradient_error(m.param_name, "its layer's FSDP reduce-scatter")
-        self._callback_queued = backward_id()
-        at_backward_end(self._finish)
+        self._end.queue()
 
     def _drop_backward(self) -> None:
         """Forget what a backward that raised half did (its gradients never reach .grad)."""
         self.forget()
-        self._wait()
+        self.wait()
         self.in_flight.discard(self)
         self._grads, self._work = None, None
         for m in self.members:
@@ -196,7 +190,6 @@ class LayerGroup:
 
     def _finish(self) -> None:
         """End of backward: reduce what has not gone out, set the gradients, drop what was gathered."""
-        self._callback_queued = None
         self.forget()
         kept = backward_keeps_graph()   # another backward through this graph will unpack and arrive as this one did
         for m in self.members:
@@ -211,45 +204,22 @@ class LayerGroup:
 
     def _settle(self) -> None:
         """Complete the launched reduce-scatter: sum this rank's pieces over `sum_axes`, add them to .grad."""
-        self._wait()
+        self.wait()
         self.in_flight.discard(self)
         _, out, pieces = self._work
         for a in self.sum_axes:   # 1/n of the bytes summing the whole gradients first would move
-            log_collective(self.comm, ALL_REDUCE, a, out.numel() * out.element_size(), "backward")
-            t0 = self.comm.start()
-            dist.all_reduce(out, group=self.comm.axes[a].group)
-            self.comm.stop(a, t0)
+            out = launch(ALL_REDUCE, out, self.comm, a, "backward").wait()
         coord = self.comm.axes[self.axis].coord
-        for m, piece in zip(self.members, pieces(coord)):
+        for m, piece in zip(self.members, pieces(out, coord)):
             p = self.params(m.param_name)
-            g = piece.to(p.dtype)
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+            accumulate_grad(p, piece.to(p.dtype))
         self._grads, self._work = None, None
 
 
-class InFlight:
-    """One module's launched layer reduce-scatters, oldest first.
-
-    Each one's send buffer holds its layer's whole gradients until it completes. Launching the next
-    first waits for the one before, as FSDP2 frees a reduce-scatter's input before it issues the next
-    layer's: backward then holds one layer's whole gradients in flight beside the layer it is making,
-    not every layer's until it ends (which made a 16-layer model's step peak 1.4x the predicted memory).
-    The reduce-scatter still runs while the next layer's backward computes."""
-
-    def __init__(self, limit: int = 1):
-        self.limit = limit
-        self.groups: list = []
-
-    def make_room(self) -> None:
-        while len(self.groups) >= self.limit:
-            self.groups.pop(0)._wait()
-
-    def discard(self, group: LayerGroup) -> None:
-        if group in self.groups:
-            self.groups.remove(group)
+def in_flight() -> InFlight:
+    """One module's launched layer reduce-scatters, shared by its layer groups: one at a time
+    (engine.InFlight says why)."""
+    return InFlight(retire=lambda group: group.wait(), limit=1)
 
 
 class GroupGather(torch.autograd.Function):

@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..._compat import RETURNED, at_backward_end, leaf_gradient_use
+from ..._compat import RETURNED, leaf_gradient_use
 from ...errors import PlanError, UnsupportedAutogradError
-from ..collectives import Comm, all_gather_flat, reduce_scatter_async
+from ...sharding.redistribute import REDUCE_SCATTER
+from ..collectives import Comm
+from .engine import BackwardEnd, InFlight, InOrder, accumulate_grad, all_gather_flat, launch
 
 
 @dataclass
@@ -52,7 +54,7 @@ class _Bucket:
     width: int                                   # elements of one row: one rank's slices
     send: torch.Tensor | None = None             # [ranks, width], this backward's, taken at the first arrival
     arrived: set = field(default_factory=set)    # names whose gradient is in `send`
-    launched: object = None                      # (work, out) of the reduce-scatter
+    launched: object = None                      # the reduce-scatter (engine.Launched)
 
 
 class ZeroBuckets:
@@ -69,9 +71,10 @@ class ZeroBuckets:
                 width += columns[name][1]
             self.buckets.append(_Bucket(axis, list(names), columns, width))
         self._bucket_of = {n: k for k, b in enumerate(self.buckets) for n in b.names}
-        self._next_launch = 0
-        self._in_flight = None   # the one launched bucket not yet completed
-        self._callback_queued = False
+        self._order = InOrder(self.buckets, lambda b: len(b.arrived) == len(b.names),
+                              lambda b: self._launch(b))
+        self._in_flight = InFlight(retire=self._complete, limit=1)   # one launched bucket not yet completed
+        self._end = BackwardEnd(self._finish, self._drop_backward)
 
     def __contains__(self, name: str) -> bool:
         return name in self._bucket_of
@@ -82,15 +85,10 @@ class ZeroBuckets:
         if b.launched is not None:
             raise PlanError(f"the gradient of {name!r} came after its ZeRO bucket was reduce-scattered in this "
                             "backward (a second backward through the same graph before it ended?); report this")
-        if not self._callback_queued:
-            self._callback_queued = True
-            at_backward_end(self._finish)
+        self._end.queue()
         self._take(b, name)
         self.zero[name].param.grad = None   # the point of level 2: the whole gradient does not outlive this
-        while self._next_launch < len(self.buckets) and \
-                len(self.buckets[self._next_launch].arrived) == len(self.buckets[self._next_launch].names):
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
+        self._order.advance()
 
     def _take(self, b: _Bucket, name: str) -> None:
         z = self.zero[name]
@@ -108,10 +106,9 @@ class ZeroBuckets:
             if name not in b.arrived:
                 first, k = b.columns[name]
                 b.send[:, first: first + k].zero_()
-        if self._in_flight is not None:
-            self._complete(self._in_flight)
-        self._in_flight = b
-        b.launched = reduce_scatter_async(b.send.reshape(-1), self.comm, b.axis, self.phase)
+        self._in_flight.make_room()
+        self._in_flight.add(b)
+        b.launched = launch(REDUCE_SCATTER, b.send.reshape(-1), self.comm, b.axis, self.phase)
         b.send = None   # the launched collective holds it until it completes
 
     def flush(self) -> None:
@@ -121,7 +118,7 @@ class ZeroBuckets:
                 if self.zero[name].param.grad is not None:
                     self._take(b, name)
             self._launch(b)
-        self._complete_last()
+        self._in_flight.drain()
 
     def gather_weights(self) -> None:
         """After the optimizer step: each bucket's updated slices all-gathered in one call, and each whole
@@ -136,28 +133,27 @@ class ZeroBuckets:
 
     def _finish(self) -> None:
         """End of backward: launch what has not launched, complete the last."""
-        self._callback_queued = False
-        for b in self.buckets[self._next_launch:]:
-            self._launch(b)
-        self._next_launch = 0
-        self._complete_last()
+        self._order.rest()
+        self._in_flight.drain()
 
-    def _complete_last(self) -> None:
-        if self._in_flight is not None:
-            self._complete(self._in_flight)
+    def _drop_backward(self) -> None:
+        """Forget what a backward that raised half did (its gradients never reach the slices); a launched
+        reduce-scatter is waited on, as every rank launched it."""
+        for b in self._in_flight.entries:
+            b.launched.wait()
+        self._in_flight.entries.clear()
+        for b in self.buckets:
+            b.send, b.launched, b.arrived = None, None, set()
+        self._order.next = 0
 
     def _complete(self, b: _Bucket) -> None:
         """Wait for bucket b's reduce-scatter and add this rank's slices to the slices' .grad."""
-        work, out = b.launched
-        t0 = self.comm.start()
-        work.wait()
-        self.comm.stop(b.axis, t0)
+        out = b.launched.wait()
         for name in b.arrived:   # one without a gradient stays without one, as an unbucketed weight would
             first, k = b.columns[name]
             z = self.zero[name]
-            g = out[first: first + k].to(z.slice.dtype)
-            z.slice.grad = g if z.slice.grad is None else z.slice.grad + g
-        b.arrived, b.launched, self._in_flight = set(), None, None
+            accumulate_grad(z.slice, out[first: first + k].to(z.slice.dtype))
+        b.arrived, b.launched = set(), None
 
 
 def refuse_returned_gradient(param: torch.nn.Parameter, name: str):
