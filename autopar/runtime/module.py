@@ -8,7 +8,6 @@ checkpoint does not depend on the layout it was saved from.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -16,50 +15,21 @@ import torch.fx as fx
 
 from .._compat import new_state_dict, output_spec, unflatten_outputs
 from ..capture.compute_dtype import cast_inputs
-from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
+from ..capture.export import BUFFER, CONSTANT, PARAM, Captured
 from ..cost.buckets import params_by_first_use
-from ..cost.overlap import BUCKET
-from ..cost.precision import precision_of
 from ..errors import PlanError
-from ..sharding.placement import R, shard_full_tensor
 from .collectives import Comm
 from .devices import on_mesh_device
-from .reduction.grad_buckets import GradBuckets, grad_buckets_of, route_through_buckets
+from .reduction.grad_buckets import wire_grad_buckets
 from .reduction.layer_groups import serve_layer_groups
 from .initialization import init_shards
 from .lowering.input_shapes import check_input_shapes, input_shape_specs, ordered_inputs
 from .lowering.regather import GatheredParams
 from .pipeline.runner import PipelineRunner
 from .reduction.zero_buckets import refuse_returned_gradient
-from .state_dict import export_tensor, load_module_state, stored_layout
+from .state_dict import export_tensor, full_grads, load_module_state, load_under_prefix, own_state, stored_layout
+from .store import moved_constant, on_meta, store_shards, valueless_constant
 
-
-
-def _set_by_path(root: torch.nn.Module, fqn: str, value, as_param: bool):
-    *path, leaf = fqn.split(".")
-    mod = root
-    for p in path:
-        if not hasattr(mod, p):
-            mod.add_module(p, _Store())
-        mod = getattr(mod, p)
-    if as_param:
-        mod.register_parameter(leaf, value)
-    else:
-        mod.register_buffer(leaf, value)
-
-
-def _on_meta(model: torch.nn.Module) -> bool:
-    tensors = [*model.parameters(), *model.buffers()]
-    return bool(tensors) and all(t.is_meta for t in tensors)
-
-
-class _Store(torch.nn.Module):
-    """The original module tree, holding local shards of parameters and buffers."""
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        # the ParallelModule above loads these shards by their original names (its _load_from_state_dict);
-        # a parent's load_state_dict, recursing down to here, would report them missing under "store."
-        pass
 
 
 @dataclass(frozen=True)
@@ -83,59 +53,28 @@ class ParallelModule(torch.nn.Module):
         self.graph_module = gm
         self.comm = comm
         self.device_mesh = device_mesh
-        self._gathered = gathered
+        self.gathered = gathered
         # the mode the model was not captured in (api._other_mode); None when the graph is the same in both
         self._captured_training = model.training
         self._other_mode = other_mode
         self._input_shapes = input_shape_specs(cap, plan)
-        self._output_spec = output_spec(cap.exported)
-        self._coords = tuple(a.coord for a in comm.axes)
-        self.store = _Store()
+        self.output_spec = output_spec(cap.exported)
+        self.coords = tuple(a.coord for a in comm.axes)
         # a meta-built model's module tree, for init_weights (held outside nn.Module's registry, so its
         # meta tensors are not this module's parameters); None for a model built with real tensors
-        self.__dict__["_meta_model"] = model if _on_meta(model) else None
-        ep = cap.exported
+        self.__dict__["meta_model"] = model if on_meta(model) else None
         # this device's stages of the graph (pipeline/runner.py) and the weights they read
         self._pipeline = PipelineRunner(self, gm, cap, plan) if plan.pipeline is not None else None
-        needed = self._pipeline.weights if self._pipeline is not None else None
-        full_params = dict(model.named_parameters(remove_duplicate=False))
-        full_buffers = dict(model.named_buffers(remove_duplicate=False))
+        stored = store_shards(cap, plan, model, self.coords, self._pipeline.weights if self._pipeline else None)
+        self.store = stored.store
+        self._placeholder_sources = stored.placeholder_sources
         # whole shapes: a shard split unevenly (placement.py) does not tell them
-        self._global_shapes = {fqn: tuple(p.shape) for fqn, p in full_params.items()}
-        self._model_names = set(full_params) | set(full_buffers)   # a pipelined module holds only some
-        master_dtypes = _master_dtypes(full_params, plan)
+        self.global_shapes = stored.global_shapes
+        self.model_names = stored.model_names   # a pipelined module holds only some
         self._compute_dtype = cap.compute_dtype   # floating inputs are cast to it (compute_dtype.py)
-        self._aliases = dict(cap.aliases)   # tied names -> canonical name (state_dict lists both)
-        self._placeholder_sources = []  # (kind, fqn) per graph placeholder, in order
-        # tensors export lifted out of forward (kept whole): the values the model's code computes with, no
-        # state of the model's, so not in state_dict; as captured, and where the module is now (_apply)
-        self._captured_constants = {}
-        self._constants = {}
-        for node in cap.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            info = cap.info[node.name]
-            if info.kind == PARAM:
-                fqn = info.target_name
-                if fqn not in self._param_names() and (needed is None or fqn in needed):
-                    full = full_params[fqn]
-                    local = shard_full_tensor(full.detach(), plan.param_placements[fqn], self._coords,
-                                              plan.mesh.axis_sizes)
-                    # the master dtype a precision policy keeps the weight in (its own dtype without one)
-                    local = local.to(master_dtypes.get(fqn, local.dtype), copy=True)
-                    _set_by_path(self.store, fqn, torch.nn.Parameter(local, full.requires_grad), True)
-                self._placeholder_sources.append((PARAM, fqn))
-            elif info.kind == BUFFER:
-                fqn = info.target_name
-                if fqn not in dict(self.store.named_buffers()) and (needed is None or fqn in needed):
-                    _set_by_path(self.store, fqn, full_buffers[fqn].detach().clone(), False)
-                self._placeholder_sources.append((BUFFER, fqn))
-            elif info.kind == CONSTANT:
-                self._placeholder_sources.append((CONSTANT, info.target_name))
-                self._captured_constants[info.target_name] = ep.constants[info.target_name]
-                self._constants[info.target_name] = ep.constants[info.target_name]
-            else:
-                self._placeholder_sources.append((INPUT, None))
+        self.aliases = dict(cap.aliases)   # tied names -> canonical name (state_dict lists both)
+        # lifted constants as captured, and where the module is now (_apply)
+        self._captured_constants, self._constants = stored.constants, dict(stored.constants)
         # how a call's positional and keyword inputs map to the graph's placeholders, and the constants it baked in
         self._input_keys, self._constant_inputs = list(cap.input_keys), dict(cap.constant_inputs)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
@@ -146,7 +85,7 @@ class ParallelModule(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         """.to(), .cuda(), to_empty() and the like move the lifted constants with the weights (see _moved)."""
         super()._apply(fn, recurse)
-        self._constants = {name: _moved(self._captured_constants[name], current, fn)
+        self._constants = {name: moved_constant(self._captured_constants[name], current, fn)
                            for name, current in self._constants.items()}
         self._hook_zero_params()   # to_empty (a meta-built model) replaces the parameters, and their hooks with them
         return self
@@ -167,29 +106,12 @@ class ParallelModule(torch.nn.Module):
 
     def _gradient_reductions(self, cap: Captured, grad_nodes) -> tuple:
         """The buckets that reduce the gradients the graph leaves partial (ZeRO ones are the optimizer's), and
-        the weights the graphs route through them at their first use (_route_to_buckets)."""
-        params = dict(self.store.named_parameters())
+        the weights the graphs route through them at their first use."""
         self.params_by_first_use = params_by_first_use(cap)   # ShardedOptimizer's ZeRO buckets follow it
         self._hook_zero_params()
-        scale = self.graph_module.meta["bucket_grad_scale"]   # rewrite() sets it on every graph it makes
         other = [self._other_mode.graph] if getattr(self._other_mode, "graph", None) is not None else []
-        if other and other[0].meta["bucket_grad_scale"] != scale:
-            raise PlanError("the two modes' graphs scale the outputs' gradient in different places; report this")
-        buckets = grad_buckets_of(cap, self.plan, self.comm, grad_nodes, params, scale)
-        return buckets, self._route_to_buckets(buckets, [self.graph_module] + other)
-
-    def _route_to_buckets(self, buckets: GradBuckets, graph_modules: list) -> set:
-        """The weights whose bucket reduces as soon as backward has made their gradients, each routed through
-        the buckets at its first use in the graphs (grad_buckets.BucketedUse); the others' buckets reduce
-        when backward ends."""
-        plan = self.plan
-        routed = set() if plan.pipeline is not None else buckets.routable(_backward_axes(plan))
-        for graph_module in graph_modules:
-            placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
-            names = {ph: fqn for ph, (kind, fqn) in zip(placeholders, self._placeholder_sources)
-                     if kind == PARAM and fqn in routed}
-            route_through_buckets(graph_module, names, buckets)
-        return routed
+        return wire_grad_buckets(cap, self.plan, self.comm, grad_nodes, dict(self.store.named_parameters()),
+                                 [self.graph_module] + other, self._placeholder_sources)
 
     def no_sync(self):
         """A context whose forwards' gradients are summed on this rank, not reduced over the data axes (their
@@ -206,12 +128,12 @@ class ParallelModule(torch.nn.Module):
         rank's slice (runtime/initialization.py). Seed every rank alike: the shards then hold
         what a single device running the same initialization in `model.modules()` order would.
         """
-        if self._meta_model is None:
+        if self.meta_model is None:
             raise PlanError("init_weights is for a model built on the meta device (its parameters are "
                             "initialized already otherwise); build it under `with torch.device('meta'):`")
         shards = dict(self.store.named_parameters())
         shards.update(dict(self.store.named_buffers()))
-        init_shards(self._meta_model, shards, self.plan.param_placements, self._aliases, self._coords,
+        init_shards(self.meta_model, shards, self.plan.param_placements, self.aliases, self.coords,
                     self.plan.mesh.axis_sizes, fn)
 
     def _check_zero_optimizer(self, param):
@@ -221,9 +143,6 @@ class ParallelModule(torch.nn.Module):
                             "so their gradients are reduced by the optimizer wrapper, not in backward: create "
                             "the optimizer as autopar.ShardedOptimizer(model, torch.optim.AdamW, lr=...) "
                             "before the first backward")
-
-    def _param_names(self):
-        return {n for n, _ in self.store.named_parameters()}
 
     # ------------------------------------------------------------ pipeline
     def weight_table(self) -> dict:
@@ -267,7 +186,7 @@ class ParallelModule(torch.nn.Module):
                 flat = graph_module(*args)
         finally:
             gathered.clear()
-        return unflatten_outputs(self._output_spec, flat)
+        return unflatten_outputs(self.output_spec, flat)
 
     @torch.compiler.disable
     def _graph_args(self, local_inputs, local_kwargs, through_buckets: bool = False) -> tuple:
@@ -300,8 +219,8 @@ class ParallelModule(torch.nn.Module):
                 args.append(buffers[fqn])
             elif kind == CONSTANT:
                 constant = self._constants[fqn]
-                if constant.is_meta and not _on_meta(self):
-                    raise PlanError(_valueless_constant(fqn))
+                if constant.is_meta and not on_meta(self):
+                    raise PlanError(valueless_constant(fqn))
                 args.append(constant)
             else:
                 args.append(next(it))
@@ -312,7 +231,7 @@ class ParallelModule(torch.nn.Module):
     def _graph_for_mode(self):
         """The local graph for the current mode: dropout and the like were traced in one mode."""
         if self.training == self._captured_training or self._other_mode is None:
-            return self.graph_module, self._gathered
+            return self.graph_module, self.gathered
         if self._other_mode.refused is not None:
             raise PlanError(f"cannot run in {'train' if self.training else 'eval'} mode: {self._other_mode.refused}; "
                             f"parallelize the model in the mode you will run it in")
@@ -333,77 +252,23 @@ class ParallelModule(torch.nn.Module):
         module's state_dict (or torch.compile's wrapper) lists these entries under its own prefix.
         """
         destination = new_state_dict(destination, prefix, self._version)
-        for fqn, value in self._own_state(full, keep_vars).items():
+        for fqn, value in own_state(self, full, keep_vars).items():
             destination[prefix + fqn] = value
         return destination
-
-    def _own_state(self, full: bool, keep_vars: bool) -> OrderedDict:
-        def local(t):
-            return t if keep_vars else t.detach()
-        out = OrderedDict()
-        for fqn, p in self.store.named_parameters():
-            out[fqn] = self.export_tensor(local(p), self.plan.param_placements[fqn], full, self._global_shapes[fqn])
-        for fqn, b in self.store.named_buffers():
-            out[fqn] = self.export_tensor(local(b), (R,) * self.plan.mesh.num_axes, full, tuple(b.shape))
-        for alias, canonical in self._aliases.items():  # tied weights appear under every name, as in torch
-            if canonical in out:
-                out[alias] = out[canonical]
-        return out
 
     def full_grads(self) -> dict:
         """Whole gradients by original parameter name (gathers split ones): for checks and debugging.
         Copies: a bucketed .grad views its bucket, which the next backward fills again."""
-        return {fqn: self.export_tensor(p.grad.detach().clone(), self.plan.param_placements[fqn], True,
-                                         self._global_shapes[fqn])
-                for fqn, p in self.store.named_parameters() if p.grad is not None}
+        return full_grads(self)
 
     def export_tensor(self, local, placements, full, shape):
         """This rank's `local` piece of a tensor of whole `shape`: gathered whole, or as a DTensor."""
         return export_tensor(self, local, placements, full, shape)
 
-    # ---- read by autopar's other runtime modules (state_dict, optim, optim_state, stages, checkpoint/,
-    # audit): read-only views, so that none of them reaches into this class's private attributes
-
-    @property
-    def gathered(self) -> GatheredParams:
-        """The re-gather registry of the captured mode's graph (runtime/lowering/regather.py)."""
-        return self._gathered
-
     @property
     def grad_buckets(self):
-        """The data-parallel gradient buckets (runtime/reduction/grad_buckets.GradBuckets), or None."""
+        """The data-parallel gradient buckets (runtime/reduction/grad_buckets.GradBuckets)."""
         return self._grad_buckets
-
-    @property
-    def output_spec(self):
-        """How the graph's flat outputs fold back into the model's output structure."""
-        return self._output_spec
-
-    @property
-    def aliases(self) -> dict:
-        """Tied parameter names -> the canonical name (state_dict lists both)."""
-        return self._aliases
-
-    @property
-    def model_names(self) -> set:
-        """Every parameter and buffer name of the whole model (a pipelined module holds only some)."""
-        return self._model_names
-
-    @property
-    def coords(self) -> tuple:
-        """This rank's coordinate on each mesh axis."""
-        return self._coords
-
-    @property
-    def global_shapes(self) -> dict:
-        """Parameter name -> its whole shape (an unevenly split shard does not tell it)."""
-        return self._global_shapes
-
-    @property
-    def meta_model(self):
-        """The meta-built model's module tree (init_weights, checkpoint.load_hf), None for a model built with
-        real tensors."""
-        return self._meta_model
 
     def stored_layout(self, placements) -> tuple:
         """(DeviceMesh, placements) a stored tensor is given as (state_dict.stored_layout)."""
@@ -417,41 +282,4 @@ class ParallelModule(torch.nn.Module):
                               error_msgs):
         """A parent module's load_state_dict (or torch.compile's wrapper's): this module's entries are
         those under `prefix`; what is missing or unexpected is reported to the parent, which decides."""
-        if local_metadata.get("assign_to_params_buffers"):
-            error_msgs.append(f"{prefix}: load_state_dict(assign=True) cannot replace a ParallelModule's shards "
-                              "with whole tensors; load without assign (the values are copied into the shards)")
-            return
-        own = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        result = load_module_state(self, own, strict=False)
-        missing_keys.extend(prefix + k for k in result.missing_keys)
-        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
-
-
-def _valueless_constant(name: str) -> str:
-    return (f"the model's forward computes with tensor constant {name!r} (a plain tensor attribute, or a tensor made "
-            "in forward), made on the meta device with the model, so it has no values to run with; make it a buffer "
-            "(register_buffer(..., persistent=False)) that init_weights or a checkpoint fills, or create it on a real "
-            "device")
-
-
-def _moved(captured: torch.Tensor, current: torch.Tensor, fn) -> torch.Tensor:
-    """A lifted constant on the device `fn` (nn.Module._apply's function) moves the weights to, in its own dtype
-    and with its captured values: torch's Module.to leaves a plain tensor attribute's dtype alone, so the
-    single-device model computes with it as it is; and no checkpoint holds it, so a trip through the meta
-    device (to("meta"), then to_empty) must not lose its values, as it does the weights' (reloaded after)."""
-    device = fn(torch.empty(0, dtype=current.dtype, device=current.device)).device
-    if captured.is_meta:   # a model built on the meta device: no values to move anywhere
-        return captured
-    return captured.to(device)
-
-
-def _backward_axes(plan) -> set:
-    """Mesh axes (indices) on which some collective other than a gradient bucket's runs during backward."""
-    return {plan.mesh.axis_names.index(c.axis) for c in plan.collectives
-            if c.phase not in ("forward", "optimizer") and not c.where.startswith(BUCKET)}
-
-
-def _master_dtypes(params: dict, plan) -> dict:
-    """Parameter name -> the dtype the plan's precision policy keeps it in (floating ones only)."""
-    policy = precision_of(plan.precision)
-    return {fqn: policy.resolve(p.dtype).master for fqn, p in params.items() if p.dtype.is_floating_point}
+        load_under_prefix(self, state_dict, prefix, local_metadata, missing_keys, unexpected_keys, error_msgs)

@@ -8,7 +8,7 @@ from its local piece, anything else made whole and cut.
 """
 from __future__ import annotations
 
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 
 import torch
 
@@ -102,3 +102,38 @@ def _contiguous_strides(shape) -> tuple:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def own_state(pm, full: bool, keep_vars: bool) -> OrderedDict:
+    """A ParallelModule's entries by original name: DTensors, or whole tensors with `full`; tied weights under
+    every name, as torch lists them."""
+    def local(t):
+        return t if keep_vars else t.detach()
+    out = OrderedDict()
+    for fqn, p in pm.store.named_parameters():
+        out[fqn] = export_tensor(pm, local(p), pm.plan.param_placements[fqn], full, pm.global_shapes[fqn])
+    for fqn, b in pm.store.named_buffers():
+        out[fqn] = export_tensor(pm, local(b), (R,) * pm.plan.mesh.num_axes, full, tuple(b.shape))
+    for alias, canonical in pm.aliases.items():
+        if canonical in out:
+            out[alias] = out[canonical]
+    return out
+
+
+def full_grads(pm) -> dict:
+    """Whole gradients by original parameter name, copied (ParallelModule.full_grads)."""
+    return {fqn: export_tensor(pm, p.grad.detach().clone(), pm.plan.param_placements[fqn], True, pm.global_shapes[fqn])
+            for fqn, p in pm.store.named_parameters() if p.grad is not None}
+
+
+def load_under_prefix(pm, state_dict, prefix, local_metadata, missing_keys, unexpected_keys, error_msgs) -> None:
+    """A parent module's load_state_dict (or torch.compile's wrapper's) reaching a ParallelModule: its entries
+    are those under `prefix`; what is missing or unexpected is reported to the parent, which decides."""
+    if local_metadata.get("assign_to_params_buffers"):
+        error_msgs.append(f"{prefix}: load_state_dict(assign=True) cannot replace a ParallelModule's shards "
+                          "with whole tensors; load without assign (the values are copied into the shards)")
+        return
+    own = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    result = load_module_state(pm, own, strict=False)
+    missing_keys.extend(prefix + k for k in result.missing_keys)
+    unexpected_keys.extend(prefix + k for k in result.unexpected_keys)

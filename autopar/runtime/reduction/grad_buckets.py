@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._compat import RETURNED, TO_GRAD, backward_keeps_graph, leaf_gradient_use
+from ...capture.export import PARAM
 from ...cost.buckets import assign_buckets, deferred_axes
+from ...cost.overlap import BUCKET
 from ...cost.precision import precision_of
 from ...errors import PlanError, UnsupportedAutogradError
 from ...sharding.redistribute import ALL_REDUCE
@@ -447,3 +449,27 @@ def grad_buckets_of(cap, plan, comm, grad_nodes, params: dict, grad_scale: float
             own = cap.param_dtypes.get(fqn, params[fqn].dtype)
             entries.append((fqn, params[fqn], axes, policy.resolve(own).reduce))
     return GradBuckets(entries, comm, plan.bucket_bytes, grad_scale)
+
+
+def wire_grad_buckets(cap, plan, comm, grad_nodes, params: dict, graph_modules: list, placeholder_sources: list):
+    """(the GradBuckets of a module's weights `params`, the names of those its graphs route through them at
+    their first use). A routed weight's bucket reduces as soon as backward has made its gradients; the
+    others' buckets reduce when backward ends (GradBuckets.routable says which may launch early).
+    `placeholder_sources`: (kind, name) per placeholder of each graph (runtime/store.py)."""
+    scale = graph_modules[0].meta["bucket_grad_scale"]   # rewrite() sets it on every graph it makes
+    if any(g.meta["bucket_grad_scale"] != scale for g in graph_modules[1:]):
+        raise PlanError("the two modes' graphs scale the outputs' gradient in different places; report this")
+    buckets = grad_buckets_of(cap, plan, comm, grad_nodes, params, scale)
+    routed = set() if plan.pipeline is not None else buckets.routable(_backward_axes(plan))
+    for graph_module in graph_modules:
+        placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
+        names = {ph: fqn for ph, (kind, fqn) in zip(placeholders, placeholder_sources)
+                 if kind == PARAM and fqn in routed}
+        route_through_buckets(graph_module, names, buckets)
+    return buckets, routed
+
+
+def _backward_axes(plan) -> set:
+    """Mesh axes (indices) on which some collective other than a gradient bucket's runs during backward."""
+    return {plan.mesh.axis_names.index(c.axis) for c in plan.collectives
+            if c.phase not in ("forward", "optimizer") and not c.where.startswith(BUCKET)}
