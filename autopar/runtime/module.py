@@ -26,9 +26,9 @@ from .initialization import init_shards
 from .lowering.input_shapes import check_input_shapes, input_shape_specs, ordered_inputs
 from .lowering.regather import GatheredParams
 from .pipeline.runner import PipelineRunner
-from .reduction.zero_buckets import refuse_returned_gradient
+from .reduction.zero_buckets import ZeroGradientChecks
 from .state_dict import export_tensor, full_grads, load_module_state, load_under_prefix, own_state, stored_layout
-from .store import moved_constant, on_meta, store_shards, valueless_constant
+from .store import graph_args, moved_constant, on_meta, store_shards
 
 
 
@@ -78,7 +78,7 @@ class ParallelModule(torch.nn.Module):
         # how a call's positional and keyword inputs map to the graph's placeholders, and the constants it baked in
         self._input_keys, self._constant_inputs = list(cap.input_keys), dict(cap.constant_inputs)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
-        self._zero_hooked = {}   # ZeRO parameter name -> the parameter _hook_zero_params hooked
+        self._zero_checks = ZeroGradientChecks(self)
         serve_layer_groups(self, [gathered] + ([other_mode.gathered] if other_graph is not None else []))
         self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
 
@@ -87,28 +87,14 @@ class ParallelModule(torch.nn.Module):
         super()._apply(fn, recurse)
         self._constants = {name: moved_constant(self._captured_constants[name], current, fn)
                            for name, current in self._constants.items()}
-        self._hook_zero_params()   # to_empty (a meta-built model) replaces the parameters, and their hooks with them
+        self._zero_checks.hook()   # to_empty (a meta-built model) replaces the parameters, and their hooks with them
         return self
-
-    def _hook_zero_params(self) -> None:
-        """Each ZeRO parameter's (plan.param_zero) checks of its gradient, on the parameters not given them yet:
-        an optimizer that is not autopar.ShardedOptimizer is refused at the first backward, and
-        torch.autograd.grad with respect to the parameter at any (zero_buckets.refuse_returned_gradient).
-        Not the latter under a pipeline: train_step runs its backwards itself, and the zero-bubble schedule's
-        own autograd.grad towards the weights must go through."""
-        for fqn, p in self.store.named_parameters():
-            if fqn not in self.plan.param_zero or not p.requires_grad or self._zero_hooked.get(fqn) is p:
-                continue
-            p.register_post_accumulate_grad_hook(self._check_zero_optimizer)
-            if self.plan.pipeline is None:
-                p.register_hook(refuse_returned_gradient(p, fqn))
-            self._zero_hooked[fqn] = p
 
     def _gradient_reductions(self, cap: Captured, grad_nodes) -> tuple:
         """The buckets that reduce the gradients the graph leaves partial (ZeRO ones are the optimizer's), and
         the weights the graphs route through them at their first use."""
         self.params_by_first_use = params_by_first_use(cap)   # ShardedOptimizer's ZeRO buckets follow it
-        self._hook_zero_params()
+        self._zero_checks.hook()
         other = [self._other_mode.graph] if getattr(self._other_mode, "graph", None) is not None else []
         return wire_grad_buckets(cap, self.plan, self.comm, grad_nodes, dict(self.store.named_parameters()),
                                  [self.graph_module] + other, self._placeholder_sources)
@@ -135,14 +121,6 @@ class ParallelModule(torch.nn.Module):
         shards.update(dict(self.store.named_buffers()))
         init_shards(self.meta_model, shards, self.plan.param_placements, self.aliases, self.coords,
                     self.plan.mesh.axis_sizes, fn)
-
-    def _check_zero_optimizer(self, param):
-        # a plain torch optimizer would step on this rank's unreduced gradient: wrong, silently
-        if self.zero_optimizer is None:
-            raise PlanError("this plan splits some parameters' optimizer state ZeRO-style (plan.param_zero), "
-                            "so their gradients are reduced by the optimizer wrapper, not in backward: create "
-                            "the optimizer as autopar.ShardedOptimizer(model, torch.optim.AdamW, lr=...) "
-                            "before the first backward")
 
     # ------------------------------------------------------------ pipeline
     def weight_table(self) -> dict:
@@ -206,24 +184,9 @@ class ParallelModule(torch.nn.Module):
         check_input_shapes(self._input_shapes, local_inputs)
         local_inputs = cast_inputs(local_inputs, self._compute_dtype)
         graph_module, gathered = self._graph_for_mode()
-        params = dict(self.store.named_parameters())
-        buffers = dict(self.store.named_buffers())
-        it = iter(local_inputs)
-        args, here = [], []   # here: (position, name) of the weights routed before the graph
-        for kind, fqn in self._placeholder_sources:
-            if kind == PARAM:
-                if fqn not in self._routed or through_buckets:   # else the graph routes it at its first use
-                    here.append((len(args), fqn))
-                args.append(params[fqn])
-            elif kind == BUFFER:
-                args.append(buffers[fqn])
-            elif kind == CONSTANT:
-                constant = self._constants[fqn]
-                if constant.is_meta and not on_meta(self):
-                    raise PlanError(valueless_constant(fqn))
-                args.append(constant)
-            else:
-                args.append(next(it))
+        args, weights = graph_args(self._placeholder_sources, self.store, self._constants, local_inputs, self)
+        # the weights routed here (the others the graph routes at their first use)
+        here = [(k, fqn) for k, fqn in weights if fqn not in self._routed or through_buckets]
         for (k, _), view in zip(here, self._grad_buckets.use([n for _, n in here], [args[k] for k, _ in here])):
             args[k] = view
         return graph_module, gathered, args

@@ -12,6 +12,7 @@ import torch
 
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
 from ..cost.precision import precision_of
+from ..errors import PlanError
 from ..sharding.placement import shard_full_tensor
 
 
@@ -69,6 +70,29 @@ def store_shards(cap: Captured, plan, model: torch.nn.Module, coords: tuple, nee
         else:
             out.placeholder_sources.append((INPUT, None))
     return out
+
+
+def graph_args(sources: list, store: Store, constants: dict, local_inputs, module) -> tuple:
+    """(the graph's arguments in placeholder order, (position, name) of each weight among them): weights and
+    buffers from `store`, lifted constants, and the inputs in turn. `module` holds them all: a constant made
+    on meta with the model has no values unless the module is on meta too."""
+    params, buffers = dict(store.named_parameters()), dict(store.named_buffers())
+    it = iter(local_inputs)
+    args, weights = [], []
+    for kind, fqn in sources:
+        if kind == PARAM:
+            weights.append((len(args), fqn))
+            args.append(params[fqn])
+        elif kind == BUFFER:
+            args.append(buffers[fqn])
+        elif kind == CONSTANT:
+            constant = constants[fqn]
+            if constant.is_meta and not on_meta(module):
+                raise PlanError(valueless_constant(fqn))
+            args.append(constant)
+        else:
+            args.append(next(it))
+    return args, weights
 
 
 def _set_by_path(root: torch.nn.Module, fqn: str, value, as_param: bool):

@@ -156,6 +156,36 @@ class ZeroBuckets:
         b.arrived, b.launched = set(), None
 
 
+class ZeroGradientChecks:
+    """Each ZeRO parameter's (plan.param_zero) checks of its gradient, on a ParallelModule's parameters: an
+    optimizer that is not autopar.ShardedOptimizer is refused at the first backward (a plain torch optimizer
+    would step on this rank's unreduced gradient: wrong, silently), and torch.autograd.grad with respect to
+    the parameter at any (refuse_returned_gradient). Not the latter under a pipeline: train_step runs its
+    backwards itself, and the zero-bubble schedule's own autograd.grad towards the weights must go through."""
+
+    def __init__(self, pm):
+        self._pm = weakref.ref(pm)   # the hooks live on its parameters
+        self._hooked = {}   # ZeRO parameter name -> the parameter hooked
+
+    def hook(self) -> None:
+        """Hook the parameters not hooked yet (to_empty, for a meta-built model, replaces them)."""
+        pm = self._pm()
+        for fqn, p in pm.store.named_parameters():
+            if fqn not in pm.plan.param_zero or not p.requires_grad or self._hooked.get(fqn) is p:
+                continue
+            p.register_post_accumulate_grad_hook(self._check_optimizer)
+            if pm.plan.pipeline is None:
+                p.register_hook(refuse_returned_gradient(p, fqn))
+            self._hooked[fqn] = p
+
+    def _check_optimizer(self, param) -> None:
+        if self._pm().zero_optimizer is None:
+            raise PlanError("this plan splits some parameters' optimizer state ZeRO-style (plan.param_zero), "
+                            "so their gradients are reduced by the optimizer wrapper, not in backward: create "
+                            "the optimizer as autopar.ShardedOptimizer(model, torch.optim.AdamW, lr=...) "
+                            "before the first backward")
+
+
 def refuse_returned_gradient(param: torch.nn.Parameter, name: str):
     """A tensor hook for ZeRO parameter `param` (named `name`) that raises UnsupportedAutogradError when the
     backward now running hands its gradient back to its caller (torch.autograd.grad) instead of to .grad.
