@@ -19,6 +19,7 @@ autopar may import those modules directly.
   which torch.compile can trace, reorder and bucket; the reduction engine's other launcher.
 """
 
+import sys
 import threading
 
 import torch
@@ -80,6 +81,14 @@ def destroy_threaded_group() -> None:
 def current_world():
     """torch.distributed's module-level state (its "world"), which the threaded pg swaps for its own."""
     return dist.distributed_c10d._world
+
+
+def threaded_world():
+    """The world of the threaded pg run now going on in this process (one object for all its rank threads,
+    a new one each run), or None outside such a run."""
+    mtpg = sys.modules.get("torch.testing._internal.distributed.multi_threaded_pg")
+    world = dist.distributed_c10d._world
+    return world if mtpg is not None and isinstance(world, mtpg.ThreadLocalWorld) else None
 
 
 # -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from .capture.compute_dtype import at_compute_dtype
 from .capture.export import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
 from .capture.repeat import capture_repeated
+from .capture.shared import shared_in_run
 from .cost.precision import precision_of
 from .cost.terms import first_meta, needs_grad
 from .errors import AutoparError, CaptureError, MeshError, PlanError
@@ -111,6 +112,13 @@ def _at_compute_dtype(capture_fn, model: torch.nn.Module, precision):
     return at_compute_dtype(capture_fn, model, precision_of(precision).compute)
 
 
+def _running_capture(model: torch.nn.Module, precision):
+    """The whole-model capture parallelize runs, at the policy's compute dtype; one for all the ranks of a
+    threaded run (capture/shared.py)."""
+    dtype = precision_of(precision).compute
+    return shared_in_run(at_compute_dtype(capture, model, dtype), label=str(dtype))
+
+
 def _first_batch(example_inputs: tuple, example_kwargs: dict):
     """Dim 0 of the first tensor input (positional first), the batch the plan is made for."""
     t = next((v for v in [*example_inputs, *example_kwargs.values()] if isinstance(v, torch.Tensor)), None)
@@ -162,7 +170,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
                                      "example_kwargs=, plan=, dynamic_shapes=, record_comm=")
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     spec = mesh_spec(mesh)
-    capture_fn = _at_compute_dtype(capture, model, plan.precision if plan is not None else opts.precision)
+    capture_fn = _running_capture(model, plan.precision if plan is not None else opts.precision)
     cap = capture_fn(model, example_inputs, dynamic_shapes, example_kwargs)
     recapture = _recapture(capture_fn, model, example_inputs, example_kwargs, dynamic_shapes)
     if plan is None:
@@ -203,7 +211,7 @@ def _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap: Capt
     was = model.training
     try:
         model.train(not was)
-        other = _at_compute_dtype(capture, model, plan.precision)(model, example_inputs, dynamic_shapes, example_kwargs)
+        other = _running_capture(model, plan.precision)(model, example_inputs, dynamic_shapes, example_kwargs)
     except CaptureError as e:
         return OtherMode(refused=f"the model does not capture in {'eval' if was else 'train'} mode: {e}")
     finally:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._compat import register_ordered_effect
+from .._compat import backward_id, register_ordered_effect
 from ..sharding.placement import chunk_span
 from ..sharding.placement import shard_dim as _cached_shard_dim
 from ..sharding.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, CHUNK, NONE, REDUCE_SCATTER, ZERO, Step,
@@ -77,8 +77,6 @@ register_ordered_effect(_logged_send)
 class Comm:
     axes: list          # AxisGroup per mesh axis
     log: CommLog | None = None
-    # what forward collectives are logged as: "recompute" while backward reruns a checkpointed block
-    forward_phase: str = "forward"
     # axis -> seconds this rank spent blocked in collectives (calls and waits); None: not timed.
     # autopar.audit sets it to measure the exposed communication the plan predicts.
     clock: dict | None = None
@@ -104,6 +102,16 @@ reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 # uncached here: torch.compile traces transform, and warns at each functools.cache it meets
 shard_dim = _cached_shard_dim.__wrapped__
+
+
+def forward_phase() -> str:
+    """What a forward collective runs as: "recompute" while backward runs (a checkpointed block's forward run
+    again to remake what it did not keep; runtime/lowering/recompute.py), "forward" otherwise. Read from
+    autograd's engine, not from a flag the recompute would have to set and reset. A compiled graph's
+    collectives are traced, and logged, as forward's."""
+    if torch.compiler.is_dynamo_compiling():
+        return "forward"
+    return "recompute" if backward_id() != -1 else "forward"
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -259,7 +267,7 @@ class Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, step: Step, comm: Comm, whole=None):
         ctx.step, ctx.comm, ctx.whole = step, comm, whole
-        return transform(x, step.src, step.dst, step.axis, comm, comm.forward_phase, whole)
+        return transform(x, step.src, step.dst, step.axis, comm, forward_phase(), whole)
 
     @staticmethod
     def backward(ctx, grad):
@@ -277,7 +285,7 @@ class CastAndRedistribute(torch.autograd.Function):
         ctx.steps, ctx.wholes, ctx.comm, ctx.reduce_dtype, ctx.master_dtype = steps, wholes, comm, reduce_dtype, master.dtype
         x = master.to(compute_dtype)
         for s, whole in zip(steps, wholes):
-            x = transform(x, s.src, s.dst, s.axis, comm, comm.forward_phase, whole)
+            x = transform(x, s.src, s.dst, s.axis, comm, forward_phase(), whole)
         return x
 
     @staticmethod

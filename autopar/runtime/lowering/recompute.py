@@ -45,13 +45,9 @@ class CheckpointRegion(torch.nn.Module):
             calls[0] += 1
             if calls[0] == 1:
                 return self.body(*args)
-            # backward's rerun: its collectives are logged as the recompute's, not forward's
-            self.comm.forward_phase = "recompute"
-            try:
-                with streams.replaying(drawn_from):
-                    return self.body(*args)
-            finally:
-                self.comm.forward_phase = "forward"
+            # backward's rerun (its collectives run as the recompute's: collectives.forward_phase)
+            with streams.replaying(drawn_from):
+                return self.body(*args)
         return checkpoint(run, *inputs, use_reentrant=False)
 
     def extra_repr(self) -> str:

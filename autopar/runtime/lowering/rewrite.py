@@ -26,7 +26,7 @@ from ...sharding.op_spec import op_name, tensor_args
 from ...sharding.placement import R, dim_factor, gathered_size, is_shard
 from ...sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
 from ...sharding.rules import vocab_split_axes
-from ..collectives import CastAndRedistribute, Comm, Redistribute, scale_grad, transform
+from ..collectives import CastAndRedistribute, Comm, Redistribute, forward_phase, scale_grad, transform
 from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
 from .recompute import outline
 from .regather import GatheredParams
@@ -59,7 +59,7 @@ class RedistributeModule(torch.nn.Module):
     def forward(self, x):
         local = x
         if self.group is not None:
-            phase = self.comm.forward_phase
+            phase = forward_phase()
             if phase != "recompute" and torch.is_grad_enabled() and x.requires_grad:
                 self.group.used(self.group_index)   # (a recompute's gradient never reaches the group)
             x = GroupGather.apply(x, self.group, self.group_index, phase)

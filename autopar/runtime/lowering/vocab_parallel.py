@@ -19,7 +19,7 @@ from ...sharding.op_spec import op_arg, op_name
 from ...sharding.placement import chunk_index, dim_factor
 from ...sharding.rules import vocab_split_axes
 from ...sharding.redistribute import ALL_REDUCE
-from ..collectives import Comm, logged
+from ..collectives import Comm, forward_phase, logged
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int,
@@ -40,7 +40,7 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start:
 def _all_reduce(x: torch.Tensor, op, comm: Comm, axes: tuple) -> torch.Tensor:
     """`x` reduced with `op` over each of `axes` in turn (over all of them: the axes that split the vocab)."""
     for a in axes:
-        x = logged(x, comm, ALL_REDUCE, a, x.numel() * x.element_size(), comm.forward_phase)
+        x = logged(x, comm, ALL_REDUCE, a, x.numel() * x.element_size(), forward_phase())
         t0 = comm.start()
         dist.all_reduce(x, op=op, group=comm.axes[a].group)
         comm.stop(a, t0)
