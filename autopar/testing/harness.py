@@ -8,8 +8,10 @@ run_gloo runs N real processes talking gloo over localhost TCP. Slow to start
 (each process imports torch) but nothing is simulated; for end-to-end checks.
 """
 
+import faulthandler
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -38,6 +40,7 @@ def free_port() -> int:
 
 def _gloo_worker(rank, world_size, port, result_dir, fn, args):
     """One rank's process: join gloo, run fn, leave its result (rank<r>.pt) or its traceback (rank<r>.err)."""
+    faulthandler.enable()   # a crash in torch's C++ (SIGABRT, SIGSEGV) prints every thread's Python stack
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), LOCAL_RANK=str(rank),
@@ -57,6 +60,13 @@ def _gloo_worker(rank, world_size, port, result_dir, fn, args):
         dist.destroy_process_group()
     # written only on success: a missing file means the rank failed
     torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    # Done: the process ends here, without the interpreter's teardown. torch's C++ objects destroyed at exit
+    # (a process group's or the TCP store's threads) sometimes abort it there ("terminate called without an
+    # active exception", SIGABRT; seen in CI about one run in four, in tests/test_resume.py's 2-rank load)
+    # after the rank's work and its result are complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _first_failure(result_dir, rank, msg):
