@@ -11,7 +11,6 @@ run_gloo runs N real processes talking gloo over localhost TCP. Slow to start
 import faulthandler
 import os
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -22,6 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn import functional as F
 
+from .._compat import exit_without_teardown
 from .threaded import RankError
 
 __all__ = ["run_gloo", "gpt_loss", "single_device_reference", "parallel_record"]
@@ -60,13 +60,7 @@ def _gloo_worker(rank, world_size, port, result_dir, fn, args):
         dist.destroy_process_group()
     # written only on success: a missing file means the rank failed
     torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-    # Done: the process ends here, without the interpreter's teardown. torch's C++ objects destroyed at exit
-    # (a process group's or the TCP store's threads) sometimes abort it there ("terminate called without an
-    # active exception", SIGABRT; seen in CI about one run in four, in tests/test_resume.py's 2-rank load)
-    # after the rank's work and its result are complete.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()   # done: torch's teardown at exit sometimes aborts a finished rank (_compat.py)
 
 
 def _first_failure(result_dir, rank, msg):
