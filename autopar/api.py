@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import replace
 
 import torch
@@ -17,6 +18,7 @@ from .errors import AutoparError, CaptureError, MeshError, PlanError
 from .mesh import MeshSpec, mesh_spec
 from .plan_result import Plan
 from .plan_options import PlanOptions
+from .plan_schedule import schedule_of, stage_cut
 from .planner import plan_captured
 from .runtime.collectives import AxisGroup, Comm
 from .runtime.devices import mesh_device
@@ -179,13 +181,14 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
         cap = recapture(plan.pipeline.microbatches)
     _check_plan_matches(plan, cap, spec)
     _check_runtime_precision(plan, cap)
+    grad_nodes = needs_grad(cap)
+    plan = _with_schedule(plan, cap, grad_nodes)
     coords = mesh.get_coordinate()
     axes = [AxisGroup(mesh.get_group(name), size, coords[i])
             for i, (name, size) in enumerate(zip(spec.axis_names, spec.axis_sizes))]
     from .runtime.collectives import CommLog
     comm = Comm(axes, CommLog() if record_comm else None,
                 random_streams=RandomStreams(agreed_seed(axes, mesh_device(mesh))))
-    grad_nodes = needs_grad(cap)
     gm, gathered = rewrite(cap, plan, comm, grad_nodes)
     if plan.pipeline is None:
         other_mode = _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap, plan, comm)
@@ -222,6 +225,18 @@ def _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap: Capt
                                  "does not apply to it")
     graph, gathered = rewrite(other, plan, comm, needs_grad(other))
     return OtherMode(graph, gathered)
+
+
+def _with_schedule(plan: Plan, cap: Captured, grad_nodes: set) -> Plan:
+    """`plan` with the schedule its runtime reads (plan_schedule.py): a plan of JSON format 1 has none, so it is
+    made here as that autopar made it at run time; one made for other pipeline stages (a plan whose
+    `pipeline` was edited) is made again for these, with a warning."""
+    if plan.schedule is not None and plan.schedule.stage_cut == stage_cut(plan.pipeline):
+        return plan
+    if plan.schedule is not None:
+        warnings.warn("plan.pipeline's stages are not those its schedule (gradient buckets) was made for; autopar "
+                      "makes the schedule again for these stages. Plan again to keep the two together.", stacklevel=3)
+    return replace(plan, schedule=schedule_of(cap, plan, grad_nodes))
 
 
 def _plan_on_rank0(cap: Captured, mesh, opts: PlanOptions, recapture) -> Plan:

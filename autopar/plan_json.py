@@ -14,10 +14,12 @@ from .cost.buckets import DEFAULT_BUCKET_BYTES
 from .cost.predict import Memory, Predicted
 from .errors import PlanError
 from .mesh import MeshSpec
+from .plan_schedule import Schedule
 from .search.pipeline import PipelinePlan
 from .sharding.strategies import Strategy
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: the schedule (plan_schedule.py); 1 still reads, without it
+READS = (1, 2)
 
 
 def to_json(plan) -> str:
@@ -49,6 +51,7 @@ def to_json(plan) -> str:
         "pipeline": plan.pipeline.to_dict() if plan.pipeline is not None else None,
         "bucket_bytes": plan.bucket_bytes, "regather_activations": plan.regather_activations,
         "reshard_after_forward": plan.reshard_after_forward, "input_keys": list(plan.input_keys),
+        "schedule": plan.schedule.to_dict() if plan.schedule is not None else None,
         "symbols": plan.symbols, "stats": {k: v for k, v in plan.stats.items() if isinstance(v, (int, float, str))},
     }
     return json.dumps(d, indent=1)
@@ -58,8 +61,9 @@ def plan_fields(text: str) -> dict:
     """The fields of the Plan `text` holds, for Plan(**fields); collectives as dicts of CollectiveRecord's
     fields (plan_result.py makes the records: this module imports nothing of it)."""
     d = json.loads(text)
-    if d.get("format_version") != FORMAT_VERSION:
-        raise PlanError(f"plan JSON has format_version {d.get('format_version')}, this autopar reads {FORMAT_VERSION}")
+    if d.get("format_version") not in READS:
+        raise PlanError(f"plan JSON has format_version {d.get('format_version')}, this autopar reads "
+                        f"{', '.join(map(str, READS))}")
     syms = {name: sympy.Symbol(name, integer=True, positive=True) for name in d.get("symbols", {})}
 
     def pred(p, sym):
@@ -90,7 +94,8 @@ def plan_fields(text: str) -> dict:
         pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
         bucket_bytes=d.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
         regather_activations=d.get("regather_activations", False),
-        reshard_after_forward=d.get("reshard_after_forward", True), input_keys=tuple(d.get("input_keys", ())))
+        reshard_after_forward=d.get("reshard_after_forward", True), input_keys=tuple(d.get("input_keys", ())),
+        schedule=Schedule.from_dict(d["schedule"]) if d.get("schedule") else None)
 
 
 class _DoublePrinter(StrPrinter):

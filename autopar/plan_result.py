@@ -17,6 +17,7 @@ from .cost.precision import OptimizerSpec, Precision
 from .cost.predict import Predicted
 from .cost.problem import Problem
 from .mesh import MeshSpec
+from .plan_schedule import Schedule, schedule_of
 from .search.classics import Roles
 from .search.pipeline import PipelinePlan
 from .search.solution import Solution
@@ -68,6 +69,9 @@ class Plan:
     # per entry of input_placements, how the model is called with it: a position (int) or a keyword (str);
     # () for a plan of a format before keyword inputs, whose inputs are all positional
     input_keys: tuple = ()
+    # the runtime's groupings of collectives (buckets, FSDP layer groups, re-gathered activations), decided with
+    # the plan (plan_schedule.py); None for a plan read from JSON of format 1, which parallelize completes
+    schedule: Schedule | None = None
     # the global ranks of the DeviceMesh a ParallelModule runs the plan on, laid out like the mesh (nested
     # tuples), so local_inputs cuts by the coordinates the runtime uses; None (a plan not bound to a mesh,
     # or read from JSON): ranks lie row-major over the axes. Where the plan runs, not what it is: not compared,
@@ -172,7 +176,7 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
              "num_nodes": len(strategies), "num_edges": len(prob.edges),
              "num_variables": sol.num_variables, "num_constraints": sol.num_constraints,
              "mip_gap": sol.mip_gap}
-    return Plan(mesh=spec, strategy=strategy, hardware=hw.name,
+    plan = Plan(mesh=spec, strategy=strategy, hardware=hw.name,
                 batch_axes=tuple(spec.axis_names[a] for a in sol.batch_axes),
                 node_strategies=node_strategies, param_placements=param_placements,
                 input_placements=input_placements, output_placements=output_placements,
@@ -184,3 +188,4 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
                 checkpointed=sol.checkpointed, pipeline=searched.pipeline, bucket_bytes=prob.bucket_bytes,
                 regather_activations=sol.regather_activations, reshard_after_forward=sol.reshard_after_forward,
                 input_keys=tuple(cap.input_keys))
+    return replace(plan, schedule=schedule_of(cap, plan, prob.grad_nodes, saved=prob.saved))

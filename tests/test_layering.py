@@ -25,7 +25,7 @@ STAGES = [
     ("cost", ("autopar.cost",)),
     ("search", ("autopar.search",)),
     ("plan", ("autopar.plan_options", "autopar.plan_text", "autopar.plan_json", "autopar.plan_inputs",
-              "autopar.plan_result", "autopar.planner")),
+              "autopar.plan_schedule", "autopar.plan_result", "autopar.planner")),
     ("runtime", ("autopar.runtime",)),
     ("questions", ("autopar.whatif", "autopar.audit", "autopar.calibrate", "autopar.checkpoint", "autopar.plots")),   # of a finished plan or module
     ("api", ("autopar.api",)),

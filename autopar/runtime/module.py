@@ -16,7 +16,6 @@ import torch.fx as fx
 from .._compat import new_state_dict, output_spec, unflatten_outputs
 from ..capture.compute_dtype import cast_inputs
 from ..capture.export import BUFFER, CONSTANT, PARAM, Captured
-from ..cost.buckets import params_by_first_use
 from ..errors import PlanError
 from .collectives import Comm
 from .devices import on_mesh_device
@@ -93,7 +92,6 @@ class ParallelModule(torch.nn.Module):
     def _gradient_reductions(self, cap: Captured, grad_nodes) -> tuple:
         """The buckets that reduce the gradients the graph leaves partial (ZeRO ones are the optimizer's), and
         the weights the graphs route through them at their first use."""
-        self.params_by_first_use = params_by_first_use(cap)   # ShardedOptimizer's ZeRO buckets follow it
         self._zero_checks.hook()
         other = [self._other_mode.graph] if getattr(self._other_mode, "graph", None) is not None else []
         return wire_grad_buckets(cap, self.plan, self.comm, grad_nodes, dict(self.store.named_parameters()),

@@ -17,8 +17,7 @@ import torch.fx as fx
 
 from ...capture.export import PARAM, Captured
 from ...cost.buckets import bucket_grad_scale, output_grad_scale, partial_gradients
-from ...cost.layer_groups import group_key, groupable
-from ...cost.activations import activation_model
+from ...cost.layer_groups import groupable, sums_gradient
 from ...cost.checkpointing import checkpointable_stacks
 from ...cost.precision import precision_of
 from ...errors import PlanError
@@ -181,11 +180,11 @@ class _Rewriter:
         self._count = 0
         self.casts = weight_casts(cap, plan)
         self.pipelined = plan.pipeline is not None
-        # (op, input index) -> tensors autograd keeps of that input: where a gather feeds one, the plan
-        # keeps the shard and gathers again in backward (regather.py), as the cost model prices it
-        self.saves = activation_model(cap, plan.hardware).saves_through if plan.regather_activations else {}
+        # (op, input index) whose input autograd keeps: where a gather feeds one, the plan keeps the shard and
+        # gathers again in backward (regather.py); its layer groups and buckets too (plan_schedule.py)
+        self.schedule = plan.schedule
         self.reshard = plan.reshard_after_forward
-        self.groups: dict = {}   # cost/layer_groups.group_key -> LayerGroup
+        self.groups: dict = {}   # index in plan.schedule.layer_groups -> LayerGroup
         self.in_flight = in_flight()   # the groups' reduce-scatters, one in flight at a time
         # weights whose data-axis gradient the buckets reduce, and activations whose gradient flows on to them
         # partial (cost/buckets.partial_gradients)
@@ -227,7 +226,7 @@ class _Rewriter:
         key = (producer.name, tuple(dst), gp)
         if key not in self._cache:
             self._cache[key] = self._call_redistribute(producer, tuple(src), tuple(dst), gp, keep)
-        if self.saves.get(reader) and producer.name in self.grad_nodes:
+        if reader in self.schedule.regathered and producer.name in self.grad_nodes:
             module = self.root.get_submodule(self._cache[key].target)
             if module.gathered is None and gathers_again(module.steps, is_param=False):
                 module.gathered, module.activation = self.gathered, True
@@ -259,17 +258,25 @@ class _Rewriter:
         return self.g.call_module(mod_name, (self.env[producer.name],))
 
     def _join_group(self, module: RedistributeModule, producer: str, steps: list, cast) -> None:
+        """Serve `module`'s gather from the plan's layer group of its weight (plan_schedule.LayerGroup)."""
         info = self.cap.info[producer]
         if producer in self.deferred:   # the group would own a gradient the buckets must also see: one is lost
             raise PlanError(f"{info.target_name!r} is both gathered with its layer and bucketed on mesh axes "
                             f"{self.deferred[producer]}; report this (cost/buckets.deferred_axes excludes it)")
-        key = group_key(info.target_name, steps, cast[0] if cast else info.meta.dtype)
-        if key not in self.groups:
-            group = self.groups[key] = LayerGroup(steps[0].axis, self.comm, key[3], self.in_flight)
+        dtype = str(cast[0] if cast else info.meta.dtype)
+        sum_axes = tuple(self.names[a] for a in sorted(s.axis for s in steps[1:] if sums_gradient(s)))
+        k = self.schedule.layer_group_of(info.target_name, self.names[steps[0].axis], dtype, sum_axes)
+        if k is None:
+            raise PlanError(f"the plan's layer groups list no group gathering {info.target_name!r} on "
+                            f"{self.names[steps[0].axis]!r} in {dtype} (summed over {sum_axes}): its schedule was made "
+                            "for another model or another autopar; plan again (autopar.plan)")
+        if k not in self.groups:
+            group = self.groups[k] = LayerGroup(steps[0].axis, self.comm, tuple(self.names.index(a) for a in sum_axes),
+                                                self.in_flight)
             if self.gathered.groups:   # forward gathers the groups in the order it first needs them
                 group.prev, self.gathered.groups[-1].next = self.gathered.groups[-1], group
             self.gathered.groups.append(group)
-        module.group = self.groups[key]
+        module.group = self.groups[k]
         module.group_index = module.group.add(module, info.target_name)
 
     def map_args(self, node: fx.Node, s):

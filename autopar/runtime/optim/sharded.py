@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cost.buckets import zero_buckets
 from ...cost.precision import precision_of
 from ...errors import PlanError
 from ...sharding.placement import P, R, S, gathered_size, shard_full_tensor
@@ -97,18 +96,22 @@ class ShardedOptimizer:
         module.zero_optimizer = self
 
     def _zero_buckets(self, module, level: int) -> ZeroBuckets:
-        """The gradient buckets of one ZeRO level, as the plan lists them (cost/buckets.zero_buckets). A pipelined
-        plan prices its stages' ZeRO reductions one weight at a time (search/stage_costs.py), so its stages
-        reduce them that way."""
-        sizes = {z.name: (z.param.numel(), z.reduce_dtype.itemsize, z.param.element_size())
-                 for z in self.zero_params if z.param.requires_grad}
-        plan = module.plan
-        if plan.pipeline is not None:
-            sizes = {}
-        buckets = zero_buckets(module.params_by_first_use, plan.param_zero, sizes, plan.bucket_bytes, level,
-                               dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes)))
-        return ZeroBuckets([(plan.mesh.axis_names.index(a), names) for a, names in buckets],
-                           {z.name: z for z in self.zero_params}, self.comm, "backward" if level >= 2 else "optimizer")
+        """The gradient buckets of one ZeRO level, as the plan lists them (plan_schedule.py), over the weights
+        that get a gradient here. A bucket's rows are equal slices of its weights: one whose flat size does not
+        divide by its axis cannot be in one (cost/buckets.zero_buckets keeps such weights out)."""
+        plan, out, zero = module.plan, [], {z.name: z for z in self.zero_params}
+        for b in plan.schedule.zero_buckets.get(level, ()):
+            (axis_name,) = b.axes
+            axis = plan.mesh.axis_names.index(axis_name)
+            names = [n for n in b.weights if n in zero]   # zero_params holds those that get a gradient
+            uneven = [n for n in names if zero[n].param.numel() % self.comm.axes[axis].size]
+            if uneven:
+                raise PlanError(f"the plan's ZeRO-{level} bucket puts {uneven[:3]} in one reduce-scatter over "
+                                f"{axis_name!r}, but their shard here does not divide by its size: plan again "
+                                "(autopar.plan) for this mesh")
+            if names:
+                out.append((axis, names))
+        return ZeroBuckets(out, zero, self.comm, "backward" if level >= 2 else "optimizer")
 
     def _reduce_level1(self) -> None:
         """Reduce the ZeRO-1 gradients accumulated so far into their slices: in buckets, where they have one."""

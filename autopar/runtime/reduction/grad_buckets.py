@@ -40,7 +40,7 @@ import torch
 
 from ..._compat import RETURNED, TO_GRAD, backward_keeps_graph, leaf_gradient_use
 from ...capture.export import PARAM
-from ...cost.buckets import assign_buckets, deferred_axes
+from ...cost.buckets import deferred_axes
 from ...cost.overlap import BUCKET
 from ...cost.precision import precision_of
 from ...errors import PlanError, UnsupportedAutogradError
@@ -126,27 +126,24 @@ class GradBuckets:
     `entries`: (name, parameter, axes, reduce dtype) per weight, in the order backward makes their
     gradients (reverse forward order)."""
 
-    def __init__(self, entries: list, comm: Comm, bucket_bytes: int, grad_scale: float = 1.0):
+    def __init__(self, buckets: list, comm: Comm, grad_scale: float = 1.0):
         self.comm = comm
         # the outputs' gradient factor, applied here as each gradient comes in (cost/buckets.bucket_grad_scale)
         self.grad_scale = grad_scale
         self.slots: list[_Slot] = []
         self.buckets: list[_Bucket] = []
         self._slot_of: dict[str, int] = {}
-        params = {name: (p, reduce_dtype) for name, p, _, reduce_dtype in entries}
-        # the plan's buckets (cost/buckets.py), so the module launches the collectives the plan lists
-        sized = [(name, p.numel(), axes, dt.itemsize, dt.itemsize) for name, p, axes, dt in entries]
-        for axes, _, names in assign_buckets(sized, bucket_bytes):
-            dtypes = {params[n][1] for n in names}
+        for axes, entries in buckets:   # the plan's (plan_schedule.py): the module launches what the plan lists
+            dtypes = {dt for _, _, dt in entries}
             if len(dtypes) > 1:
-                raise PlanError(f"weights {names[:3]} share a gradient bucket but reduce in {sorted(map(str, dtypes))}: "
-                                "give them one reduce dtype (precision=)")
-            bucket = _Bucket(axes, dtypes.pop())
-            for name in names:
+                raise PlanError(f"weights {[n for n, _, _ in entries][:3]} share a gradient bucket but reduce in "
+                                f"{sorted(map(str, dtypes))}: give them one reduce dtype (precision=)")
+            bucket = _Bucket(tuple(axes), dtypes.pop())
+            for name, p, _ in entries:
                 self._slot_of[name] = len(self.slots)
                 bucket.slots.append(len(self.slots))
-                self.slots.append(_Slot(name, params[name][0], len(self.buckets), bucket.numel))
-                bucket.numel += params[name][0].numel()
+                self.slots.append(_Slot(name, p, len(self.buckets), bucket.numel))
+                bucket.numel += p.numel()
             self.buckets.append(bucket)
         self._pending: dict[int, torch.Tensor] = {}   # slot -> local gradient summed under accumulating()
         self._accumulating = False
@@ -438,17 +435,30 @@ def route_through_buckets(gm, placeholder_names: dict, buckets: GradBuckets) -> 
     return route
 
 
-def grad_buckets_of(cap, plan, comm, grad_nodes, params: dict, grad_scale: float) -> "GradBuckets":
-    """The buckets of the weights whose gradient the graph leaves partial (grad_buckets.deferred_axes), in the
-    order backward makes those gradients: the reverse of their first use."""
-    policy = precision_of(plan.precision)
-    entries = []
-    for node, axes in reversed(deferred_axes(cap, plan.node_strategies, grad_nodes).items()):
-        fqn = cap.info[node].target_name
-        if fqn in params:   # a pipeline stage holds only its own weights
-            own = cap.param_dtypes.get(fqn, params[fqn].dtype)
-            entries.append((fqn, params[fqn], axes, policy.resolve(own).reduce))
-    return GradBuckets(entries, comm, plan.bucket_bytes, grad_scale)
+def grad_buckets_of(cap, plan, comm, grad_nodes, params: dict, grad_scale: float, coord: int) -> "GradBuckets":
+    """The plan's gradient buckets for this device (pipeline coordinate `coord`; 0 when not pipelined), over
+    the weights whose gradient the graph leaves partial (cost/buckets.deferred_axes) and this device holds
+    (`params`). The plan's buckets must cover exactly those weights, on the axes their gradients are left
+    partial: a plan whose schedule was made for another graph or other stages is refused, not run with some
+    gradient unreduced."""
+    policy, names = precision_of(plan.precision), plan.mesh.axis_names
+    deferred = {cap.info[n].target_name: tuple(names[a] for a in axes)
+                for n, axes in deferred_axes(cap, plan.node_strategies, grad_nodes).items()
+                if cap.info[n].target_name in params}
+    planned = plan.schedule.grad_buckets.get(coord, ())
+    listed = [w for b in planned for w in b.weights]
+    wrong_axes = [w for b in planned for w in b.weights if w in deferred and deferred[w] != tuple(b.axes)]
+    if sorted(listed) != sorted(deferred) or wrong_axes:
+        missing, extra = sorted(set(deferred) - set(listed)), sorted(set(listed) - set(deferred))
+        raise PlanError(f"the plan's gradient buckets do not fit this module (device {coord} of the pipeline axis)"
+                        f": weights to reduce it lists nowhere {missing[:3]}, weights it lists that need no bucket "
+                        f"here {extra[:3]}, weights on other axes {wrong_axes[:3]}; the plan's schedule was made for "
+                        "another model or other stages: plan again (autopar.plan)")
+
+    def entry(fqn):
+        return fqn, params[fqn], policy.resolve(cap.param_dtypes.get(fqn, params[fqn].dtype)).reduce
+    return GradBuckets([([names.index(a) for a in b.axes], [entry(w) for w in b.weights]) for b in planned],
+                       comm, grad_scale)
 
 
 def wire_grad_buckets(cap, plan, comm, grad_nodes, params: dict, graph_modules: list, placeholder_sources: list):
@@ -459,7 +469,8 @@ def wire_grad_buckets(cap, plan, comm, grad_nodes, params: dict, graph_modules: 
     scale = graph_modules[0].meta["bucket_grad_scale"]   # rewrite() sets it on every graph it makes
     if any(g.meta["bucket_grad_scale"] != scale for g in graph_modules[1:]):
         raise PlanError("the two modes' graphs scale the outputs' gradient in different places; report this")
-    buckets = grad_buckets_of(cap, plan, comm, grad_nodes, params, scale)
+    coord = comm.axes[plan.mesh.axis_index(plan.pipeline.axis)].coord if plan.pipeline is not None else 0
+    buckets = grad_buckets_of(cap, plan, comm, grad_nodes, params, scale, coord)
     routed = set() if plan.pipeline is not None else buckets.routable(_backward_axes(plan))
     for graph_module in graph_modules:
         placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
