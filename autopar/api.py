@@ -117,8 +117,7 @@ def _at_compute_dtype(capture_fn, model: torch.nn.Module, precision):
 def _running_capture(model: torch.nn.Module, precision):
     """The whole-model capture parallelize runs, at the policy's compute dtype; one for all the ranks of a
     threaded run (capture/shared.py)."""
-    dtype = precision_of(precision).compute
-    return shared_in_run(at_compute_dtype(capture, model, dtype), label=str(dtype))
+    return shared_in_run(_at_compute_dtype(capture, model, precision), label=str(precision_of(precision).compute))
 
 
 def _first_batch(example_inputs: tuple, example_kwargs: dict):

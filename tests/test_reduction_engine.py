@@ -61,6 +61,52 @@ def test_functional_collectives_train_bit_for_bit_as_the_eager_ones(strategy, me
             torch.testing.assert_close(p, ref["params"][name], atol=1e-5, rtol=0, msg=name)
 
 
+def _train_with_labels(rank, model, batch, strategy, runs):
+    """A Hugging Face model as its authors train it (`model(**batch).loss`, `labels=` in the batch), its
+    reductions issued as functional collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, example_kwargs=batch, strategy=strategy)
+    pm.comm.functional = True
+    local, start = pm.plan.local_kwargs(**batch), {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    out = {}
+    for name, (optimizer, lr) in runs.items():
+        pm.load_state_dict(start)
+        opt = autopar.ShardedOptimizer(pm, optimizer, lr=lr)
+        for _ in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            pm(**local).loss.backward()
+            opt.step()
+        out[name] = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+def test_functional_collectives_train_a_hugging_face_model_called_with_labels(strategy, monkeypatch):
+    """GPT-2 as shipped (tied embeddings, Conv1D), a padded batch with `labels=`: under the functional
+    launcher it trains equal to one device, with SGD and with AdamW."""
+    from autopar.testing import padded_batch, shipped_causal_lm
+    from autopar.testing.harness import keyword_reference
+    import autopar.runtime.reduction.engine as engine
+    issued, original = [], engine.functional_collectives
+
+    def counted():
+        return tuple((lambda t, g, f=f: issued.append(f) or f(t, g)) for f in original()[:3]) + (original()[3],)
+    monkeypatch.setattr(engine, "functional_collectives", counted)
+    torch.manual_seed(0)
+    model = shipped_causal_lm("gpt2")
+    batch = padded_batch(vocab=model.config.vocab_size)
+    runs = {"sgd": (torch.optim.SGD, 0.5), "adamw": (torch.optim.AdamW, 1e-3)}
+    atol = {"sgd": 1e-5, "adamw": 2e-4}
+    records = run_threaded(2, _train_with_labels, model, batch, strategy, runs)
+    assert issued
+    for name, (optimizer, lr) in runs.items():
+        ref = keyword_reference(model, batch, optimizer, lr, steps=STEPS)["params"]
+        for rec in records:
+            for fqn, value in ref.items():
+                torch.testing.assert_close(rec[name][fqn], value, atol=atol[name], rtol=0, msg=f"{name} {fqn}")
+
+
 # ---------------------------------------------------------------- the engine's parts, alone
 
 def test_in_order_launches_a_ready_bucket_only_after_every_one_before_it():
