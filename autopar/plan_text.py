@@ -64,6 +64,8 @@ def render(plan) -> str:
     if plan.pipeline is not None:
         lines += pipeline_lines(plan.pipeline)
     lines += backward_lines(plan)
+    if plan.schedule is not None and schedule_line(plan.schedule):
+        lines.append(schedule_line(plan.schedule))
     p = plan.predicted
     lines.append("communication per step: " + ", ".join(
         f"{a} {format_bytes(p.comm_bytes[a])} ({p.comm_time[a] * 1e3:.3f} ms, "
@@ -92,6 +94,27 @@ def backward_lines(plan) -> list:
         what = "every block" if kind == "full" else "the attention core of every block"
         lines.append(f"activation checkpointing ({kind}): {what} of {path} is recomputed in backward")
     return lines
+
+
+def schedule_line(schedule) -> str:
+    """How the runtime groups the reductions and gathers (plan_schedule.py), counted; "" when it groups none."""
+    parts = []
+    per_device = [len(bs) for bs in schedule.grad_buckets.values()]
+    if any(per_device):
+        where = "" if len(per_device) == 1 else f" (pipeline devices: {', '.join(map(str, per_device))})"
+        parts.append(_count(sum(per_device), "gradient bucket") + where)
+    for level, buckets in sorted(schedule.zero_buckets.items()):
+        if buckets:
+            parts.append(_count(len(buckets), f"ZeRO-{level} bucket"))
+    if schedule.layer_groups:
+        parts.append(_count(len(schedule.layer_groups), "FSDP layer group"))
+    if schedule.regathered:
+        parts.append(_count(len(schedule.regathered), "activation read") + " gathered again in backward")
+    return "runtime schedule: " + ", ".join(parts) if parts else ""
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 _BUBBLE = {"interleaved-1f1b": "(p-1)/(vm)", "zero-bubble": "(p-1)/(3m)"}   # search/pipeline.py

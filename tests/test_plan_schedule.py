@@ -67,6 +67,9 @@ def test_the_schedule_is_the_grouping_the_plan_prices(strategy):
             "zero2": len(sched.zero_buckets[2]) > 2, "fsdp": len(sched.layer_groups) == 3,
             "tp+sp": bool(sched.regathered) and plan.regather_activations}[strategy]
     assert autopar.Plan.from_json(plan.to_json()) == plan
+    shown = {"ddp": f"{len(sched.grad_buckets[0])} gradient buckets", "zero1": "ZeRO-1 buckets",
+             "zero2": "ZeRO-2 buckets", "fsdp": "3 FSDP layer groups", "tp+sp": "gathered again in backward"}
+    assert shown[strategy] in next(line for line in str(plan).splitlines() if line.startswith("runtime schedule:"))
 
 
 def _train(rank, model, x, y, plan_json, optimizer):
