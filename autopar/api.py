@@ -136,13 +136,15 @@ def microbatch_inputs(example_inputs: tuple, m: int) -> tuple:
 
 
 def _recapture(capture_fn, model, example_inputs: tuple, example_kwargs: dict, dynamic_shapes):
-    """capture at 1/m of the batch, once per m: a pipelined plan is made for the graph of one microbatch."""
+    """capture at 1/m of the batch, once per m (1: the whole batch, the inputs as given): a pipelined plan
+    is made for the graph of one microbatch."""
     done: dict = {}
 
     def at(m: int) -> Captured:
         if m not in done:
-            done[m] = capture_fn(model, microbatch_inputs(example_inputs, m), dynamic_shapes,
-                                 {k: _microbatch(v, m) for k, v in example_kwargs.items()})
+            inputs, kwargs = (example_inputs, example_kwargs) if m == 1 else (
+                microbatch_inputs(example_inputs, m), {k: _microbatch(v, m) for k, v in example_kwargs.items()})
+            done[m] = capture_fn(model, inputs, dynamic_shapes, kwargs)
         return done[m]
     return at
 
@@ -172,12 +174,16 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     spec = mesh_spec(mesh)
     capture_fn = _running_capture(model, plan.precision if plan is not None else opts.precision)
-    cap = capture_fn(model, example_inputs, dynamic_shapes, example_kwargs)
+    # the whole batch's capture where a rank needs it: rank 0 to plan, every rank to run a plan that is not
+    # pipelined. A pipelined plan runs the graph of one microbatch, a capture of its own (torch.export takes
+    # seconds a model): a rank that may get one waits for the plan before it traces, one that will not traces
+    # while rank 0 plans
     recapture = _recapture(capture_fn, model, example_inputs, example_kwargs, dynamic_shapes)
     if plan is None:
-        plan = _plan_on_rank0(cap, mesh, opts, recapture)
-    if plan.pipeline is not None:   # its graph is one microbatch's
-        cap = recapture(plan.pipeline.microbatches)
+        if opts.pipeline_axis is None:
+            recapture(1)
+        plan = _plan_on_rank0(lambda: recapture(1), mesh, opts, recapture)
+    cap = recapture(plan.pipeline.microbatches if plan.pipeline is not None else 1)
     _check_plan_matches(plan, cap, spec)
     _check_runtime_precision(plan, cap)
     grad_nodes = needs_grad(cap)
@@ -238,16 +244,18 @@ def _with_schedule(plan: Plan, cap: Captured, grad_nodes: set) -> Plan:
     return replace(plan, schedule=schedule_of(cap, plan, grad_nodes))
 
 
-def _plan_on_rank0(cap: Captured, mesh, opts: PlanOptions, recapture) -> Plan:
-    """Rank 0 plans and broadcasts the plan, so ranks cannot disagree (and plan once, not N times).
+def _plan_on_rank0(whole_batch_capture, mesh, opts: PlanOptions, recapture) -> Plan:
+    """Rank 0 captures the model, plans and broadcasts the plan, so ranks cannot disagree (and plan once,
+    not N times); the others capture what the plan they receive runs.
 
-    An error on rank 0 is broadcast too and raised on every rank, so no rank
+    An error on rank 0, its capture's included, is broadcast too and raised on every rank, so no rank
     waits forever for a plan that will not come.
     """
     import torch.distributed as dist
     message = [None]
     if dist.get_rank() == 0:
         try:
+            cap = whole_batch_capture()
             message[0] = ("plan", plan_captured(cap, mesh, opts, recapture=recapture).to_json())
         except AutoparError as e:
             message[0] = ("error", e)

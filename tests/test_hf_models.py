@@ -87,8 +87,8 @@ def _auto_plan_under_pressure(model, idx, mesh):
     unconstrained (latency-bound, mostly replicated) plan takes, so it must shard. (The fsdp plan is a
     feasible anchor one search finds; the least memory any plan needs takes a minimizing search per
     checkpointing kind, tens of seconds here -- test_errors.py checks that figure.)"""
-    free = autopar.plan(model, (idx,), mesh, hardware="cpu")
-    least = autopar.plan(model, (idx,), mesh, hardware="cpu", strategy="fsdp").predicted.memory.total
+    both = autopar.compare(model, (idx,), mesh, hardware="cpu", strategies=["auto", "fsdp"])   # one capture
+    free, least = both["auto"], both["fsdp"].predicted.memory.total
     limit = int((least + free.predicted.memory.total) / 2)
     plan = autopar.plan(model, (idx,), mesh, hardware="cpu", memory_limit=limit)
     assert plan.predicted.memory.total <= limit < free.predicted.memory.total
