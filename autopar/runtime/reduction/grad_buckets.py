@@ -16,7 +16,8 @@ this module does what DDP's reducer does:
 
 Buckets hold weights of one (axes, dtypes) kind, in the reverse order of their
 first use in forward -- the order backward makes their gradients -- up to
-`bucket_bytes` each. Under `accumulating()` (no_sync, and a pipeline's
+`bucket_bytes` each: the plan lists them (plan.schedule.grad_buckets, made by
+plan_schedule.py with cost/buckets.assign_buckets) and this module runs them. Under `accumulating()` (no_sync, and a pipeline's
 microbatches) gradients are summed locally and reduced once by `flush()`.
 
 The counts of uses still to arrive only time the launches: a gradient that
@@ -123,8 +124,8 @@ def returned_gradient_error(name: str, reduction: str) -> UnsupportedAutogradErr
 class GradBuckets:
     """The bucketed reductions of one ParallelModule's weights whose gradients the graph leaves partial.
 
-    `entries`: (name, parameter, axes, reduce dtype) per weight, in the order backward makes their
-    gradients (reverse forward order)."""
+    `buckets`: the plan's buckets on this device (plan_schedule.Schedule.grad_buckets), in launch order:
+    (mesh axis indices, [(name, parameter, reduce dtype)] in the order backward makes their gradients)."""
 
     def __init__(self, buckets: list, comm: Comm, grad_scale: float = 1.0):
         self.comm = comm

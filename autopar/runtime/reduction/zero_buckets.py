@@ -5,9 +5,9 @@ A ZeRO-2 weight's gradient is reduce-scattered into this rank's flat 1/n slice a
 soon as autograd has accumulated it (ShardedOptimizer). One blocking
 reduce-scatter per weight would wait out each call's latency in the middle of
 backward. As DDP does with its all-reduces, the gradients are gathered into
-buckets (cost/buckets.zero_buckets: up to `bucket_bytes`, in the order backward
-makes them), and each bucket goes out as one asynchronous reduce-scatter once
-all its weights' gradients have come:
+buckets (plan.schedule.zero_buckets, made with cost/buckets.zero_buckets: up to
+`bucket_bytes`, in the order backward makes them), and each bucket goes out as
+one asynchronous reduce-scatter once all its weights' gradients have come:
 
     arrive   a weight's gradient is copied into its bucket's send buffer, laid out
              as FSDP2 lays out a reduce-scatter's input (row r: rank r's slice of
