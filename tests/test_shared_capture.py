@@ -1,5 +1,6 @@
 """The ranks of one threaded run share one capture (capture/shared.py): traced once, not once per rank, and
-never shared where the graphs could differ."""
+never shared where the graphs could differ; a process of a gloo run traces one model once however many
+times it parallelizes it."""
 import copy
 
 import torch
@@ -7,7 +8,7 @@ import torch
 import autopar
 import autopar.capture.export as export
 from autopar.capture.shared import shared_in_run
-from autopar.testing import MLP, run_threaded
+from autopar.testing import MLP, run_gloo, run_threaded
 
 
 def _count_traces(monkeypatch) -> list:
@@ -73,3 +74,35 @@ def test_outside_a_threaded_run_nothing_is_shared():
     fn = shared_in_run(lambda *args: calls.append(args) or len(calls))
     model, x = MLP([4, 4]), torch.randn(2, 4)
     assert (fn(model, (x,), None), fn(model, (x,), None)) == (1, 2)
+
+
+def _parallelize_twice(rank, model, x, scale):
+    """One process of a gloo run: the same model under two strategies, then a model that differs in a
+    constant's value; the traces counted in this process."""
+    import autopar.capture.export as export_here
+    from torch.distributed.device_mesh import init_device_mesh
+    traced, real = [], export_here._export
+    export_here._export = lambda m, *args: traced.append(type(m).__name__) or real(m, *args)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    outs = []
+    for strategy in ("ddp", "fsdp"):
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy=strategy)
+        outs.append(pm(*pm.plan.local_inputs(x)).detach())
+    other = copy.deepcopy(model)
+    other.scale = torch.tensor([scale])
+    pm = autopar.parallelize(other, mesh, (x,), strategy="ddp")
+    outs.append(pm(*pm.plan.local_inputs(x)).detach())
+    return traced, outs
+
+
+def test_a_process_of_a_gloo_run_traces_one_model_once():
+    torch.manual_seed(0)
+    model, x = _Scaled(1.0), torch.randn(8, 4)
+    other = copy.deepcopy(model)
+    other.scale = torch.tensor([3.0])
+    results = run_gloo(2, _parallelize_twice, model, x, 3.0)
+    for rank, (traced, outs) in enumerate(results):
+        assert traced == ["_Scaled", "_Scaled"], traced   # the second strategy reuses the first capture
+        shard = slice(4 * rank, 4 * rank + 4)
+        for got, want in zip(outs, (model(x)[shard], model(x)[shard], other(x)[shard])):
+            torch.testing.assert_close(got, want.detach())
