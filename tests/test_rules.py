@@ -10,7 +10,8 @@ per-rank outputs are put back together from the output placement (S: chunks
 concatenated in chunk order; R: every rank must hold the same; P: summed over
 the axis). The result must equal the op on the global inputs.
 
-The programs (one tiny module per rule) are in rule_cases.py; a rule added to
+EXAMPLES programs are drawn per rule (10 in CI, 100 under HYPOTHESIS_PROFILE=thorough). The programs
+(one tiny module per rule) are in rule_cases.py; a rule added to
 autopar.sharding.rules.RULES without a case there fails test_every_rule_has_a_case.
 """
 from __future__ import annotations
@@ -39,7 +40,10 @@ from rule_cases import CASES
 MESHES = [MeshSpec(("a",), (2,)), MeshSpec(("a", "b"), (2, 2)), MeshSpec(("a",), (3,))]
 RANDOM_OPS = {"aten.dropout.default", "aten.randn.default", "aten.rand.default"}
 UNINITIALIZED_OPS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default"}  # only shape and dtype are defined
-EXAMPLES = int(os.environ.get("AUTOPAR_RULE_EXAMPLES", "20"))
+# programs drawn per rule: 10 in CI (each is a torch.export, ~0.15 s), 100 under HYPOTHESIS_PROFILE=thorough
+# (tests/conftest.py); AUTOPAR_RULE_EXAMPLES overrides both
+EXAMPLES = int(os.environ.get("AUTOPAR_RULE_EXAMPLES",
+                              "100" if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else "10"))
 
 
 # ---------------------------------------------------------------- the global run

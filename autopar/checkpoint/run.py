@@ -11,21 +11,18 @@ ShardedOptimizer's are DTensors keyed by the original parameter names, so DCP wr
 each rank's pieces once and reads into whatever layout the loading plan has. A
 checkpoint written this way is a plain DCP checkpoint: torch's own tools read it, and
 `load` reads theirs (a single device's `dcp.save(model.state_dict(), ...)` included),
-holding at most one whole tensor of it at a time (streaming.OneTensorAtATimeReader).
+holding at most one whole tensor of it at a time (streaming.one_tensor_at_a_time_reader).
 """
 from __future__ import annotations
 
-import os
-
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-
 from ..errors import PlanError
-from .streaming import OneTensorAtATimeReader
+from .streaming import one_tensor_at_a_time_reader
 
 
 def save(path, module, optimizer=None, *, step: int | None = None) -> None:
     """Write the module's parameters and buffers (and the optimizer's state, and `step`) to `path`; every rank."""
+    import torch.distributed.checkpoint as dcp   # imported here, not at import time: streaming.py says why
+
     dcp.save(run_state(module, optimizer, step), checkpoint_id=path)
 
 
@@ -35,7 +32,10 @@ def load(path, module, optimizer=None, *, strict: bool = True) -> int | None:
 
     `strict`: as in `load_state_dict`, a tensor the checkpoint lacks raises (its shard would hold garbage);
     with False it is left as it is."""
-    reader = OneTensorAtATimeReader(os.fspath(path))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    reader = one_tensor_at_a_time_reader(path)
     try:
         stored = set(reader.read_metadata().state_dict_metadata)
     except Exception as e:

@@ -6,29 +6,39 @@ pm.load_state_dict(sd)`. `pm.state_dict()`'s DTensors view this rank's shards, s
 slices into them. But a checkpoint that one device wrote stores every tensor whole, and DCP's
 filesystem reader `torch.load`s each whole tensor, copies the slice this rank needs, and moves to
 the next while its loop still holds the previous one: two whole tensors at once (measured by
-benchmarks/peak_memory.py). `OneTensorAtATimeReader` hands the reader one read request at a time, so
+benchmarks/peak_memory.py). `one_tensor_at_a_time_reader` hands the reader one read request at a time, so
 the whole tensor it loaded is dropped before the next is read.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-
-from torch.distributed.checkpoint import FileSystemReader
 
 from ..errors import PlanError
 from ..runtime.state_dict import LoadResult
 
 
-class OneTensorAtATimeReader(FileSystemReader):
-    """A FileSystemReader whose `read_data` serves one read request per call."""
+def one_tensor_at_a_time_reader(path):
+    """A DCP FileSystemReader of directory `path` whose `read_data` serves one read request per call."""
+    return _reader_class()(os.fspath(path))
 
-    def read_data(self, plan, planner):
-        fut = None
-        for item in plan.items:
-            fut = super().read_data(dataclasses.replace(plan, items=[item]), planner)
-            fut.wait()
-        return fut if fut is not None else super().read_data(plan, planner)
+
+@functools.cache
+def _reader_class():
+    # made at first use: importing torch.distributed.checkpoint (and the DTensor op tables it pulls in)
+    # costs every process that imports autopar about a second, and most never checkpoint
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class OneTensorAtATimeReader(FileSystemReader):
+        def read_data(self, plan, planner):
+            fut = None
+            for item in plan.items:
+                fut = super().read_data(dataclasses.replace(plan, items=[item]), planner)
+                fut.wait()
+            return fut if fut is not None else super().read_data(plan, planner)
+
+    return OneTensorAtATimeReader
 
 
 def load_model(pm, path, *, strict: bool = True) -> LoadResult:
@@ -48,6 +58,6 @@ def load_model(pm, path, *, strict: bool = True) -> LoadResult:
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     sd = pm.state_dict()
-    dcp.load(sd, storage_reader=OneTensorAtATimeReader(os.fspath(path)),
+    dcp.load(sd, storage_reader=one_tensor_at_a_time_reader(path),
              planner=DefaultLoadPlanner(allow_partial_load=not strict))
     return pm.load_state_dict(sd, strict=strict)
