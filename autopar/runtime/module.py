@@ -8,6 +8,7 @@ checkpoint does not depend on the layout it was saved from.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,7 @@ class ParallelModule(torch.nn.Module):
         # how a call's positional and keyword inputs map to the graph's placeholders, and the constants it baked in
         self._input_keys, self._constant_inputs = list(cap.input_keys), dict(cap.constant_inputs)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
+        self._told_uncounted = False   # whether a compiled call warned of the re-gathers record_comm misses
         self._zero_checks = ZeroGradientChecks(self)
         serve_layer_groups(self, [gathered] + ([other_mode.gathered] if other_graph is not None else []))
         self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
@@ -156,6 +158,8 @@ class ParallelModule(torch.nn.Module):
         # compiled, the weights go through the buckets before the graph (grad_buckets.BucketedUse)
         graph_module, gathered, args = self._graph_args(local_inputs, local_kwargs,
                                                         torch.compiler.is_dynamo_compiling())
+        if torch.compiler.is_dynamo_compiling():   # no hooks: the graph gathers again itself (rewrite.RedistributeModule)
+            return unflatten_outputs(self.output_spec, graph_module(*args))
         gathered.clear()   # weights a backward that raised gathered are stale once an optimizer step ran
         try:
             with gathered.hooks():
@@ -182,6 +186,12 @@ class ParallelModule(torch.nn.Module):
         check_input_shapes(self._input_shapes, local_inputs)
         local_inputs = cast_inputs(local_inputs, self._compute_dtype)
         graph_module, gathered = self._graph_for_mode()
+        if through_buckets and gathered.needed and self.comm.log is not None and not self._told_uncounted:
+            self._told_uncounted = True
+            warnings.warn("record_comm under torch.compile: the log misses the all-gathers backward repeats for "
+                          "the tensors this plan keeps as shards (FSDP weights, sequence-parallel activations): the "
+                          "compiler recomputes them, and the op that logs cannot be recomputed; run the module "
+                          "eagerly (or autopar.audit) to count them", stacklevel=3)
         args, weights = graph_args(self._placeholder_sources, self.store, self._constants, local_inputs, self)
         # the weights routed here (the others the graph routes at their first use)
         here = [(k, fqn) for k, fqn in weights if fqn not in self._routed or through_buckets]

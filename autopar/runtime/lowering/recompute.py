@@ -35,6 +35,11 @@ class CheckpointRegion(torch.nn.Module):
     def forward(self, *inputs):
         if self.observer is not None:
             self.observer(inputs)
+        if torch.compiler.is_dynamo_compiling():
+            # the compiler's partitioner reruns the region in backward from the graph itself; the counter
+            # and the stream replay below are Python state it cannot trace (a random op is not compiled:
+            # runtime/rng.py)
+            return checkpoint(self.body, *inputs, use_reentrant=False)
         calls = [0]
         streams = self.comm.random_streams
         # torch.utils.checkpoint replays the default generators, not autopar's streams (rng.py): the rerun

@@ -14,6 +14,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ...capture.export import PARAM, Captured
 from ...cost.buckets import bucket_grad_scale, output_grad_scale, partial_gradients
@@ -37,6 +38,15 @@ SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view
                  "aten.new_empty.default", "aten.new_full.default"}
 VIEW_OPS = {"aten.view.default", "aten._unsafe_view.default"}
 SQUEEZE_OPS = {"aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims"}
+
+
+def recompute_all():
+    """torch.utils.checkpoint's context for a region backward runs again whole: nothing of it is saved."""
+    return create_selective_checkpoint_contexts(
+        lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE if op is torch.ops.autopar.logged_send.default
+        else CheckpointPolicy.MUST_RECOMPUTE)
+
+
 DROPPED_OPS = {"aten._assert_tensor_metadata.default"}  # checks global metadata a local shard fails
 
 
@@ -56,6 +66,8 @@ class RedistributeModule(torch.nn.Module):
         self.activation = False
 
     def forward(self, x):
+        if torch.compiler.is_dynamo_compiling():
+            return self._compiled(x)
         local = x
         if self.group is not None:
             phase = forward_phase()
@@ -72,6 +84,23 @@ class RedistributeModule(torch.nn.Module):
                 x = Redistribute.apply(x, s, self.comm, whole)
         if self.gathered is not None:
             self.gathered.register(x, local.detach(), self)
+        return x
+
+    def _compiled(self, x):
+        """Under torch.compile: the steps alone, each collective a functional one in the graph, and no Python
+        state. The layer group (one flat gather per layer, its reduce-scatter set at the end of backward) and
+        the saved-tensor hooks that gather again are eager machinery the compiler cannot trace; here a
+        gather that backward must repeat rather than keep is run as a region whose every op backward
+        recomputes (as SimpleFSDP does), so the compiled backward keeps the shard and gathers it again."""
+        if self.gathered is None:
+            return self._steps(x)
+        return checkpoint(self._steps, x, use_reentrant=False, context_fn=recompute_all)
+
+    def _steps(self, x):
+        if self.cast is not None:
+            return CastAndRedistribute.apply(x, self.steps, self.wholes, self.comm, *self.cast)
+        for s, whole in zip(self.steps, self.wholes):
+            x = Redistribute.apply(x, s, self.comm, whole)
         return x
 
     def saved(self) -> None:

@@ -1,0 +1,197 @@
+"""One training step on one GPU: autopar's module against eager PyTorch and FSDP2, eager and compiled.
+
+    python benchmarks/gpu_step.py                                  # the 0.886B Llama below, every side (a GPU)
+    python benchmarks/gpu_step.py --sides eager,autopar-fsdp --no-compile
+    python benchmarks/gpu_step.py --tiny --device cpu --steps 2    # a smoke run on CPU (~1 min on 2 cores)
+
+The model is Hugging Face's LlamaForCausalLM as it ships (SDPA attention), from a config that
+describes a 0.886B model: hidden 2048, 16 layers, 16 query heads sharing 8 key/value heads,
+intermediate 5632, vocabulary 32000. It is called as its authors call it, with `input_ids=` and
+`labels=`, and trained on `out.loss` with AdamW. Every side computes in bf16 and keeps float32 weights:
+    eager          the model itself, forward and loss under torch.autocast(bf16)
+    fsdp2          fully_shard on each decoder layer, then on the root, MixedPrecisionPolicy(bf16, fp32)
+    autopar-ddp    autopar.parallelize(..., strategy="ddp", precision="bf16-mixed") on a mesh of this GPU
+    autopar-fsdp   the same, strategy="fsdp"
+    autopar-auto   the same, the plan autopar chooses
+With one rank no collective moves a byte, so the difference from eager is each module's own overhead.
+With --compile (the default), every side also runs under torch.compile (inductor), as a second row.
+
+Rounds alternate the sides (each side `--steps` timed steps a round, after `--warmup` untimed ones), so
+a slow minute of the machine falls on every side alike. Printed per side: the median step time, tokens
+per second, MFU (6N + 12*L*h*s FLOPs per token, N the parameters, against --peak-tflops, 989 for an H100's
+dense bf16), autopar's predicted step on the plan's hardware (--hardware, default h100) and its error,
+peak memory (torch.cuda.max_memory_allocated, reset before each side's steps), and the ratio to eager.
+The first loss of each side is printed beside eager's: every side trains the same model on the same batch.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import autopar
+
+LLAMA_0_9B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                  intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=256, max_position_embeddings=64)
+SIDES = ("eager", "fsdp2", "autopar-ddp", "autopar-fsdp", "autopar-auto")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {SIDES}")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer Llama of width 64 (a smoke run)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per side per round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side (compiled: the compile)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run every side under torch.compile (inductor)")
+    p.add_argument("--hardware", default="h100", help="the hardware autopar plans and predicts for")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak, for MFU (H100 SXM: 989)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.seq = min(args.seq, 32)
+    return args
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**(TINY if args.tiny else LLAMA_0_9B), attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(cfg).to(args.device).train(), cfg
+
+
+def make_batch(args, cfg) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
+    return {"input_ids": ids.to(args.device), "labels": ids.clone().to(args.device)}
+
+
+def flops_per_token(model, cfg, seq: int) -> float:
+    """Model FLOPs of one token's forward and backward: 6 per weight (embedding lookups excluded) and
+    12 * layers * hidden * seq for the attention's two matmuls (no causal discount, as MFU is reported)."""
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
+
+
+class Side:
+    """One way of training the model: its module, optimizer, the context its forward runs in, and its times."""
+
+    def __init__(self, name, module, opt, context=contextlib.nullcontext, predicted=None):
+        self.name, self.module, self.opt, self.context, self.predicted = name, module, opt, context, predicted
+        self.run = module
+        self.times, self.first_loss, self.peak = [], None, 0
+
+    def step(self, batch) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        with self.context():
+            loss = self.run(**batch).loss
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+def build_side(name: str, model, mesh, batch, args) -> Side:
+    m = copy.deepcopy(model)
+    if name == "eager":
+        autocast = lambda: torch.autocast(args.device, dtype=torch.bfloat16)   # noqa: E731
+        return Side(name, m, torch.optim.AdamW(m.parameters(), lr=1e-5), autocast)
+    if name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(m, mesh=mesh, mp_policy=policy)
+        return Side(name, m, torch.optim.AdamW(m.parameters(), lr=1e-5))
+    strategy = name.removeprefix("autopar-")
+    pm = autopar.parallelize(m, mesh, example_kwargs=batch, precision="bf16-mixed", hardware=args.hardware,
+                             **({} if strategy == "auto" else {"strategy": strategy}))
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-5)
+    return Side(name, pm, opt, predicted=pm.plan.predicted.step_time)
+
+
+def timed(side: Side, batch, steps: int, sync) -> None:
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        side.step(batch)
+        sync()
+        side.times.append(time.perf_counter() - t0)
+
+
+def run(args) -> list:
+    on_gpu = args.device.startswith("cuda")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(args.device.split(":")[0], (1,), mesh_dim_names=("dp",))
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    model, cfg = build_model(args)
+    batch = make_batch(args, cfg)
+    names = [s for s in args.sides.split(",") if s]
+    unknown = set(names) - set(SIDES)
+    if unknown:
+        raise SystemExit(f"unknown sides {sorted(unknown)}: choose from {SIDES}")
+    sides = [build_side(n, model, mesh, batch, args) for n in names]
+    rows = []
+    for compiled in ([False, True] if args.compile else [False]):
+        if compiled:
+            torch._dynamo.reset()
+            sides = [build_side(n, model, mesh, batch, args) for n in names]
+            for s in sides:
+                s.name += " compiled"
+                s.run = torch.compile(s.module)
+        for s in sides:   # warm-up: the allocator's pools, cuBLAS's choices, the compile
+            losses = [s.step(batch) for _ in range(args.warmup)]
+            s.first_loss = float(losses[0])
+        for r in range(args.rounds):
+            for s in (sides if r % 2 == 0 else sides[::-1]):
+                if on_gpu:
+                    torch.cuda.reset_peak_memory_stats()
+                timed(s, batch, args.steps, sync)
+                if on_gpu:
+                    s.peak = max(s.peak, torch.cuda.max_memory_allocated())
+        rows += sides
+    return rows, flops_per_token(model, cfg, args.seq)
+
+
+def print_table(rows, per_token: float, args) -> None:
+    tokens = args.batch * args.seq
+    eager = {("compiled" in s.name): statistics.median(s.times) for s in rows if s.name.startswith("eager")}
+    print(f"\n{args.batch} x {args.seq} tokens a step, {args.steps} x {args.rounds} timed steps a side "
+          f"(median), device {torch.cuda.get_device_name(0) if args.device.startswith('cuda') else args.device}, "
+          f"torch {torch.__version__}")
+    print("| side | step ms | vs eager | tokens/s | MFU | predicted ms | prediction error | peak GiB | first loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for s in rows:
+        ms = statistics.median(s.times) * 1e3
+        base = eager.get("compiled" in s.name)
+        ratio = f"{ms / (base * 1e3):.3f}" if base else ""
+        mfu = per_token * tokens / (ms / 1e3) / (args.peak_tflops * 1e12)
+        pred = f"{s.predicted * 1e3:.1f}" if s.predicted else ""
+        err = f"{(s.predicted * 1e3 - ms) / ms:+.0%}" if s.predicted else ""
+        print(f"| {s.name} | {ms:.1f} | {ratio} | {tokens / (ms / 1e3):,.0f} | {mfu:.1%} | {pred} | {err} | "
+              f"{s.peak / 2**30:.1f} | {s.first_loss:.4f} |")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows, per_token = run(args)
+    print_table(rows, per_token, args)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
