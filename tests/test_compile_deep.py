@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -128,23 +129,35 @@ def test_a_deep_model_compiles_to_one_graph_and_trains_as_one_device(strategy, c
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == world
 
 
-def test_record_comm_under_compile_says_what_it_misses():
-    """The log of a compiled fsdp module lacks backward's re-gathers (the op that logs cannot be recomputed):
-    that is said once, not left for an audit to find."""
+def test_record_comm_under_compile_says_what_it_misses_or_refuses():
+    """The op that logs a launch cannot be recomputed by the compiler: a compiled fsdp module's log lacks
+    backward's re-gathers, which it says once; a checkpointed plan, whose blocks backward recomputes whole,
+    is refused by name rather than failing deep inside inductor."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
     x, y = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
 
     def rank(r, model, x, y):
-        import warnings
-        pm = autopar.parallelize(copy.deepcopy(model), _mesh("fsdp"), (x,), strategy="fsdp", record_comm=True)
-        run = torch.compile(pm, backend="aot_eager")
-        (xi,), (yi,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(2):
-                gpt_loss(run(xi), yi).backward()
-        return [str(w.message) for w in caught if "record_comm under torch.compile" in str(w.message)]
-    for said in run_threaded(2, rank, model, x, y, timeout=300):
-        assert len(said) == 1, said
+        out = {}
+        for checkpointing in ("none", "full"):
+            pm = autopar.parallelize(copy.deepcopy(model), _mesh("fsdp"), (x,), strategy="fsdp", record_comm=True,
+                                     checkpointing=checkpointing)
+            run = torch.compile(pm, backend="aot_eager")
+            (xi,), (yi,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+            try:
+                for _ in range(3):
+                    gpt_loss(run(xi), yi).backward()
+            except autopar.PlanError as e:
+                out[checkpointing] = str(e)
+        return out
+    # recorded here, around the ranks: warnings' filters are process-wide, and a rank that entered and left
+    # catch_warnings would reset another's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = run_threaded(2, rank, model, x, y, timeout=300)
+    said = [str(w.message) for w in caught if "record_comm under torch.compile" in str(w.message)]
+    assert len(said) == 2, said   # once for each rank's fsdp module, not once a step
+    for out in results:
+        assert "none" not in out, out
+        assert "cannot log the collectives of the checkpointed blocks (h)" in out["full"], out

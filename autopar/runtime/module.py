@@ -186,18 +186,29 @@ class ParallelModule(torch.nn.Module):
         check_input_shapes(self._input_shapes, local_inputs)
         local_inputs = cast_inputs(local_inputs, self._compute_dtype)
         graph_module, gathered = self._graph_for_mode()
-        if through_buckets and gathered.needed and self.comm.log is not None and not self._told_uncounted:
-            self._told_uncounted = True
-            warnings.warn("record_comm under torch.compile: the log misses the all-gathers backward repeats for "
-                          "the tensors this plan keeps as shards (FSDP weights, sequence-parallel activations): the "
-                          "compiler recomputes them, and the op that logs cannot be recomputed; run the module "
-                          "eagerly (or autopar.audit) to count them", stacklevel=3)
+        if through_buckets and self.comm.log is not None:
+            self._check_compiled_logging(gathered)
         args, weights = graph_args(self._placeholder_sources, self.store, self._constants, local_inputs, self)
         # the weights routed here (the others the graph routes at their first use)
         here = [(k, fqn) for k, fqn in weights if fqn not in self._routed or through_buckets]
         for (k, _), view in zip(here, self._grad_buckets.use([n for _, n in here], [args[k] for k, _ in here])):
             args[k] = view
         return graph_module, gathered, args
+
+    def _check_compiled_logging(self, gathered) -> None:
+        """record_comm under torch.compile: the op that logs a launch is effectful, and the compiler cannot
+        recompute one. A checkpointed block, recomputed whole, is refused (inductor fails on it deep inside);
+        a gather backward repeats (recompute.recompute_all_but_logging) is run unlogged, said once."""
+        if self.plan.checkpointed:
+            raise PlanError("record_comm=True under torch.compile cannot log the collectives of the checkpointed "
+                            f"blocks ({', '.join(self.plan.checkpointed)}), which backward recomputes: parallelize "
+                            "without record_comm to compile, or run the module eagerly to log them")
+        if gathered.needed and not self._told_uncounted:
+            self._told_uncounted = True
+            warnings.warn("record_comm under torch.compile: the log misses the all-gathers backward repeats for "
+                          "the tensors this plan keeps as shards (FSDP weights, sequence-parallel activations), "
+                          "and their send buffers are kept for backward: the op that logs cannot be recomputed. "
+                          "Run the module eagerly (or autopar.audit) to count them", stacklevel=4)
 
     def _graph_for_mode(self):
         """The local graph for the current mode: dropout and the like were traced in one mode."""

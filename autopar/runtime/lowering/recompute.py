@@ -18,9 +18,19 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..collectives import Comm
+
+
+def recompute_all_but_logging():
+    """torch.utils.checkpoint's context for a region backward runs again (compiled): every op of it is
+    recomputed, except the op that logs a launch (record_comm), whose output -- the buffer the collective
+    sends -- is kept instead: it is an effectful op, which the partitioner cannot recompute (inductor
+    fails on one in a recomputed region). So with record_comm the log misses the recomputed launches."""
+    return create_selective_checkpoint_contexts(
+        lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE if op is torch.ops.autopar.logged_send.default
+        else CheckpointPolicy.MUST_RECOMPUTE)
 
 
 class CheckpointRegion(torch.nn.Module):
@@ -39,7 +49,7 @@ class CheckpointRegion(torch.nn.Module):
             # the compiler's partitioner reruns the region in backward from the graph itself; the counter
             # and the stream replay below are Python state it cannot trace (a random op is not compiled:
             # runtime/rng.py)
-            return checkpoint(self.body, *inputs, use_reentrant=False)
+            return checkpoint(self.body, *inputs, use_reentrant=False, context_fn=recompute_all_but_logging)
         calls = [0]
         streams = self.comm.random_streams
         # torch.utils.checkpoint replays the default generators, not autopar's streams (rng.py): the rerun

@@ -14,7 +14,7 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from ...capture.export import PARAM, Captured
 from ...cost.buckets import bucket_grad_scale, output_grad_scale, partial_gradients
@@ -28,7 +28,7 @@ from ...sharding.redistribute import NONE, UnsupportedRedistribution, gathers_ag
 from ...sharding.rules import vocab_split_axes
 from ..collectives import CastAndRedistribute, Comm, Redistribute, forward_phase, scale_grad, transform
 from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
-from .recompute import outline
+from .recompute import outline, recompute_all_but_logging
 from .regather import GatheredParams
 from ..rng import RandomOp, draws_random, shard_key
 from .vocab_parallel import local_target, vocab_parallel_loss
@@ -38,15 +38,6 @@ SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view
                  "aten.new_empty.default", "aten.new_full.default"}
 VIEW_OPS = {"aten.view.default", "aten._unsafe_view.default"}
 SQUEEZE_OPS = {"aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims"}
-
-
-def recompute_all():
-    """torch.utils.checkpoint's context for a region backward runs again whole: nothing of it is saved."""
-    return create_selective_checkpoint_contexts(
-        lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE if op is torch.ops.autopar.logged_send.default
-        else CheckpointPolicy.MUST_RECOMPUTE)
-
-
 DROPPED_OPS = {"aten._assert_tensor_metadata.default"}  # checks global metadata a local shard fails
 
 
@@ -77,11 +68,8 @@ class RedistributeModule(torch.nn.Module):
             for s, whole in zip(self.steps[1:], self.wholes[1:]):   # local cuts (groupable); the group sums
                 if s.forward_kind != NONE:
                     x = Redistribute.apply(x, s, self.comm, whole)
-        elif self.cast is not None:
-            x = CastAndRedistribute.apply(x, self.steps, self.wholes, self.comm, *self.cast)
         else:
-            for s, whole in zip(self.steps, self.wholes):
-                x = Redistribute.apply(x, s, self.comm, whole)
+            x = self._steps(x)
         if self.gathered is not None:
             self.gathered.register(x, local.detach(), self)
         return x
@@ -94,9 +82,10 @@ class RedistributeModule(torch.nn.Module):
         recomputes (as SimpleFSDP does), so the compiled backward keeps the shard and gathers it again."""
         if self.gathered is None:
             return self._steps(x)
-        return checkpoint(self._steps, x, use_reentrant=False, context_fn=recompute_all)
+        return checkpoint(self._steps, x, use_reentrant=False, context_fn=recompute_all_but_logging)
 
     def _steps(self, x):
+        """The steps in order (a weight kept in the master dtype cast to the compute dtype first)."""
         if self.cast is not None:
             return CastAndRedistribute.apply(x, self.steps, self.wholes, self.comm, *self.cast)
         for s, whole in zip(self.steps, self.wholes):
