@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.testing import GPT, GPTConfig, gpt_loss, run_threaded
+from autopar.testing import GPT, GPTConfig, gpt_loss, padded_batch, run_threaded, shipped_causal_lm
+from autopar.testing.harness import check_keyword_training
 
 N_LAYER = 10
 STEPS = 3
@@ -127,6 +128,19 @@ def test_a_deep_model_compiles_to_one_graph_and_trains_as_one_device(strategy, c
     if not res[0]["batch_axes"]:   # the same loss on every rank where the batch is not split
         assert all(abs(a - b) <= ATOL for a, b in zip(res[0]["losses"], ref_losses)), (res[0]["losses"], ref_losses)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == world
+
+
+def test_hugging_face_llama_as_shipped_compiled_trains_as_one_device():
+    """A model written elsewhere, used as its authors use it: HF Llama from its default config (use_cache=True),
+    called with keywords and `labels=` on a padded batch, compiled, under fsdp+tp on 2 x 2 ranks; its losses
+    and parameters after 3 steps of SGD and of AdamW equal one device's (tests/test_hf_as_shipped.py's runs)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = shipped_causal_lm("llama")
+    batch = padded_batch(vocab=model.config.vocab_size)
+    runs = {"sgd": (torch.optim.SGD, 0.5), "adamw": (torch.optim.AdamW, 1e-3)}
+    check_keyword_training(model, batch, "fsdp+tp", runs, {"sgd": 1e-5, "adamw": 2e-4}, mesh_shape=(2, 2),
+                           compile_backend="aot_eager")
 
 
 def test_record_comm_under_compile_says_what_it_misses_or_refuses():

@@ -245,10 +245,11 @@ def keyword_reference(model: nn.Module, batch: dict, optimizer, lr: float, steps
 
 
 def keyword_parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, batch: dict, strategy: str,
-                            runs: dict, steps: int = 3) -> dict:
+                            runs: dict, steps: int = 3, compile_backend: str | None = None) -> dict:
     """keyword_reference's parallel counterpart on one rank, once per entry of `runs` ({name: (optimizer
-    class, lr)}), each from the same start: `pm(**plan.local_kwargs(**batch))`. One parallelize serves every
-    run (its capture is what takes the time): the starting weights are loaded back between runs.
+    class, lr)}), each from the same start: `pm(**plan.local_kwargs(**batch))`, or the module compiled with
+    `compile_backend` (torch.compile). One parallelize serves every run (its capture is what takes the
+    time): the starting weights are loaded back between runs.
     Records {name: {"losses", "params"}} and what the module's outputs held (`past_key_values`, the local
     logits' shape)."""
     import copy
@@ -260,6 +261,7 @@ def keyword_parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, batc
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[:len(mesh_shape)])
     pm = autopar.parallelize(copy.deepcopy(model), mesh, example_kwargs=batch, strategy=strategy)
     local = pm.plan.local_kwargs(**batch)
+    run = pm if compile_backend is None else torch.compile(pm, backend=compile_backend)
     start = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
     record = {"plan": pm.plan}
     for name, (optimizer, lr) in runs.items():
@@ -268,7 +270,7 @@ def keyword_parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, batc
         losses = []
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            out = pm(**local)
+            out = run(**local)
             out.loss.backward()
             opt.step()
             losses.append(out.loss.item())
@@ -279,16 +281,19 @@ def keyword_parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, batc
 
 
 def check_keyword_training(model: nn.Module, batch: dict, strategy: str, runs: dict, atol: dict,
-                           mesh_shape: tuple = (2, 2), references: dict | None = None) -> list:
-    """Train `model` with keywords under `strategy` on threaded ranks, once per entry of `runs` ({name:
-    (optimizer class, lr)}), and assert every rank's losses and parameters after the steps equal one
-    device's (keyword_reference, or `references` by run name) to `atol[name]`. Returns the ranks' records."""
+                           mesh_shape: tuple = (2, 2), references: dict | None = None,
+                           compile_backend: str | None = None) -> list:
+    """Train `model` with keywords under `strategy` on threaded ranks (compiled with `compile_backend`, if
+    given), once per entry of `runs` ({name: (optimizer class, lr)}), and assert every rank's losses and
+    parameters after the steps equal one device's (keyword_reference, or `references` by run name) to
+    `atol[name]`. Returns the ranks' records."""
     from .threaded import run_threaded
     refs = references or {name: keyword_reference(model, batch, opt, lr) for name, (opt, lr) in runs.items()}
     world = 1
     for n in mesh_shape:
         world *= n
-    records = run_threaded(world, keyword_parallel_record, model, mesh_shape, batch, strategy, runs, timeout=300)
+    records = run_threaded(world, keyword_parallel_record, model, mesh_shape, batch, strategy, runs, 3,
+                           compile_backend, timeout=300)
     for rank, rec in enumerate(records):
         for name, ref in refs.items():
             where = f"{type(model).__name__} {strategy} {name} rank {rank}"
