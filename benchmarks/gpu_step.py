@@ -92,7 +92,7 @@ class Side:
         self.run = module
         self.times, self.first_loss, self.peak = [], None, 0
 
-    def step(self, batch) -> float:
+    def step(self, batch) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
         with self.context():
             loss = self.run(**batch).loss
@@ -129,7 +129,8 @@ def timed(side: Side, batch, steps: int, sync) -> None:
         side.times.append(time.perf_counter() - t0)
 
 
-def run(args) -> list:
+def run(args) -> tuple:
+    """The sides' rows (eager, then compiled), and the model's FLOPs per token."""
     on_gpu = args.device.startswith("cuda")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

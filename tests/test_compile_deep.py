@@ -14,7 +14,8 @@ a recompile. Ranks are threads of this process (run_threaded), their modules sep
 
 CI runs CI_CASES (ddp; fsdp, whose backward must gather again; tp+sp with every block recomputed); the
 thorough profile (HYPOTHESIS_PROFILE=thorough) runs ddp, fsdp, tp, tp+sp and fsdp+tp, each with and without
-activation checkpointing (fsdp+tp on 2x2 threads takes ~2 minutes on 2 cores).
+activation checkpointing (fsdp+tp on 2x2 threads takes ~2 minutes on 2 cores). Beside them: Hugging Face
+Llama as shipped, compiled, with SGD and AdamW; and what record_comm says under compile.
 """
 from __future__ import annotations
 
