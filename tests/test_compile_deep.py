@@ -28,7 +28,7 @@ import torch
 
 import autopar
 from autopar.testing import GPT, GPTConfig, gpt_loss, padded_batch, run_threaded, shipped_causal_lm
-from autopar.testing.harness import check_keyword_training
+from autopar.testing.harness import check_keyword_training, single_device_reference
 
 N_LAYER = 10
 STEPS = 3
@@ -94,32 +94,21 @@ def _rank(rank, model, x, y, strategy, checkpointing):
             "batch_axes": pm.plan.batch_axes}
 
 
-def _one_device(model, x, y):
-    m = copy.deepcopy(model)
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = gpt_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, dict(m.named_parameters())
-
-
 @pytest.mark.parametrize("strategy, checkpointing", CASES, ids=[f"{s}-{c}" for s, c in CASES])
 def test_a_deep_model_compiles_to_one_graph_and_trains_as_one_device(strategy, checkpointing):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model, x, y = _gpt()
-    ref_losses, ref_params = _one_device(model, x, y)
+    ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=STEPS, lr=LR,
+                                  optimizer=torch.optim.SGD)
+    ref_losses, ref_params = ref["losses"], ref["params"]
     world = 4 if strategy == "fsdp+tp" else 2
     res = run_threaded(world, _rank, model, x, y, strategy, checkpointing, timeout=600)
     for rank, r in enumerate(res):
         # one graph at the first step, none after: no graph break per layer, no recompile
         assert r["per_step"] == [1] + [0] * (STEPS - 1), (rank, r["per_step"])
         for n, p in ref_params.items():
-            torch.testing.assert_close(r["params"][n], p.detach(), atol=ATOL, rtol=0, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(r["params"][n], p, atol=ATOL, rtol=0, msg=lambda m: f"{n}: {m}")
         fwd_gathers, bwd_gathers = r["gathers"]
         if strategy in ("fsdp", "fsdp+tp"):
             # every layer's weights are gathered in forward and, kept as shards, gathered again in backward
