@@ -190,6 +190,13 @@ def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def dispatch_mode_class():
+    """The base class of a mode that sees every aten op a region runs (tests/test_megatron_activations.py
+    records the storages forward makes with one): torch.utils._python_dispatch.TorchDispatchMode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    return TorchDispatchMode
+
+
 def profiler_event_types():
     """The kinds of the profiler's event tree nodes (TorchOp, PyCall, Allocation): benchmarks/peak_memory.py
     reads which op allocated what from that tree, which torch.profiler exposes only through torch._C."""

@@ -71,7 +71,9 @@ def render(plan) -> str:
         f"{a} {format_bytes(p.comm_bytes[a])} ({p.comm_time[a] * 1e3:.3f} ms, "
         f"{p.hidden_comm_time[a] * 1e3:.3f} ms of it hidden behind compute)" for a in names))
     lines.append(f"compute {p.compute_time * 1e3:.3f} ms, optimizer step {p.optimizer_time * 1e3:.3f} ms, "
-                 f"step {p.step_time * 1e3:.3f} ms (compute + optimizer + the communication not hidden)")
+                 f"step {p.step_time * 1e3:.3f} ms (compute + optimizer + the communication not hidden)"
+                 + (f", {p.compiled_step_time * 1e3:.3f} ms under torch.compile (memory-bound ops fused)"
+                    if p.compiled_step_time != p.step_time else ""))
     if "status" in plan.stats:
         lines.append(search_line(plan.stats))
     return "\n".join(lines)

@@ -19,9 +19,14 @@ With --compile (the default), every side also runs under torch.compile (inductor
 Rounds alternate the sides (each side `--steps` timed steps a round, after `--warmup` untimed ones), so
 a slow minute of the machine falls on every side alike. Printed per side: the median step time, tokens
 per second, MFU (6N + 12*L*h*s FLOPs per token, N the parameters, against --peak-tflops, 989 for an H100's
-dense bf16), autopar's predicted step on the plan's hardware (--hardware, default h100) and its error,
+dense bf16), autopar's predicted step on the plan's hardware (--hardware: h200 on an H200, else h100;
+`plan.predicted.step_time`, and its `compiled_step_time` for a compiled side) and its error, the optimizer
+step alone (synchronized before and after),
 peak memory (torch.cuda.max_memory_allocated, reset before each side's steps), and the ratio to eager.
 The first loss of each side is printed beside eager's: every side trains the same model on the same batch.
+With --profile, one more step of each side runs under torch.profiler (step_profile.py): its kernel time by
+class (matmul, attention, optimizer, copies, the rest), the ops that differ most from eager's, and autopar's
+predicted compute and optimizer terms beside the profiled ones.
 """
 from __future__ import annotations
 
@@ -55,10 +60,18 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per side (compiled: the compile)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run every side under torch.compile (inductor)")
-    p.add_argument("--hardware", default="h100", help="the hardware autopar plans and predicts for")
+                   help="also run sides under torch.compile (inductor)")
+    p.add_argument("--compile-sides", default=None,
+                   help="the sides run compiled (default: every side; each costs a compile of the model)")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one step of each side: time by kernel class, ops against eager")
+    p.add_argument("--hardware", default=None,
+                   help="the hardware autopar plans and predicts for (default: h200 on an H200, else h100)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak, for MFU (H100 SXM: 989)")
     args = p.parse_args(argv)
+    if args.hardware is None:
+        on_h200 = torch.cuda.is_available() and "H200" in torch.cuda.get_device_name(0)
+        args.hardware = "h200" if on_h200 else "h100"
     if args.tiny:
         args.seq = min(args.seq, 32)
     return args
@@ -88,16 +101,25 @@ class Side:
     """One way of training the model: its module, optimizer, the context its forward runs in, and its times."""
 
     def __init__(self, name, module, opt, context=contextlib.nullcontext, predicted=None):
-        self.name, self.module, self.opt, self.context, self.predicted = name, module, opt, context, predicted
+        self.name, self.module, self.opt, self.context = name, module, opt, context
+        self.predicted = predicted   # autopar's plan.predicted: the step, and its compute and optimizer terms
         self.run = module
-        self.times, self.first_loss, self.peak = [], None, 0
+        self.times, self.optimizer_times, self.first_loss, self.peak = [], [], None, 0
+        self.warmup_seconds = 0.0   # the untimed steps; compiled, mostly the compile
 
-    def step(self, batch) -> torch.Tensor:
+    def step(self, batch, sync=None) -> torch.Tensor:
+        """One step; with `sync` (a device synchronize), also times the optimizer step alone."""
         self.opt.zero_grad(set_to_none=True)
         with self.context():
             loss = self.run(**batch).loss
         loss.backward()
+        if sync is not None:
+            sync()
+            t0 = time.perf_counter()
         self.opt.step()
+        if sync is not None:
+            sync()
+            self.optimizer_times.append(time.perf_counter() - t0)
         return loss.detach()
 
 
@@ -117,20 +139,19 @@ def build_side(name: str, model, mesh, batch, args) -> Side:
     pm = autopar.parallelize(m, mesh, example_kwargs=batch, precision="bf16-mixed", hardware=args.hardware,
                              **({} if strategy == "auto" else {"strategy": strategy}))
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-5)
-    return Side(name, pm, opt, predicted=pm.plan.predicted.step_time)
+    return Side(name, pm, opt, predicted=pm.plan.predicted)
 
 
 def timed(side: Side, batch, steps: int, sync) -> None:
     for _ in range(steps):
         sync()
         t0 = time.perf_counter()
-        side.step(batch)
-        sync()
+        side.step(batch, sync)
         side.times.append(time.perf_counter() - t0)
 
 
 def run(args) -> tuple:
-    """The sides' rows (eager, then compiled), and the model's FLOPs per token."""
+    """The sides' rows (eager, then compiled) and their one-step profiles; prints the table as each row ends."""
     on_gpu = args.device.startswith("cuda")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -142,21 +163,22 @@ def run(args) -> tuple:
     model, cfg = build_model(args)
     batch = make_batch(args, cfg)
     names = [s for s in args.sides.split(",") if s]
-    unknown = set(names) - set(SIDES)
+    compiled_names = names if args.compile_sides is None else [s for s in args.compile_sides.split(",") if s]
+    unknown = set(names + compiled_names) - set(SIDES)
     if unknown:
         raise SystemExit(f"unknown sides {sorted(unknown)}: choose from {SIDES}")
-    sides = [build_side(n, model, mesh, batch, args) for n in names]
-    rows = []
-    for compiled in ([False, True] if args.compile else [False]):
+    rows, profiles = [], {}
+    for compiled in ([False, True] if args.compile and compiled_names else [False]):
         if compiled:
             torch.compiler.reset()   # the public reset: a benchmark keeps off torch._ APIs
-            sides = [build_side(n, model, mesh, batch, args) for n in names]
-            for s in sides:
+        sides = [build_side(n, model, mesh, batch, args) for n in (compiled_names if compiled else names)]
+        for s in sides:
+            if compiled:
                 s.name += " compiled"
                 s.run = torch.compile(s.module)
-        for s in sides:   # warm-up: the allocator's pools, cuBLAS's choices, the compile
+            t0 = time.perf_counter()   # warm-up: the allocator's pools, cuBLAS's choices, the compile
             losses = [s.step(batch) for _ in range(args.warmup)]
-            s.first_loss = float(losses[0])
+            s.first_loss, s.warmup_seconds = float(losses[0]), time.perf_counter() - t0
         for r in range(args.rounds):
             for s in (sides if r % 2 == 0 else sides[::-1]):
                 if on_gpu:
@@ -164,8 +186,18 @@ def run(args) -> tuple:
                 timed(s, batch, args.steps, sync)
                 if on_gpu:
                     s.peak = max(s.peak, torch.cuda.max_memory_allocated())
+        if args.profile:
+            from step_profile import print_profiles, profile_step
+            row = {s.name: profile_step(lambda: s.step(batch), on_gpu) for s in sides}
+            print_profiles(row, baseline="eager compiled" if compiled else "eager")
+            print_predicted_terms(sides, row)
+            profiles.update(row)
+        for s in sides:   # the next row's sides need the memory: keep the figures only
+            s.module = s.run = s.opt = None
         rows += sides
-    return rows, flops_per_token(model, cfg, args.seq)
+        # printed as each row ends: a compile that outlasts the caller's timeout keeps the eager row's table
+        print_table(rows, flops_per_token(model, cfg, args.seq), args)
+    return rows, profiles
 
 
 def print_table(rows, per_token: float, args) -> None:
@@ -174,23 +206,37 @@ def print_table(rows, per_token: float, args) -> None:
     print(f"\n{args.batch} x {args.seq} tokens a step, {args.steps} x {args.rounds} timed steps a side "
           f"(median), device {torch.cuda.get_device_name(0) if args.device.startswith('cuda') else args.device}, "
           f"torch {torch.__version__}")
-    print("| side | step ms | vs eager | tokens/s | MFU | predicted ms | prediction error | peak GiB | first loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| side | step ms | vs eager | tokens/s | MFU | predicted ms | prediction error | optimizer ms | peak GiB "
+          "| first loss | warm-up s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for s in rows:
         ms = statistics.median(s.times) * 1e3
         base = eager.get("compiled" in s.name)
         ratio = f"{ms / (base * 1e3):.3f}" if base else ""
         mfu = per_token * tokens / (ms / 1e3) / (args.peak_tflops * 1e12)
-        pred = f"{s.predicted * 1e3:.1f}" if s.predicted else ""
-        err = f"{(s.predicted * 1e3 - ms) / ms:+.0%}" if s.predicted else ""
+        predicted = s.predicted and (s.predicted.compiled_step_time if "compiled" in s.name else s.predicted.step_time)
+        pred = f"{predicted * 1e3:.1f}" if predicted else ""
+        err = f"{(predicted * 1e3 - ms) / ms:+.1%}" if predicted else ""
         print(f"| {s.name} | {ms:.1f} | {ratio} | {tokens / (ms / 1e3):,.0f} | {mfu:.1%} | {pred} | {err} | "
-              f"{s.peak / 2**30:.1f} | {s.first_loss:.4f} |")
+              f"{statistics.median(s.optimizer_times) * 1e3:.1f} | {s.peak / 2**30:.1f} | {s.first_loss:.4f} | {s.warmup_seconds:.0f} |")
+
+
+def print_predicted_terms(rows, profiles) -> None:
+    """autopar's predicted compute and optimizer terms beside the profile's kernel times (issue 38 item 3)."""
+    print("\n| side | predicted compute ms | predicted optimizer ms | profiled matmul+attention+other ms "
+          "| profiled optimizer ms |")
+    print("|---|---|---|---|---|")
+    for s in rows:
+        if s.predicted is None or s.name not in profiles:
+            continue
+        c = profiles[s.name]["classes"]
+        print(f"| {s.name} | {s.predicted.compute_time * 1e3:.1f} | {s.predicted.optimizer_time * 1e3:.1f} | "
+              f"{sum(c.values()) - c.get('optimizer', 0):.1f} | {c.get('optimizer', 0):.1f} |")
 
 
 def main(argv=None):
     args = parse_args(argv)
-    rows, per_token = run(args)
-    print_table(rows, per_token, args)
+    run(args)
     dist.destroy_process_group()
 
 

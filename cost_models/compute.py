@@ -19,6 +19,12 @@ def compute_time(flops, dtype, hardware):
     return flops / hardware.flops_per_second(dtype)
 
 
+def optimizer_time(bytes, hardware):
+    """Seconds of the optimizer step's kernels moving `bytes`: a few large foreach kernels, which reach
+    more of the bandwidth than a step's many small memory-bound ops (Hardware.optimizer_efficiency)."""
+    return bytes / (hardware.memory_bandwidth * hardware.optimizer_efficiency)
+
+
 def memory_time(bytes, hardware):
-    """Seconds to stream `bytes` through device memory once."""
-    return bytes / hardware.memory_bandwidth
+    """Seconds to stream `bytes` through device memory once, at the bandwidth a step's kernels reach."""
+    return bytes / (hardware.memory_bandwidth * hardware.memory_efficiency)

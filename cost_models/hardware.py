@@ -62,6 +62,17 @@ class Hardware:
     # tiling run between the matmuls. 1.0 (the peak) for the presets; autopar.calibrate measures it
     # (about 0.5 on one CPU thread at a GPT block's shape)
     attention_efficiency: float = 1.0
+    # The share of peak_flops a training step's matmuls reach, of memory_bandwidth its memory-bound ops
+    # (norms, activations, casts: many small kernels) reach run eagerly, and of memory_bandwidth the
+    # optimizer step's few large foreach kernels reach: a datasheet peak is not what a step runs at. 1.0
+    # for a preset not measured, and for autopar.calibrate's figures (already what this device reached);
+    # the GPU presets' from benchmarks/gpu_step.py.
+    matmul_efficiency: float = 1.0
+    memory_efficiency: float = 1.0
+    optimizer_efficiency: float = 1.0
+    # Under torch.compile inductor fuses chains of memory-bound ops into one kernel each: the share of
+    # their eager time left (Predicted.compiled_step_time). 1.0 (no fusion assumed) unless measured.
+    compiled_memory_fraction: float = 1.0
 
     def __post_init__(self):
         # a dict is not hashable; store a sorted tuple so Hardware stays frozen and hashable
@@ -70,9 +81,12 @@ class Hardware:
             raise CostModelError(f"Hardware {self.name!r}: peak_flops needs positive "
                                  f"entries, e.g. {{'float32': 1e12}}, got {self.peak_flops!r}")
         if not self.memory_bytes > 0 or not self.memory_bandwidth > 0 or not self.devices_per_node > 0 \
-                or not self.attention_efficiency > 0:
-            raise CostModelError(f"Hardware {self.name!r}: memory_bytes, memory_bandwidth, devices_per_node "
-                                 f"and attention_efficiency must be positive")
+                or not all(0 < f for f in (self.attention_efficiency, self.matmul_efficiency,
+                                           self.memory_efficiency, self.optimizer_efficiency,
+                                           self.compiled_memory_fraction)):
+            raise CostModelError(f"Hardware {self.name!r}: memory_bytes, memory_bandwidth, devices_per_node, "
+                                 f"attention_efficiency, matmul_efficiency, memory_efficiency, "
+                                 f"optimizer_efficiency and compiled_memory_fraction must be positive")
         object.__setattr__(self, "peak_flops", pairs)
 
     def flops_per_second(self, dtype: str) -> float:
@@ -101,6 +115,12 @@ PRESETS = {
         memory_bandwidth=3.35e12,
         intra_node_link=Link(bandwidth=450e9, latency=3e-6),
         inter_node_link=Link(bandwidth=50e9, latency=10e-6),
+        # Not measured on an H100 this time: the matmul, attention, optimizer and compiled shares are the
+        # H200's (the same GH100 die and clocks; see below). The memory-bound ops' share is fitted to an
+        # H100's eager step of the same model, 175.5 ms (torch 2.11, 2026-11, issue 38's table), where the
+        # H200's took 151: faster by less than the bandwidths' ratio, as small kernels are not bandwidth alone.
+        matmul_efficiency=0.79, attention_efficiency=0.80, memory_efficiency=0.64, optimizer_efficiency=0.73,
+        compiled_memory_fraction=0.40,
     ),
     # NVIDIA A100 80GB SXM datasheet: BF16/FP16 312 TF, TF32 156 TF (used for float32);
     # HBM2e 2,039 GB/s; NVLink 3 600 GB/s total = 300 GB/s per direction;
@@ -125,6 +145,14 @@ PRESETS = {
         memory_bandwidth=4.8e12,
         intra_node_link=Link(bandwidth=450e9, latency=3e-6),
         inter_node_link=Link(bandwidth=50e9, latency=10e-6),
+        # Measured 2026-11-27 on one H200, torch 2.11 (docs/gpu-results.md): one step of
+        # benchmarks/gpu_step.py's 0.886B Llama (bf16-mixed, AdamW, 4 x 2048 tokens) against this cost
+        # model's terms at the peaks above. Matmul kernels 51.7 ms for 40.8 at the peak; attention 8.4 for
+        # 6.7; the optimizer step (timed alone) 21.2 for 15.5; the rest of the eager step (150.4 ms), 69 ms,
+        # is the memory-bound ops, 37.9 at the peak. Compiled (inductor), the step took 109.2 ms: 0.40 of
+        # the memory-bound ops' time was left.
+        matmul_efficiency=0.79, attention_efficiency=0.80, memory_efficiency=0.55, optimizer_efficiency=0.73,
+        compiled_memory_fraction=0.40,
     ),
     # Google Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TF bf16 per chip;
     # 95 GiB HBM2e at 2,765 GB/s; ICI 4,800 Gb/s per chip (listed as 1,200 GB/s
@@ -219,7 +247,8 @@ def axis_links(axes: Sequence[tuple[str, int]], hardware: Hardware,
 # readers ignore. Links are {"bandwidth": bytes/s, "latency": s}.
 
 _REQUIRED = ("name", "peak_flops", "memory_bytes", "memory_bandwidth", "intra_node_link", "inter_node_link")
-_OPTIONAL = ("devices_per_node", "comm_overlaps_compute", "attention_efficiency", "links", "measured")
+EFFICIENCIES = ("matmul_efficiency", "memory_efficiency", "optimizer_efficiency", "compiled_memory_fraction")
+_OPTIONAL = ("devices_per_node", "comm_overlaps_compute", "attention_efficiency", *EFFICIENCIES, "links", "measured")
 
 
 def _link_dict(link: Link) -> dict:
@@ -236,6 +265,7 @@ def hardware_to_dict(hardware: Hardware, links: "Mapping[str, Link] | None" = No
          "inter_node_link": _link_dict(hardware.inter_node_link), "devices_per_node": hardware.devices_per_node,
          "comm_overlaps_compute": hardware.comm_overlaps_compute,
          "attention_efficiency": hardware.attention_efficiency,
+         **{f: getattr(hardware, f) for f in EFFICIENCIES},
          "links": {axis: _link_dict(link) for axis, link in (links or {}).items()}}
     if measured is not None:
         d["measured"] = measured
@@ -307,7 +337,8 @@ def hardware_from_dict(d, source: str = "hardware spec") -> "tuple[Hardware, dic
         inter_node_link=_link(d["inter_node_link"], "inter_node_link", source),
         devices_per_node=_number(d.get("devices_per_node", 8), "devices_per_node", source, int),
         comm_overlaps_compute=_flag(d.get("comm_overlaps_compute", True), "comm_overlaps_compute", source),
-        attention_efficiency=_number(d.get("attention_efficiency", 1.0), "attention_efficiency", source))
+        attention_efficiency=_number(d.get("attention_efficiency", 1.0), "attention_efficiency", source),
+        **{f: _number(d.get(f, 1.0), f, source) for f in EFFICIENCIES})
     try:
         hardware = Hardware(**fields)
     except CostModelError as e:

@@ -1,15 +1,37 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one run (CI has none): the CUDA equivalence tests and the one-GPU step
-# benchmark (benchmarks/gpu_step.py; benchmarks/runtime_overhead.py --model 1b runs across GPUs where there are several).
-# Uses the machine's own torch (no install: a GPU box brings its CUDA build); logs go to $OUT or ./gpu_check/.
+# The checks that need a GPU, in one run (CI has none). Uses the machine's own torch (no install: a GPU box
+# brings its CUDA build); each log goes to $OUT or ./gpu_check/. Sections, each under its own timeout:
+#   kernels   benchmarks/gpu_kernels.py: the rates this GPU reaches on the benchmark model's kernels
+#   step      benchmarks/gpu_step.py: issue 38's table, one step of a 0.886B HF Llama (labels=, bf16-mixed,
+#             AdamW), eager / FSDP2 / autopar, eager and compiled, rounds alternating, with a profile
+#   tests     tests/test_cuda.py: the whole-model equivalence tests on CUDA tensors
+#   shape2    the step benchmark at another shape (2 x 4096 tokens: attention's share doubles), eager and
+#             autopar eager, autopar compiled: the presets' efficiencies were fitted at 4 x 2048, checked here
+# SECTIONS picks some (default all); SIDES, COMPILE_SIDES, STEPS, ROUNDS shape the step benchmark.
+# (benchmarks/runtime_overhead.py --model 1b runs across GPUs where a machine has several.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_check}"; mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count(), 'GPUs')"
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_cuda.py -n 4 -p no:cacheprovider -rA 2>&1 \
-    | tee "$out/test_cuda.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -40
-# issue 38's table: one step of a 0.886B HF Llama (labels=, bf16-mixed, AdamW), eager / FSDP2 / autopar, eager and
-# compiled, rounds alternating (benchmarks/gpu_step.py)
-timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/gpu_step.py --sides "${SIDES:-eager,fsdp2,autopar-ddp,autopar-fsdp,autopar-auto}" \
-    --steps "${STEPS:-5}" --rounds "${ROUNDS:-2}" 2>&1 | tee "$out/gpu_step.log" | grep -v "Warning\|warn" | tail -30
+export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+sections="${SECTIONS:-kernels step tests shape2}"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
+torch.cuda.get_device_name(0), torch.cuda.device_count(), 'GPUs')"
+quiet() { grep -v -E "Warning|warn\(|^  warnings|USDT|^$" ; }
+if [[ " $sections " == *" kernels "* ]]; then
+    timeout "${KERNELS_TIMEOUT:-90}" python3 benchmarks/gpu_kernels.py 2>&1 | tee "$out/kernels.log" | quiet
+fi
+if [[ " $sections " == *" step "* ]]; then
+    timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/gpu_step.py --profile \
+        --sides "${SIDES:-eager,fsdp2,autopar-ddp,autopar-fsdp,autopar-auto}" \
+        --compile-sides "${COMPILE_SIDES:-eager,fsdp2,autopar-fsdp,autopar-auto}" \
+        --steps "${STEPS:-5}" --rounds "${ROUNDS:-2}" 2>&1 | tee "$out/gpu_step.log" | quiet | grep "^|\|^[0-9a-zA-Z]" | grep -v "^\[rank"
+fi
+if [[ " $sections " == *" tests "* ]]; then
+    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/test_cuda.py -n 4 -p no:cacheprovider -rA 2>&1 \
+        | tee "$out/test_cuda.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -40
+fi
+if [[ " $sections " == *" shape2 "* ]]; then
+    timeout "${SHAPE2_TIMEOUT:-120}" python3 benchmarks/gpu_step.py --batch 2 --seq 4096 --sides eager,autopar-auto \
+        --compile-sides autopar-auto --steps 5 --rounds 2 2>&1 | tee "$out/gpu_step_2x4096.log" | quiet \
+        | grep "^|\|^[0-9a-zA-Z]" | grep -v "^\[rank"
+fi

@@ -82,7 +82,10 @@ def test_compute_terms():
     assert cm.TRAIN_FLOPS_FACTOR == 3
     assert cm.compute_time(989e12, "bfloat16", H100) == pytest.approx(1.0)
     assert cm.compute_time(494.5e12, "float32", H100) == pytest.approx(1.0)
-    assert cm.memory_time(3.35e12, H100) == pytest.approx(1.0)
+    # a step's memory-bound ops and its optimizer reach their shares of the bandwidth (hardware.py)
+    assert cm.memory_time(3.35e12 * H100.memory_efficiency, H100) == pytest.approx(1.0)
+    assert cm.optimizer_time(3.35e12 * H100.optimizer_efficiency, H100) == pytest.approx(1.0)
+    assert H100.optimizer_efficiency > H100.memory_efficiency   # few large kernels beat many small ones
 
 
 def test_compute_symbolic():
@@ -90,7 +93,7 @@ def test_compute_symbolic():
     flops = cm.matmul_flops(m, n, 1024)
     t = cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, "bfloat16", H100)
     assert t.subs({m: 512, n: 256}) == pytest.approx(3 * 2 * 512 * 256 * 1024 / 989e12)
-    assert cm.memory_time(4 * m, H100).subs(m, 10) == pytest.approx(40 / 3.35e12)
+    assert cm.memory_time(4 * m, H100).subs(m, 10) == pytest.approx(40 / (3.35e12 * H100.memory_efficiency))
 
 
 def test_flops_per_second_fallbacks():

@@ -19,6 +19,7 @@ import torch.fx as fx
 from .._compat import symint_expr, symint_hint, trace_lock
 from ..errors import CaptureError
 from .caches import caches_left_out
+from .causal_masks import rewrite_causal_masks
 from .iota_index import rewrite_row_counts
 from .losses import split_losses
 
@@ -210,8 +211,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO, 
 
 
 def _export(model, example_inputs: tuple, example_kwargs: dict, dynamic_shapes):
-    """torch.export's training graph, with mean losses split (losses.py) and the KV caches a model
-    returns left out (caches.py); CaptureError on failure."""
+    """torch.export's training graph, with mean losses split (losses.py), the KV caches a model
+    returns left out (caches.py) and causal masks made `is_causal` (causal_masks.py); CaptureError on failure."""
     try:
         with trace_lock, caches_left_out(model):  # export keeps module-level state: one trace at a time per process
             ep = torch.export.export(model, example_inputs, example_kwargs or None, strict=False,
@@ -219,6 +220,7 @@ def _export(model, example_inputs: tuple, example_kwargs: dict, dynamic_shapes):
             # under the lock too: it enters the export's fake mode, and mode stacks are per process
             split_losses(ep.graph)   # before anything reads the graph: plans see the split form
             rewrite_row_counts(ep.graph)   # HF's padding mask: a gather along the batch that is a slice
+            rewrite_causal_masks(ep.graph)   # a causal mask built from shapes: is_causal=True (flash attention)
     except Exception as e:  # export raises many types; the user needs cause + place
         raise CaptureError(_explain_export_failure(model, e)) from e
     return ep

@@ -21,9 +21,9 @@ from .checkpointing import recomputed_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import BUCKET, hidden_comm_time
 from .problem import charge_key, checkpoint_model, edge_regathers, reshards
-from .terms import (activation_bytes, edge_collectives, first_meta,
-                    gathered_weight_bytes, is_saved, kept_weight_bytes, node_compute_time, op_collectives,
-                    output_bytes, param_memory, read_bytes, reduce_itemsize, regather_saving, zero_collectives)
+from .terms import (activation_bytes, edge_collectives, first_meta, gathered_weight_bytes, is_memory_bound,
+                    is_saved, kept_weight_bytes, node_compute_time, op_collectives, output_bytes, param_memory,
+                    read_bytes, reduce_itemsize, regather_saving, zero_collectives)
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,9 @@ class Predicted:
     # the optimizer step: the bytes its elementwise kernels move (precision.OptimizerSpec) over memory
     # bandwidth; step_time = compute_time + optimizer_time + the exposed communication
     optimizer_time: object = 0
+    # step_time under torch.compile: the memory-bound ops' time scaled by the hardware's
+    # compiled_memory_fraction (inductor fuses them); the optimizer runs outside the compiled module
+    compiled_step_time: object = 0
 
     @property
     def hidden_comm_time(self) -> dict:
@@ -113,8 +116,8 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     saved = checkpoint_model(prob, tuple(st.key for st in stacks)) if stacks else prob.saved
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
     params, master, grads, opt, update, colls = _state_terms(prob, choice, symbolic)
-    optimizer_time = cm.memory_time(update, prob.hardware)
-    acts, compute, op_times = _op_terms(prob, choice, symbolic, saved, rerun)
+    optimizer_time = cm.optimizer_time(update, prob.hardware)
+    acts, compute, memory_bound, op_times = _op_terms(prob, choice, symbolic, saved, rerun)
     groups = group_redistributions(prob, choice)
     kept = saved if prob.regather_activations else None   # the model the re-gather saving reads
     acts = acts + sum(regather_saving(prob.cap, kept, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
@@ -129,10 +132,11 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     exposed = {a: comm_time[a] - hidden[a] for a in comm_time}
     total_mem = params + master + grads + opt + acts + transient
     mem = Memory(num(params), num(grads), num(opt), num(acts), num(transient), num(total_mem), num(master))
+    step = compute + optimizer_time + sum(exposed.values())
+    fused_away = (1 - prob.hardware.compiled_memory_fraction) * memory_bound
     pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
-                     num(compute), num(compute + optimizer_time + sum(exposed.values())),
-                     {k: num(v) for k, v in by_kind.items()}, {a: num(v) for a, v in exposed.items()},
-                     num(optimizer_time))
+                     num(compute), num(step), {k: num(v) for k, v in by_kind.items()},
+                     {a: num(v) for a, v in exposed.items()}, num(optimizer_time), num(step - fused_away))
     return pred, colls
 
 
@@ -238,8 +242,9 @@ def _state_terms(prob, choice, symbolic: bool):
 
 
 def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
-    """Activation bytes kept for backward and compute seconds of all ops (recomputed ops twice forward),
-    and each op's seconds at the example's sizes (a number: the overlap model orders by it)."""
+    """Activation bytes kept for backward, compute seconds of all ops (recomputed ops twice forward) and of
+    the memory-bound ones among them, and each op's seconds at the example's sizes (a number: the overlap
+    model orders by it)."""
     cap = prob.cap
     op_terms: dict = {}   # kind of op -> [activation bytes, compute time, how many, seconds at the example's sizes]
     times: dict = {}
@@ -258,12 +263,14 @@ def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
             # the overlap model orders by time at the example's sizes (overlap.py): a number either way
             t_num = float(node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, False)) \
                 if symbolic else t
-            op_terms[key] = [a, t, 0, t_num + t_num / cm.TRAIN_FLOPS_FACTOR if symbolic and name in rerun else t_num]
+            op_terms[key] = [a, t, 0, t_num + t_num / cm.TRAIN_FLOPS_FACTOR if symbolic and name in rerun else t_num,
+                             is_memory_bound(cap.node(name))]
         op_terms[key][2] += 1
         times[name] = op_terms[key][3]
-    acts = 0 + sum(n * a for a, _, n, _ in op_terms.values())
-    compute = 0 + sum(n * t for _, t, n, _ in op_terms.values())
-    return acts, compute, times
+    acts = 0 + sum(n * a for a, _, n, _, _ in op_terms.values())
+    compute = 0 + sum(n * t for _, t, n, _, _ in op_terms.values())
+    memory_bound = 0 + sum(n * t for _, t, n, _, bound in op_terms.values() if bound)
+    return acts, compute, memory_bound, times
 
 
 def _op_collectives(prob, choice, rerun: set, symbolic: bool) -> list[Collective]:

@@ -76,7 +76,11 @@ def needs_grad(cap: Captured) -> set[str]:
     return out
 
 
-def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw: cm.Hardware, symbolic=False):
+def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw: cm.Hardware, symbolic=False,
+                      compiled=False):
+    """Seconds of an op's forward and backward: a matmul at the FLOP/s a step's matmuls reach, attention at
+    its own share of the peak, any other op at the memory bandwidth over the bytes it reads and writes.
+    `compiled`: under torch.compile, which fuses memory-bound ops (Hardware.compiled_memory_fraction)."""
     info = cap.info[node.name]
     out = first_meta(info.meta)
     if node.op != "call_function" or out is None:
@@ -91,13 +95,18 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
     if name in MATMUL_OPS and len(locals_) >= 2:
         k = locals_[1][-1] if name == "aten.addmm.default" else locals_[0][-1]
         flops = 2 * numel(out_local) * k
-        return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw)
+        return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw) / hw.matmul_efficiency
     if name == SDPA:
         q, kk = locals_[0], locals_[1]
         flops = 2 * numel(q) * kk[-2] + 2 * numel(out_local) * kk[-2]
         return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw) / hw.attention_efficiency
     touched = numel(out_local) * out.itemsize + sum(numel(l) * m.itemsize for l, m in zip(locals_, metas))
-    return cm.memory_time(cm.TRAIN_FLOPS_FACTOR * touched, hw)
+    return cm.memory_time(cm.TRAIN_FLOPS_FACTOR * touched, hw) * (hw.compiled_memory_fraction if compiled else 1)
+
+
+def is_memory_bound(node: fx.Node) -> bool:
+    """Whether node_compute_time prices the op by the bytes it moves (no matmul, no attention)."""
+    return op_name(node) not in MATMUL_OPS and op_name(node) != SDPA
 
 
 def op_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, symbolic=False) -> list[Collective]:

@@ -162,7 +162,7 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
         if best is None or total > best[0]:
             best = (total, coord, idx, parts, acts)
     total, coord, idx, (params, master, grads, opt, update), acts = best
-    optimizer_time = float(cm.memory_time(update, prob.hardware))   # after the schedule, on the busiest device
+    optimizer_time = float(cm.optimizer_time(update, prob.hardware))   # after the schedule, on the busiest device
     comm_bytes = {a: m * sum(costs.parts[i][1][a] for i in idx) for a in mesh.axis_names}
     comm_time = {a: m * sum(costs.parts[i][2][a] for i in idx) for a in mesh.axis_names}
     sends = [pipe.stages[s].send_bytes for s in pipe.stages_on(coord)]
@@ -171,6 +171,8 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
     comm_time[pipe.axis] += m * sum(float(cm.collective_time(cm.SEND_RECV, b, 2, link)) for b in sends + recvs)
     compute = m * sum(costs.parts[i][0] for i in idx)
     mem = Memory(params, grads, opt, acts, transient, total, master)
+    # the pipeline model prices every collective as waited for, and its stages' compute as run eagerly
+    # (compiled_step_time: the same, no fusion claimed)
     return Predicted(mem, comm_bytes, comm_time, compute, pipe.step_time + optimizer_time,
                      {cm.SEND_RECV: m * (sum(sends) + sum(recvs))},
-                     dict(comm_time), optimizer_time)   # the pipeline model prices every collective as waited for
+                     dict(comm_time), optimizer_time, pipe.step_time + optimizer_time)

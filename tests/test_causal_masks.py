@@ -1,0 +1,108 @@
+"""A causal mask a traced model builds from shapes becomes `is_causal=True` (capture/causal_masks.py), so a
+GPU runs flash attention as the untraced model does; any other mask is kept, numbers unchanged."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.capture.causal_masks import SDPA
+from autopar.capture.export import capture
+from autopar.testing import padded_batch, shipped_causal_lm
+
+
+def _sdpa_calls(cap):
+    return [n for n in cap.graph.nodes if n.op == "call_function" and n.target is SDPA]
+
+
+def _mask_and_flag(node):
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    return mask, causal
+
+
+class MaskedAttention(nn.Module):
+    """Attention over x with a mask made from its length by `make_mask(length)`."""
+
+    def __init__(self, make_mask):
+        super().__init__()
+        self.proj = nn.Linear(8, 24)
+        self.make_mask = make_mask
+
+    def forward(self, x):
+        q, k, v = self.proj(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        n = x.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.make_mask(n, x.device)).sum()
+
+
+def _bool_causal(n, device):
+    i = torch.arange(n, device=device)
+    return i[None, :] <= i[:, None]
+
+
+def _float_causal(n, device):
+    return torch.zeros(n, n, device=device).masked_fill(~_bool_causal(n, device), float("-inf"))
+
+
+def _sliding_window(n, device):   # causal, and only the last 2 keys: not is_causal
+    i = torch.arange(n, device=device)
+    return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 2)
+
+
+def _anti_causal(n, device):
+    i = torch.arange(n, device=device)
+    return i[None, :] >= i[:, None]
+
+
+def test_hf_llama_without_padding_runs_sdpa_as_causal_with_no_mask_left():
+    model = shipped_causal_lm("llama")
+    ids = torch.randint(0, 64, (2, 8))
+    cap = capture(model, (), example_kwargs={"input_ids": ids, "labels": ids})
+    calls = _sdpa_calls(cap)
+    assert len(calls) == 2
+    assert all(_mask_and_flag(n) == (None, True) for n in calls)
+    # the mask's subgraph is gone: no s x s comparison is left in the graph
+    assert not [n for n in cap.graph.nodes if n.target in (torch.ops.aten.le.Tensor, torch.ops.aten.diff.default)]
+
+
+def test_hf_llama_with_a_padded_batch_keeps_its_mask():
+    model = shipped_causal_lm("llama")
+    batch = padded_batch(seq=8)
+    cap = capture(model, (), example_kwargs=batch)
+    assert all(isinstance(_mask_and_flag(n)[0], torch.fx.Node) and not _mask_and_flag(n)[1]
+               for n in _sdpa_calls(cap))
+
+
+@pytest.mark.parametrize("make_mask, rewritten", [(_bool_causal, True), (_float_causal, True),
+                                                  (_sliding_window, False), (_anti_causal, False)])
+def test_only_a_causal_mask_is_rewritten_and_the_numbers_stay(make_mask, rewritten):
+    torch.manual_seed(0)
+    model = MaskedAttention(make_mask)
+    x = torch.randn(2, 6, 8)
+    cap = capture(model, (x,))
+    (call,) = _sdpa_calls(cap)
+    mask, causal = _mask_and_flag(call)
+    assert (mask is None and causal) == rewritten
+    y = torch.randn(2, 5, 8)   # another length: the rewrite holds for every length, not only the example's
+    assert torch.allclose(cap.exported.module()(y), model(y), atol=1e-6)
+
+
+def _long_sliding_window(n, device):   # Mistral's: causal at every length up to its window of 4096 keys
+    i = torch.arange(n, device=device)
+    return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 4096)
+
+
+def test_a_window_longer_than_every_size_tried_is_not_taken_for_causal():
+    """At the sizes capture evaluates, this mask equals the causal one; past 4096 keys it does not."""
+    model = MaskedAttention(_long_sliding_window)
+    cap = capture(model, (torch.randn(2, 6, 8),))
+    (call,) = _sdpa_calls(cap)
+    assert isinstance(_mask_and_flag(call)[0], torch.fx.Node)
+
+
+def test_a_mask_of_a_static_shape_is_checked_at_that_shape():
+    model = MaskedAttention(_bool_causal)
+    cap = capture(model, (torch.randn(2, 6, 8),), dynamic_shapes=None)
+    (call,) = _sdpa_calls(cap)
+    assert _mask_and_flag(call) == (None, True)
