@@ -20,12 +20,12 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .._compat import symint_expr
+from .._compat import operator_name, symint_expr
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 SYM_SIZE = torch.ops.aten.sym_size.int
 # export checks the dtype of a `.to()`'s result with one of these: it goes with the tensor it checks
-ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+ASSERT_METADATA = "aten._assert_tensor_metadata.default"
 # a mask's own subgraph in HF is ~40 nodes; past this it is not a mask built from shapes
 MAX_MASK_NODES = 400
 # ops whose numeric operands move or compare positions (_plain_numbers); not a fill value (where,
@@ -170,7 +170,7 @@ def _erase_unused(verdicts: dict) -> None:
         if not causal:
             continue
         for n in reversed(_ancestors(mask) or []):
-            for user in [u for u in n.users if u.target is ASSERT_METADATA and not u.users]:
+            for user in [u for u in n.users if operator_name(u.target) == ASSERT_METADATA and not u.users]:
                 n.graph.erase_node(user)
             if not n.users:
                 n.graph.erase_node(n)
