@@ -218,12 +218,13 @@ def print_table(rows, per_token: float, args) -> None:
         pred = f"{predicted * 1e3:.1f}" if predicted else ""
         err = f"{(predicted * 1e3 - ms) / ms:+.1%}" if predicted else ""
         print(f"| {s.name} | {ms:.1f} | {ratio} | {tokens / (ms / 1e3):,.0f} | {mfu:.1%} | {pred} | {err} | "
-              f"{statistics.median(s.optimizer_times) * 1e3:.1f} | {s.peak / 2**30:.1f} | {s.first_loss:.4f} | {s.warmup_seconds:.0f} |")
+              f"{statistics.median(s.optimizer_times) * 1e3:.1f} | {s.peak / 2**30:.1f} | {s.first_loss:.4f} | "
+              f"{s.warmup_seconds:.0f} |")
 
 
 def print_predicted_terms(rows, profiles) -> None:
     """autopar's predicted compute and optimizer terms beside the profile's kernel times (issue 38 item 3)."""
-    print("\n| side | predicted compute ms | predicted optimizer ms | profiled matmul+attention+other ms "
+    print("\n| side | predicted compute ms | predicted optimizer ms | profiled kernels but the optimizer's ms "
           "| profiled optimizer ms |")
     print("|---|---|---|---|---|")
     for s in rows:

@@ -4,13 +4,15 @@ Called eagerly without padding, a Hugging Face model passes no mask to scaled_do
 and sets `is_causal=True` (transformers' masking_utils skips the mask when it can prove it causal).
 Traced, it cannot skip it: the graph builds the mask from `arange`s of the sequence length and
 passes it. The numbers are the same, but the kernel is not: with a mask, CUDA's SDPA cannot run flash
-attention and runs the slower memory-efficient kernel, and every layer reads an s x s mask. On one
-H100 that made autopar's step of a 0.9B Llama several percent slower than the model's own.
+attention and runs a slower kernel, and every layer reads an s x s mask. At a 0.9B Llama's shape on
+one H200, attention ran at 209 TFLOP/s with the mask against 534 without (docs/gpu-results.md); on an
+H100 it had made autopar's step 1.06x the model's own.
 
 So at capture, every SDPA whose mask depends on no input's values (only on input sizes, through
-`sym_size`) is evaluated at two sets of small sizes, and where it is the causal mask both times (true on and below the diagonal, top-left aligned as `is_causal` means it),
-the mask is dropped and `is_causal=True` set. A mask that reads an input (a padded batch's
-attention_mask) is kept as it is.
+`sym_size`) and computes with no number but 0 and +-1 (_plain_numbers) is evaluated at two sets of small
+sizes, and where it is the causal mask both times (true on and below the diagonal, top-left aligned as
+`is_causal` means it), the mask is dropped and `is_causal=True` set. A mask that reads an input (a
+padded batch's attention_mask) is kept as it is.
 """
 from __future__ import annotations
 
