@@ -208,3 +208,19 @@ def test_calibrate_on_two_threaded_ranks_agrees_and_is_positive():
     assert all(0 < v < math.inf for v in numbers), numbers
     assert "float32" in dict(hw.peak_flops)
     assert hw.intra_node_link == link   # both ranks on one host: the axis is inside a node
+
+
+def test_the_compute_shares_round_trip_and_are_checked(tmp_path):
+    """The shares a step reaches of the peaks (hardware.EFFICIENCIES) travel in the spec; a spec without
+    them (written before they existed) reads as 1.0, and a share that is not positive is refused."""
+    import dataclasses
+    measured = dataclasses.replace(_hardware(), matmul_efficiency=0.8, memory_efficiency=0.5,
+                                   optimizer_efficiency=0.7, compiled_memory_fraction=0.4)
+    save_hardware(tmp_path / "gpu.json", measured, {})
+    assert load_hardware(tmp_path / "gpu.json")[0] == measured
+    d = json.loads((tmp_path / "gpu.json").read_text())
+    for field in ("matmul_efficiency", "memory_efficiency", "optimizer_efficiency", "compiled_memory_fraction"):
+        old = {k: v for k, v in d.items() if k != field}
+        assert getattr(hardware_from_dict(old)[0], field) == 1.0
+    with pytest.raises(cm.CostModelError, match="compiled_memory_fraction"):
+        dataclasses.replace(_hardware(), compiled_memory_fraction=0.0)

@@ -265,3 +265,28 @@ def test_no_torch_or_autopar_imports():
     for path in src.glob("*.py"):
         imports = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", path.read_text(), re.M)
         assert not [m for m in imports if m.split(".")[0] in ("torch", "autopar")], path
+
+
+def test_a_compiled_step_keeps_the_fused_share_of_the_memory_bound_ops():
+    """Predicted.compiled_step_time = step_time less (1 - compiled_memory_fraction) of the memory-bound ops'
+    time: matmuls, attention and the optimizer (outside the compiled module) are priced alike."""
+    import dataclasses
+
+    import torch
+
+    import autopar
+    from autopar.testing import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    idx = torch.randint(0, 64, (4, 16))
+
+    def predicted(**shares):
+        hw = dataclasses.replace(H100, **shares)
+        return autopar.plan(model, (idx,), {"dp": 2}, hardware=hw, strategy="ddp").predicted
+
+    none, half, all_fused = (predicted(compiled_memory_fraction=f) for f in (1.0, 0.5, 1e-9))
+    assert none.compiled_step_time == pytest.approx(none.step_time)
+    memory_bound = none.step_time - all_fused.compiled_step_time
+    assert 0 < memory_bound < none.compute_time   # the GPT has matmuls too
+    assert half.compiled_step_time == pytest.approx(half.step_time - memory_bound / 2)
+    assert half.step_time == pytest.approx(none.step_time) and half.optimizer_time == none.optimizer_time
