@@ -76,11 +76,10 @@ def needs_grad(cap: Captured) -> set[str]:
     return out
 
 
-def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw: cm.Hardware, symbolic=False,
-                      compiled=False):
-    """Seconds of an op's forward and backward: a matmul at the FLOP/s a step's matmuls reach, attention at
-    its own share of the peak, any other op at the memory bandwidth over the bytes it reads and writes.
-    `compiled`: under torch.compile, which fuses memory-bound ops (Hardware.compiled_memory_fraction)."""
+def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw: cm.Hardware, symbolic=False):
+    """Seconds of an op's forward and backward, run eagerly: a matmul at the FLOP/s a step's matmuls reach,
+    attention at its own share of the peak, any other op (is_memory_bound) at the memory bandwidth over the
+    bytes it reads and writes. (Compiled, predict.py keeps Hardware.compiled_memory_fraction of the last.)"""
     info = cap.info[node.name]
     out = first_meta(info.meta)
     if node.op != "call_function" or out is None:
@@ -101,7 +100,7 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
         flops = 2 * numel(q) * kk[-2] + 2 * numel(out_local) * kk[-2]
         return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw) / hw.attention_efficiency
     touched = numel(out_local) * out.itemsize + sum(numel(l) * m.itemsize for l, m in zip(locals_, metas))
-    return cm.memory_time(cm.TRAIN_FLOPS_FACTOR * touched, hw) * (hw.compiled_memory_fraction if compiled else 1)
+    return cm.memory_time(cm.TRAIN_FLOPS_FACTOR * touched, hw)
 
 
 def is_memory_bound(node: fx.Node) -> bool:
