@@ -214,6 +214,22 @@ def test_stages_send_a_view_contiguous():
         _check([r[s] for r in by_case], ref, plan, s)
 
 
+def _two_rank_cases(rank, x, y):
+    """Every 2-rank case of this file in one gloo launch (issue 37: a launch is ~5 s of process start and
+    imports, the cases a few seconds each): each case's own results, by name."""
+    return {"targets free": _train_targets_free(rank, x, y),
+            "a new lambda each step": _train_with_a_new_lambda_each_step(rank, x, y),
+            "loss inside, pp2": _train_loss_inside(rank, (2,), ("pp",), "ddp"),
+            "bare forward": _refuse_forward(rank)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """{case: [rank 0's results, rank 1's]} of _two_rank_cases."""
+    by_rank = run_gloo(2, _two_rank_cases, *_batch())
+    return {case: [r[case] for r in by_rank] for case in by_rank[0]}
+
+
 def _train_targets_free(rank, x, y):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
@@ -226,10 +242,10 @@ def _train_targets_free(rank, x, y):
     return out
 
 
-def test_a_loss_without_targets_matches_one_device():
+def test_a_loss_without_targets_matches_one_device(two_ranks):
     x, y = _batch()
     ref = _reference(x, None, _mean_square)
-    results = run_gloo(2, _train_targets_free, x, y)
+    results = two_ranks["targets free"]
     plan = Plan.from_json(results[0]["plan"])
     assert plan.pipeline is not None
     _check(results, ref, plan)
@@ -267,11 +283,11 @@ def _train_with_a_new_lambda_each_step(rank, x, y):
     return out
 
 
-def test_a_new_loss_fn_each_step_reuses_the_schedule_and_keeps_no_old_one():
+def test_a_new_loss_fn_each_step_reuses_the_schedule_and_keeps_no_old_one(two_ranks):
     """A lambda made each step: one schedule serves every step (none kept per loss function), and training
     still equals one device's."""
     x, y = _batch()
-    results = run_gloo(2, _train_with_a_new_lambda_each_step, x, y)
+    results = two_ranks["a new lambda each step"]
     ref = _reference(x, y)
     for r in results:
         assert r["num_schedules"] == 1 and r["loss_fns_kept"] == 0, (r["num_schedules"], r["loss_fns_kept"])
@@ -328,12 +344,12 @@ def test_a_loss_inside_forward_trains_pipelined_with_the_vocabulary_split():
     _check_loss_inside(results)
 
 
-def test_a_loss_inside_forward_trains_pipelined_with_whole_targets_crossing_the_stages():
+def test_a_loss_inside_forward_trains_pipelined_with_whole_targets_crossing_the_stages(two_ranks):
     """The same model on pp2 alone: the targets cross to the last stage as they are, and its cross-entropy
     reads them whole. Before its first step torch runs each stage on tensors made from the previous one's
     shapes, uninitialised: targets made so were out of range and the cross-entropy raised IndexError
     (_compat.pipeline_stage gives integer ones zeros)."""
-    results = run_gloo(2, _train_loss_inside, (2,), ("pp",), "ddp")
+    results = two_ranks["loss inside, pp2"]
     plan = Plan.from_json(results[0]["plan"])
     loss_op = next(n for n in plan.node_strategies if n.startswith("cross_entropy_loss_default"))
     assert plan.pipeline is not None and plan.node_strategies[loss_op].inputs[1] == ("R",)
@@ -362,8 +378,8 @@ def _check_loss_inside(results):
         assert held == {n for n, _ in ref.named_parameters()}
 
 
-def test_pipelined_module_refuses_a_bare_forward_and_gives_its_stages_state():
-    names = run_gloo(2, _refuse_forward)
+def test_pipelined_module_refuses_a_bare_forward_and_gives_its_stages_state(two_ranks):
+    names = two_ranks["bare forward"]
     everything = set(_gpt().state_dict())
     assert set(names[0]) | set(names[1]) == everything
     assert all(set(n) < everything for n in names), "a stage's module gave the whole model"
