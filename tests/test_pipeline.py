@@ -130,7 +130,7 @@ def _check(results, ref, plan, case=""):
                 assert mean == pytest.approx(ref[opt]["losses"][step], abs=ATOL), (case, opt)
 
 
-# (mesh shape, axis names) -> {case: plan kwargs}: the cases of one mesh share a launch of 4 processes
+# (mesh shape, axis names) -> {case: plan kwargs}: every mesh's cases share one launch of 4 processes
 CASES = {
     ((2, 2), ("pp", "dp")): {
         "pp2 x dp2, 1f1b": dict(pipeline_axis="pp", strategy="ddp", schedule="1f1b"),
@@ -155,12 +155,28 @@ CASES = {
 }
 
 
+def _four_rank_cases(rank, x, y):
+    """Every mesh's CASES, and the loss-inside case on pp2 x tp2, in one gloo launch of 4 processes
+    (issue 37: starting 4 processes is ~5 s on 2 cores): {mesh or case name: results}."""
+    out = {mesh: _train_cases(rank, *mesh, {name: (kwargs, None) for name, kwargs in cases.items()}, x, y)
+           for mesh, cases in CASES.items()}
+    out["loss inside, pp2 x tp2"] = _train_loss_inside(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """{mesh or case name: [rank 0's results, ..., rank 3's]} of _four_rank_cases."""
+    by_rank = run_gloo(4, _four_rank_cases, *_batch(), timeout=600)
+    return {key: [r[key] for r in by_rank] for key in by_rank[0]}
+
+
 @pytest.mark.parametrize("mesh", list(CASES), ids=lambda m: " x ".join(f"{n}{s}" for s, n in zip(*m)))
-def test_pipelined_training_matches_one_device(mesh):
+def test_pipelined_training_matches_one_device(mesh, four_ranks):
     x, y = _batch()
     cases = CASES[mesh]
     refs = {n: _reference(x, y, config={"n_layer": n}) for n in {k.get("n_layer", 4) for k in cases.values()}}
-    by_case = run_gloo(4, _train_cases, *mesh, {name: (kwargs, None) for name, kwargs in cases.items()}, x, y)
+    by_case = four_ranks[mesh]
     for case, kwargs in cases.items():
         _check_case(case, kwargs, [r[case] for r in by_case], refs[kwargs.get("n_layer", 4)])
 
@@ -333,11 +349,11 @@ def _train_loss_inside(rank, shape=(2, 2), names=("pp", "tp"), strategy="tp"):
     return out
 
 
-def test_a_loss_inside_forward_trains_pipelined_with_the_vocabulary_split():
+def test_a_loss_inside_forward_trains_pipelined_with_the_vocabulary_split(four_ranks):
     """nanoGPT's forward(idx, targets) on pp2 x tp2: the last stage returns the model's own loss (a 0-dim
     tensor, which torch's merge of the microbatches' outputs cannot concatenate: the module does not merge
     them) and computes it on each tp rank's slice of the vocabulary; SGD and AdamW train like one device."""
-    results = run_gloo(4, _train_loss_inside)
+    results = four_ranks["loss inside, pp2 x tp2"]
     plan = Plan.from_json(results[0]["plan"])
     loss_op = next(n for n in plan.node_strategies if n.startswith("cross_entropy_loss_default"))
     assert plan.pipeline is not None and "S(1)" in plan.node_strategies[loss_op].inputs[0]
