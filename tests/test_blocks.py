@@ -40,13 +40,14 @@ def test_a_layer_of_another_shape_is_not_tied():
 
 
 def test_tying_finds_as_cheap_a_plan():
-    """Without tying, each layer could choose alone. Without a memory limit, and with one
-    half again the least any plan needs, identical layers gain nothing from that; closer to the
-    least (here 80 KB against 52 KB), layers that differ can fill the limit more tightly --
-    measured 4.2% faster -- which is the price of a search whose size does not grow with depth."""
+    """Without tying, each layer could choose alone. Without a memory limit identical layers gain
+    nothing from that; close to the least any plan needs (here 80 KB against 52 KB), layers that
+    differ can fill the limit more tightly -- measured 4.2% faster -- which is the price of a search
+    whose size does not grow with depth. (A limit of 100 KB, between the two, also tied at no cost;
+    its 13 s of HiGHS left the suite for issue 37.)"""
     model, x = _gpt(2)
     cap = capture(model, (x,))
-    for limit, slack in ((None, 2e-3), (100_000, 2e-3), (80_000, 0.05)):   # none: 199 KB chosen
+    for limit, slack in ((None, 2e-3), (80_000, 0.05)):   # none: 199 KB chosen
         # under these limits "auto" checkpoints the blocks in full either way; naming it spares the
         # solves of the kinds it would not pick (a third of the time)
         kwargs = {"hardware": "cpu", "memory_limit": limit, "checkpointing": "full" if limit else "auto"}

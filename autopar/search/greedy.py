@@ -82,13 +82,14 @@ def greedy(prob: Problem, roles: Roles, memory_limit: float | None,
     t0 = time.perf_counter()
     costs = make_costs(prob, roles)
     best = None
+    fits: dict = {}   # the plans the passes found -> whether predict counts them within the limit
     for backward in (False, True):
         tables = arrange(prob, costs, backward)
         for batch_axes in batch_options(prob, roles):
             penalty = batch_penalty(prob, costs, batch_axes)
             if penalty is None:
                 continue
-            found = fit(prob, tables, penalty, memory_limit, beam_width)
+            found = fit(prob, tables, penalty, memory_limit, beam_width, fits)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], found[1], batch_axes)
     if best is None:
@@ -248,8 +249,13 @@ def edge_price(prob: Problem, roles: Roles, e, src_key, dst_key, signature=None)
         return math.inf
 
 
-def fit(prob: Problem, tables: Tables, penalty: dict, memory_limit: float | None, beam_width: int):
-    """(objective seconds, choice) of the cheapest pass over lambda that fits the limit, or None."""
+def fit(prob: Problem, tables: Tables, penalty: dict, memory_limit: float | None, beam_width: int,
+        fits: dict | None = None):
+    """(objective seconds, choice) of the cheapest pass over lambda that fits the limit, or None.
+    `fits`: plan (its strategy indices in prob.strategies' order) -> whether it fits, shared by the
+    calls of one search: passes at nearby lambdas often find the same plan, and predict is most of a
+    pass's time on small models."""
+    fits = {} if fits is None else fits
     # what the nodes' own memory may add up to: predict adds the buffers and the transient peak
     budget = math.inf if memory_limit is None else memory_limit - memory_reserve(prob)
 
@@ -257,9 +263,12 @@ def fit(prob: Problem, tables: Tables, penalty: dict, memory_limit: float | None
         found = beam_pass(prob, tables, penalty, lam, beam_width, budget)
         if found is None:
             return None
-        if memory_limit is not None and predict(prob, found[1], symbolic=False)[0].memory.total > memory_limit:
-            return None
-        return found
+        if memory_limit is None:
+            return found
+        key = tuple(found[1].values())
+        if key not in fits:
+            fits[key] = predict(prob, found[1], symbolic=False)[0].memory.total <= memory_limit
+        return found if fits[key] else None
 
     best = attempt(0.0)
     if best is not None or memory_limit is None:
