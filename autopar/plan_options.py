@@ -23,7 +23,9 @@ class PlanOptions:
       DeviceMesh, else "h100" (what large models train on).
     - `memory_limit`: bytes per device, or a string like "80GB" / "70GiB". None: no limit.
     - `strategy`: "auto" (the whole search, which may mix strategies layer by layer) or a named one:
-      "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp" (autopar.STRATEGIES).
+      "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp", "cp" (autopar.STRATEGIES). "cp" (context
+      parallelism) splits the sequence over every axis, weights whole as under ddp; each rank attends from
+      its rows to keys and values gathered whole. `auto` does not choose it yet.
     - `precision`: an autopar.Precision or "bf16-mixed"; None keeps the model's own dtype.
     - `optimizer`: "adamw" (the default: what large models train with), "adam", "sgd", "sgd-momentum" or a
       torch optimizer; with `precision` it sets the bytes each parameter costs.

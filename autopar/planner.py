@@ -30,8 +30,8 @@ from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError,
 from .mesh import MeshSpec, mesh_spec
 from .plan_options import PlanOptions, reshard_after
 from .plan_result import Plan, Searched, make_plan
-from .search.classics import (PIPE, Roles, axis_roles, check_promised_splits, check_tensor_parallel_divisibility,
-                              role_assignments, with_pipeline)
+from .search.classics import (PIPE, Roles, axis_roles, check_context_divisibility, check_promised_splits,
+                              check_tensor_parallel_divisibility, role_assignments, with_pipeline)
 from .search.ilp import RoleMemo, free_search, searches_free_first, solve
 from .search.pipeline import (AUTO, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
                               num_layers, schedule_candidates, schedule_fits)
@@ -251,6 +251,7 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     roles = axis_roles(strategy, spec)
     _check_batch_divisible(cap, spec, roles)
     check_tensor_parallel_divisibility(cap, roles)
+    check_context_divisibility(cap, roles)
     t0 = time.perf_counter()
     prob, policy, opt, hw = _problem(cap, env, checkpointing)
     if checkpointing == "full" and not prob.stacks:
@@ -362,6 +363,7 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
         candidates = [with_pipeline(r, spec, a) for r in inner[0]]
         _check_batch_divisible(cap, spec, candidates[0])
         check_tensor_parallel_divisibility(cap, candidates[0])
+        check_context_divisibility(cap, candidates[0])
     t_rules = time.perf_counter() - t0
     # the ILP sees the whole model on one device of each stage: p stages share p devices' memory
     sol, roles = _best(prob, candidates, None if limit is None else limit * p, env.options.time_limit)

@@ -1,8 +1,8 @@
 """End to end on real processes: 4 ranks joined by gloo, a small GPT, 3 AdamW steps.
 
-One run_gloo call trains every strategy in turn (each process start costs
-seconds; each plan about a second per rank): ddp, fsdp, tp, fsdp+tp and auto
-(under a memory limit that forces sharding, planned by every rank for itself).
+One run_gloo call trains every strategy in turn (each plan takes about a second
+per rank): ddp, fsdp, tp, fsdp+tp, auto (under a memory limit that forces
+sharding, planned by every rank for itself) and cp.
 The parent computes the single-device reference and compares each rank's
 outputs (its shard), whole gradients, whole parameters after 3 steps and
 losses; and the bytes the ranks actually sent with the plan's prediction.
@@ -69,6 +69,7 @@ def gloo_runs():
         ("tp", (2, 2), {"strategy": "tp"}),
         ("fsdp+tp", (2, 2), {"strategy": "fsdp+tp"}),
         ("auto", (2, 2), {"strategy": "auto", "memory_limit": limit}),
+        ("cp", (4,), {"strategy": "cp"}),   # the sequence of 8 in chunks of 2, keys and values gathered
     ]
     per_rank = run_gloo(WORLD, _train_all, model, x, y, cases, timeout=300)
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, STEPS, LR)
@@ -76,7 +77,7 @@ def gloo_runs():
             "limit": limit, "replicated": replicated}
 
 
-@pytest.mark.parametrize("label", ["ddp", "fsdp", "tp", "fsdp+tp", "auto"])
+@pytest.mark.parametrize("label", ["ddp", "fsdp", "tp", "fsdp+tp", "auto", "cp"])
 def test_gloo_training_matches_single_device(gloo_runs, label):
     shape, _ = gloo_runs["cases"][label]
     names = NAMES[shape]

@@ -29,7 +29,7 @@ from autopar.capture.export import capture
 from autopar.mesh import MeshSpec
 from autopar.sharding.placement import P, R, S, dim_factor, local_shape, shard_dim, shard_full_tensor
 from autopar.runtime.lowering.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, squeezed_dims
-from autopar.runtime.lowering.vocab_parallel import local_target
+from autopar.runtime.lowering.local_ops import local_call
 from autopar.sharding.rules import vocab_split_axes
 from autopar.sharding.rules import RULES
 from autopar.sharding.op_spec import op_name, tensor_args
@@ -104,9 +104,7 @@ def call_node(node: fx.Node, tensors: list, out_placements=None, axis_sizes=None
         args = (args[0], shp) + tuple(args[2:])
     target = node.target
     if strategy is not None:  # the rewriter's own choice of local op (e.g. vocab-parallel embedding)
-        target, extra = local_target(node, strategy, coords, axis_sizes)
-        if extra:
-            args, kwargs = (args[0], args[1]) + extra, {}
+        target, args, kwargs = local_call(node, strategy, coords, axis_sizes, args, kwargs)
     if out_placements is not None and op_name(node) in SQUEEZE_OPS:
         # as the rewriter does: squeeze only the dims that are size 1 in the whole input
         target = torch.ops.aten.squeeze.dims

@@ -28,7 +28,7 @@ from ..sharding.op_spec import op_name, tensor_args
 from ..sharding.placement import P, Placements, R, S, ceil_div, local_shape, numel, shard_dim, uneven_dims
 from ..sharding.redistribute import (Collective, UnsupportedRedistribution, gathers_again, plan_steps,
                                      step_collectives)
-from ..sharding.rules import vocab_split_axes
+from ..sharding.rules import causal_rows_split_axes, vocab_split_axes
 from .activations import ActivationModel, activation_model, node_activation_bytes
 from .precision import ParamBytes
 
@@ -98,6 +98,10 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
     if name == SDPA:
         q, kk = locals_[0], locals_[1]
         flops = 2 * numel(q) * kk[-2] + 2 * numel(out_local) * kk[-2]
+        if causal_rows_split_axes(node, strategy, sizes):
+            # the causal kernel skips the blocks above the diagonal, about half of them; a rank's rows of a
+            # longer sequence run with a mask instead (runtime/lowering/context_parallel.py), every block
+            flops *= 2
         return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw) / hw.attention_efficiency
     touched = numel(out_local) * out.itemsize + sum(numel(l) * m.itemsize for l, m in zip(locals_, metas))
     return cm.memory_time(cm.TRAIN_FLOPS_FACTOR * touched, hw)

@@ -1,6 +1,6 @@
 """Named classic strategies as restrictions of the same search space.
 
-"ddp", "zero1", "zero2", "fsdp" (ZeRO-3), "tp", "tp+sp", "fsdp+tp" (and
+"ddp", "zero1", "zero2", "fsdp" (ZeRO-3), "tp", "tp+sp", "fsdp+tp", "cp" (and
 "auto", which restricts nothing) pin the role of each mesh axis, taken in mesh order; the ILP then finds the cheapest
 plan that plays those roles. So a classic is a baseline priced by the same
 cost model, not a separate code path.
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from cost_models import format_bytes
 
-from ..capture.export import OP, PARAM, NodeInfo
+from ..capture.export import INPUT, OP, PARAM, NodeInfo
 from ..cost.problem import Problem
-from ..cost.terms import param_memory
+from ..cost.terms import SDPA, first_meta, param_memory
 from ..errors import AutoparError, DivisibilityWarning, ShardingError
 from ..mesh import MeshSpec
-from ..sharding.op_spec import tensor_args
+from ..sharding.op_spec import op_name, tensor_args
 from ..sharding.placement import P, R, is_shard, local_shape, numel, shard_dim, uneven_dims
 from ..sharding.redistribute import UnsupportedRedistribution, plan_steps
 from ..sharding.strategies import batch_derived
@@ -30,8 +30,11 @@ DATA = "data"
 # the pipeline axis (pipeline.py): stages hold different layers, so within a stage every tensor is whole on it
 PIPE = "pipe"
 DATA_ROLES = (DP, FSDP, ZERO1, ZERO2, DATA)   # axes that split the batch
+# context parallelism: the axis splits the sequence (each rank attends from its rows of the query to keys
+# and values gathered whole) and keeps every weight whole, as dp does
+CONTEXT = "context"
 ZERO_LEVEL = {ZERO1: 1, ZERO2: 2}
-STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp")
+STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp", "cp")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
         return Roles((TP,) * n, mesh.axis_names, mesh.axis_sizes, sequence_parallel=True)
     if strategy == "tp":
         return Roles((TP,) * n, mesh.axis_names, mesh.axis_sizes)
+    if strategy == "cp":
+        return Roles((CONTEXT,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "fsdp+tp":
         if n < 2:
             raise AutoparError(
@@ -134,7 +139,7 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
             p = s.output[a]
             if role == PIPE and (p != R or a in s.zero_axes):
                 good = False
-            if role in (DP, ZERO1, ZERO2) and p != R:
+            if role in (DP, ZERO1, ZERO2, CONTEXT) and p != R:
                 good = False
             if role not in (None, DATA) and a in s.zero_axes and ZERO_LEVEL.get(role) != s.zero:
                 good = False
@@ -166,10 +171,17 @@ def _even_split(info: NodeInfo, strategy, a: int, axis_sizes) -> bool:
     return is_shard(p) and shard_dim(p) not in uneven_dims(info.meta.hint, strategy.output, axis_sizes)
 
 
-def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False, on_batch: bool = True) -> list[bool]:
+def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False, on_batch: bool = True,
+                          carries_batch: bool = False, rows_split_on: tuple | None = None) -> list[bool]:
     """Ops split only the batch (dim 0) on data-parallel axes, and never the batch on tp axes. (`on_batch`:
     the op computes on activations; dim 0 of an op on the weights alone, a regularizer, is no batch, and a
     tp axis may split it as it splits the weight.)
+
+    On a context axis an op on activations splits them anywhere but along the batch (`carries_batch`: its
+    output's dim 0 is the batch), and may not run replicated if it can run split: that is what splitting
+    the sequence means, and left free the search would keep small models whole there (no collectives).
+    (`rows_split_on`: for attention, per strategy the axes that split its query's rows, which only context
+    axes may: excluded before the rules above look at what else the op can do.)
 
     With sequence parallelism an op on a tp axis may not run replicated if it
     can run split at all: norms, dropout and residual adds then split along
@@ -190,9 +202,17 @@ def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False, o
                 return False
             if role == TP and on_batch and strategy.output[a] == "S(0)":
                 return False
+            if role == CONTEXT and carries_batch and strategy.output[a] == "S(0)":
+                return False
         return True
 
     allowed = [ok(s) for s in strategies]
+    if rows_split_on is not None:
+        allowed = [o and all(roles.roles[a] == CONTEXT for a in axes) for o, axes in zip(allowed, rows_split_on)]
+    if on_batch and not takes_tuple:
+        for a, role in enumerate(roles.roles):
+            if role == CONTEXT and any(o and s.output[a] != R for o, s in zip(allowed, strategies)):
+                allowed = [o and s.output[a] != R for o, s in zip(allowed, strategies)]
     if roles.sequence_parallel and not takes_tuple:
         for a, role in enumerate(roles.roles):
             if role != TP:
@@ -213,7 +233,7 @@ def allow_edge(roles: Roles, producer: NodeInfo, src, dst, consumer_replicated_o
         return all(src[a] == dst[a] or (src[a] == R and dst[a] == "S(0)") or (src[a] == P and dst[a] == R)
                    for a, role in enumerate(roles.roles) if role in DATA_ROLES)
     for a, role in enumerate(roles.roles):
-        if role in DATA_ROLES and dst[a] != R:
+        if (role in DATA_ROLES or role == CONTEXT) and dst[a] != R:
             return False
         # tensor-parallel weights are used as stored; a replicated bias may be added once
         # into partial sums (R -> P), as Megatron's row-parallel linear does
@@ -230,7 +250,6 @@ def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
     user who asks for tp expects Megatron's layout and should hear at once why
     they will not get it. With sequence parallelism the sequence must divide too.
     """
-    from ..sharding.op_spec import op_name, tensor_args
     tp_axes = [a for a, r in enumerate(roles.roles) if r == TP]
     if not tp_axes:
         return
@@ -266,6 +285,29 @@ def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
                 f"module {where!r}) to divide by {degree}; norms there will not be split by sequence",
                 DivisibilityWarning, stacklevel=4)
             return
+
+
+def check_context_divisibility(cap, roles: Roles) -> None:
+    """Context axes split the sequence evenly or not at all (placement.py's uneven splits are for weights): a
+    sequence they do not divide is refused by name, before a search that would find no layout."""
+    cp_axes = [a for a, r in enumerate(roles.roles) if r == CONTEXT and roles.axis_sizes[a] > 1]
+    if not cp_axes:
+        return
+    degree = 1
+    for a in cp_axes:
+        degree *= roles.axis_sizes[a]
+    axes = " x ".join(f"{roles.axis_names[a]}={roles.axis_sizes[a]}" for a in cp_axes)
+    for node in cap.graph.nodes:
+        if node.op != "call_function" or op_name(node) != SDPA:
+            continue
+        q = cap.info[tensor_args(node)[0].name].meta
+        rows = q.hint[-2]
+        if rows % degree:
+            where = cap.info[node.name].module_path or "<root>"
+            raise ShardingError(
+                f"context parallelism over {axes} splits the sequence into {degree} even chunks, but the attention "
+                f"in module {where!r} has a sequence of {rows}, which {degree} does not divide; pad the sequence to "
+                f"a multiple of {degree} (padding masked out by the attention mask), or use another strategy")
 
 
 # what each role promises to split: the whole weight (fsdp, tp) or its optimizer state (ZeRO),
@@ -407,7 +449,6 @@ _HEAD_REPEAT_OPS = {"aten.reshape.default", "aten.view.default", "aten._unsafe_v
 def _kv_heads(cap, k_node) -> int:
     """Key/value heads before any GQA repeat: models that repeat keys to the query head count
     (HF's repeat_kv: unsqueeze, expand, reshape) hide the true count from the attention op."""
-    from ..sharding.op_spec import op_name
     heads, node = None, k_node
     while True:
         meta = cap.info[node.name].meta
@@ -434,6 +475,24 @@ def allowed_flags(prob: Problem, roles: Roles, name: str) -> list[bool]:
     if info.kind == PARAM:
         return allowed_param_storage(roles, info, strategies)
     if info.kind == OP:
-        takes_tuple = any(isinstance(prob.cap.info[a.name].meta, list) for a in tensor_args(prob.cap.node(name)))
-        return allowed_op_strategies(roles, strategies, takes_tuple, name in _batch_derived(prob))
+        node = prob.cap.node(name)
+        takes_tuple = any(isinstance(prob.cap.info[a.name].meta, list) for a in tensor_args(node))
+        on_batch = name in _batch_derived(prob)
+        rows_split_on = None
+        if op_name(node) == SDPA:
+            # the query's rows split only on context axes: elsewhere the roles' own layouts stay as they were
+            rows = prob.cap.info[tensor_args(node)[0].name].meta.ndim - 2
+            rows_split_on = [tuple(a for a, p in enumerate(s.inputs[0]) if shard_dim(p) == rows) for s in strategies]
+        return allowed_op_strategies(roles, strategies, takes_tuple, on_batch, on_batch and _carries_batch(prob, info),
+                                     rows_split_on)
     return [True] * len(strategies)
+
+
+def _carries_batch(prob: Problem, info: NodeInfo) -> bool:
+    """Is the op's output dim 0 as long as a user input's batch (so splitting it splits the batch)?"""
+    key = ("batch_sizes",)
+    if key not in prob.node_cost_cache:
+        prob.node_cost_cache[key] = {m.hint[0] for i in prob.cap.info.values() if i.kind == INPUT
+                                     for m in [first_meta(i.meta)] if m is not None and m.ndim > 0}
+    meta = first_meta(info.meta)
+    return meta is not None and meta.ndim > 0 and meta.hint[0] in prob.node_cost_cache[key]

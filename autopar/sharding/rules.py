@@ -133,7 +133,10 @@ def sdpa_rule(node, ins, out):
     nb = q.ndim - 2
     batch = new(nb)
     L, E, S, F = new(4)
-    no_shard = {L, E, S, F}
+    # the query's rows (L) may split, keys and values staying whole (context parallelism: each rank attends
+    # from its rows to every key). A causal op so split is right only at its rows' offset: the runtime
+    # lowers it (runtime/lowering/context_parallel.py); the search allows it on context axes alone.
+    no_shard = {E, S, F}
     k_batch = ""
     for j in range(nb):
         if k.hint[j] == q.hint[j] and v.hint[j] == q.hint[j]:
@@ -227,6 +230,17 @@ def vocab_split_axes(node, strategy, axis_sizes) -> tuple:
     if op_name(node) != "aten.cross_entropy_loss.default" or strategy is None:
         return ()
     return tuple(a for a, p in enumerate(strategy.inputs[0]) if shard_dim(p) == 1 and axis_sizes[a] > 1)
+
+
+def causal_rows_split_axes(node, strategy, axis_sizes) -> tuple:
+    """The mesh axes that split the query rows (dim -2) of a causal attention under `strategy`: such an op
+    runs with its rows' global offset (runtime/lowering/context_parallel.py); () for any other op or layout."""
+    if op_name(node) != "aten.scaled_dot_product_attention.default" or strategy is None:
+        return ()
+    if not op_arg(node, 5, "is_causal", False):
+        return ()
+    rows = node.args[0].meta["val"].dim() - 2
+    return tuple(a for a, p in enumerate(strategy.inputs[0]) if shard_dim(p) == rows and axis_sizes[a] > 1)
 
 
 def factory(node, ins, out):

@@ -31,7 +31,8 @@ from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
 from .recompute import outline, recompute_all_but_logging
 from .regather import GatheredParams
 from ..rng import RandomOp, draws_random, shard_key
-from .vocab_parallel import local_target, vocab_parallel_loss
+from .local_ops import local_call
+from .vocab_parallel import vocab_parallel_loss
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
                  "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
@@ -366,9 +367,7 @@ class _Rewriter:
         elif draws_random(node):
             new = self._call_random(node, s, args, kwargs)
         else:
-            target, extra = local_target(node, s, self.coords, self.sizes)
-            if extra:  # vocab_parallel_embedding(weight, indices, start, local padding_idx)
-                args, kwargs = (args[0], args[1]) + extra, {}
+            target, args, kwargs = local_call(node, s, self.coords, self.sizes, args, kwargs)
             new = self.g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.env[node.name] = new

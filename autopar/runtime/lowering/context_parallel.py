@@ -1,0 +1,47 @@
+"""Attention whose query rows are split over ranks (context parallelism), keys and values whole.
+
+Each rank attends from its rows of the query to every key: a row's output depends on that row and on
+all of K and V, so a split query with K and V gathered whole is the same op (sharding/rules.sdpa_rule).
+The plan gathers K and V before the op (all-gather; backward reduce-scatters their gradients, which
+each rank holds only partly: the share its own rows contribute).
+
+One thing changes with the split: `is_causal=True` masks by row *index*, and aten aligns that mask to
+the top left of the local (L x S) block, as if this rank's rows were the sequence's first. A rank holding
+rows [start, start + L) must let row i see keys 0 .. start + i instead. That mask is made here, from the
+rank's chunk of the query (placement.chunk_span), and the op runs with it and `is_causal=False`.
+
+What it costs: a mask rules out the kernels that skip the blocks above the diagonal, so a rank computes
+its rows against every key (cost/terms prices that), and the ranks holding the sequence's end do the
+most useful work. A later scheme (ring attention, head-tail chunks) balances it; docs/design/context-parallel.md.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...sharding.placement import chunk_index, chunk_span, dim_factor
+
+
+def row_start(node: fx.Node, strategy, coords, axis_sizes) -> int:
+    """The global index of this rank's first query row (sharding.rules.causal_rows_split_axes says which
+    ops need it)."""
+    dim = _row_dim(node)
+    rows = node.args[0].meta["val"].shape[dim]
+    pieces = dim_factor(strategy.inputs[0], dim, axis_sizes)
+    return chunk_span(int(rows), pieces, chunk_index(strategy.inputs[0], dim, coords, axis_sizes))[0]
+
+
+def causal_rows_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, *, scale=None,
+                          enable_gqa=False, row_start=0):
+    """scaled_dot_product_attention(is_causal=True) for query rows [row_start, row_start + L) of a longer
+    sequence, keys whole: row i sees keys 0 .. row_start + i. (aten's signature, so the call site keeps
+    its arguments; `attn_mask` is None, as aten refuses a mask beside is_causal.)"""
+    rows, keys = query.shape[-2], key.shape[-2]
+    mask = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril(diagonal=row_start)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=False,
+                                          scale=scale, enable_gqa=enable_gqa)
+
+
+def _row_dim(node: fx.Node) -> int:
+    return node.args[0].meta["val"].dim() - 2

@@ -1,0 +1,140 @@
+"""Context parallelism (issue 39, first increment): strategy "cp" splits the sequence over the mesh, each rank
+attending from its rows of the query to keys and values gathered whole; it trains as one device does.
+
+Ranks are threads of this process (run_threaded). Each case compares with one device: outputs, gradients and
+parameters after 3 steps of SGD and of AdamW, and the bytes the collectives moved against the plan's prediction.
+Causal attention with a split query runs with its rows' offset (runtime/lowering/context_parallel.py): the
+sequence's later rows must see the earlier ranks' keys, which the plain op on a rank's rows would not.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+import cost_models as cm
+from autopar.sharding.placement import shard_dim
+from autopar.testing import GPT, GPTConfig, gpt_loss, padded_batch, run_threaded, shipped_causal_lm
+from autopar.testing.harness import check_keyword_training, parallel_record, single_device_reference
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.5), "adamw": (torch.optim.AdamW, 1e-3)}
+SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def _gpt(seq=12):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=seq, dropout=0.0))
+    return model, torch.randint(0, 32, (2, seq)), torch.randint(0, 32, (2, seq))
+
+
+class WrittenOutAttention(nn.Module):
+    """Causal self-attention as matmul, masked_fill and softmax (no SDPA), its mask a buffer cut to the length."""
+
+    def __init__(self, dim=16, heads=2, max_len=32, vocab=32):
+        super().__init__()
+        self.emb, self.heads = nn.Embedding(vocab, dim), heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+        self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        scores = (q @ k.transpose(-2, -1)) / (C // self.heads) ** 0.5
+        scores = scores.masked_fill(~self.causal[:T, :T], float("-inf"))
+        y = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
+        return self.out(x + y)
+
+
+def _check_against_one_device(model, x, y, mesh_shape, optimizer):
+    opt, lr = OPTIMIZERS[optimizer]
+    ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=lr, optimizer=opt)
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    names = ("cp", "cp2")[:len(mesh_shape)]
+    records = run_threaded(world, parallel_record, model, mesh_shape, names, x, y, gpt_loss, 3, lr,
+                           {"strategy": "cp", "hardware": "cpu"}, opt)
+    for rank, rec in enumerate(records):
+        plan = rec["plan"]
+        (want,) = plan.local_targets(ref["outputs"], rank=rank)
+        torch.testing.assert_close(rec["outputs"], want, atol=1e-5, rtol=0)
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(rec["grads"][name], g, atol=1e-5, rtol=0, msg=name)
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, atol=1e-5, rtol=0, msg=name)
+        measured = {a: 0.0 for a in plan.mesh.axis_names}
+        for k, axis, nbytes, _ in rec["comm"]:
+            measured[plan.mesh.axis_names[axis]] += cm.bytes_moved(k, nbytes, plan.mesh.axis_sizes[axis])
+        assert measured == pytest.approx(plan.predicted.comm_bytes, rel=1e-12)
+    return records[0]["plan"]
+
+
+def _attention_row_splits(plan) -> list:
+    """Per SDPA op of the plan, the axes that split its query's rows (dim -2)."""
+    out = []
+    for name, s in plan.node_strategies.items():
+        if name.startswith("scaled_dot_product_attention"):
+            q = s.inputs[0]
+            out.append([a for a, p in enumerate(q) if shard_dim(p) == 2])
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,)], ids=["cp2", "cp3"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_gpt_under_cp_trains_as_one_device(mesh_shape, optimizer):
+    model, x, y = _gpt(seq=12)
+    plan = _check_against_one_device(model, x, y, mesh_shape, optimizer)
+    # every attention runs on a share of the query's rows, keys and values gathered whole: no batch split
+    assert _attention_row_splits(plan) == [[0], [0]], plan.node_strategies
+    assert plan.batch_axes == ()
+    assert all(pl == ("R",) for pl in plan.param_placements.values())   # weights whole, as under dp
+    kinds = {c.kind for c in plan.collectives if c.phase == "forward"}
+    assert cm.ALL_GATHER in kinds
+
+
+def test_attention_written_out_trains_as_one_device_under_cp():
+    torch.manual_seed(0)
+    model = WrittenOutAttention()
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        plan = _check_against_one_device(model, x, y, (2,), "sgd")
+    scores = [s for n, s in plan.node_strategies.items() if n.startswith("masked_fill")]
+    assert scores and all(shard_dim(s.output[0]) == 2 for s in scores)   # the rows of the scores are split
+
+
+def test_hugging_face_llama_with_labels_and_padding_trains_as_one_device_under_cp():
+    """HF Llama as shipped (default config, use_cache=True), called with keywords and `labels=` on a padded
+    batch: its mask is a tensor (padding), its positions an arange, its loss shifts the labels."""
+    pytest.importorskip("transformers")
+    model = shipped_causal_lm("llama")
+    batch = padded_batch(vocab=model.config.vocab_size)
+    records = check_keyword_training(model, batch, "cp", OPTIMIZERS, {"sgd": 1e-5, "adamw": 2e-4}, mesh_shape=(2,))
+    assert all(axes == [0] for axes in _attention_row_splits(records[0]["plan"]))
+
+
+def test_a_sequence_the_axis_does_not_divide_is_refused_in_words():
+    model, x, _ = _gpt(seq=9)
+    with pytest.raises(autopar.ShardingError, match=r"sequence .*9.* 2"):
+        autopar.plan(model, (x,), {"cp": 2}, strategy="cp", hardware="cpu")
+
+
+def test_query_rows_split_only_on_context_axes():
+    """tp+sp runs every op it can split split; attention whose heads the axis does not divide (3 over 2) must
+    still run whole there, not on a share of its rows (the context split is the cp role's alone)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=3, n_embd=12, vocab_size=32, block_size=8, dropout=0.0))
+    x = torch.randint(0, 32, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.DivisibilityWarning)
+        for strategy in ("tp+sp", "tp", "auto"):
+            plan = autopar.plan(model, (x,), {"tp": 2}, strategy=strategy, hardware="cpu")
+            assert _attention_row_splits(plan) == [[]], (strategy, plan.node_strategies)
+    plan = autopar.plan(model, (x,), {"cp": 2}, strategy="cp", hardware="cpu")
+    assert _attention_row_splits(plan) == [[0]]
