@@ -95,7 +95,8 @@ def test_auto_is_never_slower_than_a_classic_that_fits(make, mesh, limited):
     unlimited)."""
     model, x = make()
     cap = capture(model, (x,))
-    classics = [s for s in STRATEGIES if s != "auto"]
+    # "cp" gives axes a role auto's search does not try yet (issue 39): not a restriction of auto
+    classics = [s for s in STRATEGIES if s not in ("auto", "cp")]
 
     def plans(limit):
         out = {}
