@@ -23,9 +23,12 @@ class PlanOptions:
       DeviceMesh, else "h100" (what large models train on).
     - `memory_limit`: bytes per device, or a string like "80GB" / "70GiB". None: no limit.
     - `strategy`: "auto" (the whole search, which may mix strategies layer by layer) or a named one:
-      "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp", "cp" (autopar.STRATEGIES). "cp" (context
-      parallelism) splits the sequence over every axis, weights whole as under ddp; each rank attends from
-      its rows to keys and values gathered whole. `auto` does not choose it yet.
+      "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp", "cp", "fsdp+cp", "fsdp+tp+cp"
+      (autopar.STRATEGIES). "cp" (context parallelism) splits the sequence over every axis, weights whole as
+      under ddp; each rank attends from its rows to keys and values gathered whole, or, where that moves
+      fewer bytes, from every row on its share of the heads (an all-to-all each way). "fsdp+cp" puts fsdp on
+      the first axis and cp on the last; "fsdp+tp+cp" fsdp on the first, cp on the second last, tp on the
+      last. `auto` does not choose a cp axis yet.
     - `precision`: an autopar.Precision or "bf16-mixed"; None keeps the model's own dtype.
     - `optimizer`: "adamw" (the default: what large models train with), "adam", "sgd", "sgd-momentum" or a
       torch optimizer; with `precision` it sets the bytes each parameter costs.

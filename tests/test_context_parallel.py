@@ -51,15 +51,15 @@ class WrittenOutAttention(nn.Module):
         return self.out(x + y)
 
 
-def _check_against_one_device(model, x, y, mesh_shape, optimizer):
+def _check_against_one_device(model, x, y, mesh_shape, optimizer, strategy="cp", names=None, **plan_kwargs):
     opt, lr = OPTIMIZERS[optimizer]
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=lr, optimizer=opt)
     world = 1
     for n in mesh_shape:
         world *= n
-    names = ("cp", "cp2")[:len(mesh_shape)]
+    names = names or ("cp", "cp2")[:len(mesh_shape)]
     records = run_threaded(world, parallel_record, model, mesh_shape, names, x, y, gpt_loss, 3, lr,
-                           {"strategy": "cp", "hardware": "cpu"}, opt)
+                           {"strategy": strategy, "hardware": "cpu", **plan_kwargs}, opt, timeout=300)
     for rank, rec in enumerate(records):
         plan = rec["plan"]
         (want,) = plan.local_targets(ref["outputs"], rank=rank)
@@ -75,13 +75,13 @@ def _check_against_one_device(model, x, y, mesh_shape, optimizer):
     return records[0]["plan"]
 
 
-def _attention_row_splits(plan) -> list:
-    """Per SDPA op of the plan, the axes that split its query's rows (dim -2)."""
+def _attention_row_splits(plan, dim=2) -> list:
+    """Per SDPA op of the plan, the axes that split its query's rows (dim 2; heads: dim 1)."""
     out = []
     for name, s in plan.node_strategies.items():
         if name.startswith("scaled_dot_product_attention"):
             q = s.inputs[0]
-            out.append([a for a, p in enumerate(q) if shard_dim(p) == 2])
+            out.append([a for a, p in enumerate(q) if shard_dim(p) == dim])
     return out
 
 
@@ -96,6 +96,44 @@ def test_gpt_under_cp_trains_as_one_device(mesh_shape, optimizer):
     assert all(pl == ("R",) for pl in plan.param_placements.values())   # weights whole, as under dp
     kinds = {c.kind for c in plan.collectives if c.phase == "forward"}
     assert cm.ALL_GATHER in kinds
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_where_bytes_cost_more_than_calls_cp_runs_attention_split_by_heads(optimizer):
+    """The other way to split attention on a context axis (Ulysses): an all-to-all turns the sequence split
+    into a split of the heads, attention runs whole-sequence on its heads (is_causal as written), and another
+    all-to-all turns it back. Per layer it moves q, k, v and the output (4 tensors x (n-1)/n^2) against K and V
+    gathered (2 x (n-1)/n): fewer bytes from 3 ranks on, more calls. On links where bytes cost and calls do not,
+    with heads the axis divides, the search takes it; with heads it does not divide, the rows."""
+    torch.manual_seed(0)
+    fast_calls = {"cp": cm.Link(bandwidth=1e6, latency=1e-12)}
+    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=32, block_size=16, dropout=0.0))
+    x, y = torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16))
+    plan = _check_against_one_device(model, x, y, (4,), optimizer, links=fast_calls)
+    assert _attention_row_splits(plan, dim=1) == [[0]] and _attention_row_splits(plan) == [[]]
+    assert cm.ALL_TO_ALL in {c.kind for c in plan.collectives}
+    torch.manual_seed(0)
+    two_heads = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=32, block_size=16, dropout=0.0))
+    plan = autopar.plan(two_heads, (x,), {"cp": 4}, strategy="cp", hardware="cpu", links=fast_calls)
+    assert _attention_row_splits(plan) == [[0]]
+
+
+@pytest.mark.parametrize("strategy, names, mesh_shape", [("fsdp+cp", ("dp", "cp"), (2, 2)),
+                                                         ("fsdp+tp+cp", ("dp", "cp", "tp"), (2, 2, 2))])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_cp_with_fsdp_and_with_tp_trains_as_one_device(strategy, names, mesh_shape, optimizer):
+    """fsdp on the first axis (batch and weights split), cp on the next (the sequence), tp on the last (heads
+    and the matrices): each attention's query is split by batch, rows and heads at once."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=0.0))
+    x, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    plan = _check_against_one_device(model, x, y, mesh_shape, optimizer, strategy, names)
+    cp = names.index("cp")
+    assert _attention_row_splits(plan) == [[cp]] and plan.batch_axes == ("dp",)
+    matrices = [n for n, p in model.named_parameters() if p.ndim >= 2]
+    assert all(plan.param_placements[n][0].startswith("S(") for n in matrices)   # fsdp on dp
+    if "tp" in names:
+        assert _attention_row_splits(plan, dim=1) == [[names.index("tp")]]
 
 
 def test_attention_written_out_trains_as_one_device_under_cp():

@@ -34,7 +34,7 @@ DATA_ROLES = (DP, FSDP, ZERO1, ZERO2, DATA)   # axes that split the batch
 # and values gathered whole) and keeps every weight whole, as dp does
 CONTEXT = "context"
 ZERO_LEVEL = {ZERO1: 1, ZERO2: 2}
-STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp", "cp")
+STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp", "cp", "fsdp+cp", "fsdp+tp+cp")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,19 @@ def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
         return Roles((TP,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "cp":
         return Roles((CONTEXT,) * n, mesh.axis_names, mesh.axis_sizes)
+    if strategy == "fsdp+cp":
+        if n < 2:
+            raise AutoparError(
+                f"strategy 'fsdp+cp' needs a mesh of at least 2 axes (fsdp on the first, cp on the last); this "
+                f"mesh has one: {mesh}. Use 'fsdp' or 'cp', or a 2-axis mesh.")
+        return Roles((FSDP,) + (DP,) * (n - 2) + (CONTEXT,), mesh.axis_names, mesh.axis_sizes)
+    if strategy == "fsdp+tp+cp":
+        if n < 3:
+            raise AutoparError(
+                f"strategy 'fsdp+tp+cp' needs a mesh of at least 3 axes (fsdp on the first, cp on the second "
+                f"last, tp on the last, as torchtitan orders them); this mesh has {n}: {mesh}. Use 'fsdp+cp' "
+                f"or 'fsdp+tp', or a 3-axis mesh.")
+        return Roles((FSDP,) + (DP,) * (n - 3) + (CONTEXT, TP), mesh.axis_names, mesh.axis_sizes)
     if strategy == "fsdp+tp":
         if n < 2:
             raise AutoparError(
