@@ -176,6 +176,8 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
              "num_nodes": len(strategies), "num_edges": len(prob.edges),
              "num_variables": sol.num_variables, "num_constraints": sol.num_constraints,
              "mip_gap": sol.mip_gap}
+    if sol.context:   # auto under a memory limit: whether a context axis was tried, and why taken or not
+        stats["context"] = sol.context
     plan = Plan(mesh=spec, strategy=strategy, hardware=hw.name,
                 batch_axes=tuple(spec.axis_names[a] for a in sol.batch_axes),
                 node_strategies=node_strategies, param_placements=param_placements,

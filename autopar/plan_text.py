@@ -147,4 +147,5 @@ def search_line(stats: dict) -> str:
             GREEDY_NO_BOUND: "greedy fallback (the ILP stopped at its time limit, no bound to compare with)",
             }.get(status, status)
     seconds = stats.get("solve_seconds")
-    return f"search: {what}" + (f", solved in {seconds:.2f} s" if seconds is not None else "")
+    line = f"search: {what}" + (f", solved in {seconds:.2f} s" if seconds is not None else "")
+    return line + (f"; context parallelism {stats['context']}" if stats.get("context") else "")

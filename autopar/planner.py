@@ -25,12 +25,12 @@ from .cost.precision import param_bytes as param_bytes_of
 from .cost.precision import precision_of
 from .cost.predict import group_redistributions, peak_working_set, predict
 from .cost.problem import Problem, build_edges
-from .cost.terms import first_meta, needs_grad, saved_outputs
+from .cost.terms import SDPA, first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
 from .mesh import MeshSpec, mesh_spec
 from .plan_options import PlanOptions, reshard_after
 from .plan_result import Plan, Searched, make_plan
-from .search.classics import (PIPE, Roles, axis_roles, check_context_divisibility, check_promised_splits,
+from .search.classics import (CONTEXT, PIPE, Roles, axis_roles, check_context_divisibility, check_promised_splits,
                               check_tensor_parallel_divisibility, role_assignments, with_pipeline)
 from .search.ilp import RoleMemo, free_search, searches_free_first, solve
 from .search.pipeline import (AUTO, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
@@ -39,6 +39,7 @@ from .search.solution import INFEASIBLE, Solution
 from .search.stage_costs import device_prediction, op_costs
 from .search.stage_partition import partition
 from .sharding.strategies import all_strategies, batch_outputs
+from .sharding.op_spec import op_name
 
 # progress of a search (INFO): the command line shows it; a script shows it with
 # logging.basicConfig(level=logging.INFO), or logging.getLogger("autopar").setLevel(logging.INFO) and a handler
@@ -273,6 +274,8 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
         sol, roles = _best(prob, candidates, limit, time_limit, checkpointing=checkpointing)
         if sol.choice:
             break
+    if strategy == "auto" and _wants_context(prob, sol, limit):
+        sol, roles, candidates = _with_context(prob, sol, roles, candidates, limit, time_limit, checkpointing)
     if not sol.choice:
         _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing)
     _check_named_strategy(prob, roles, strategy, sol.choice)
@@ -287,6 +290,51 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     searched = Searched(prob, sol, roles, len(candidates), pred, sym, colls, policy, opt, hw,
                         {"rules_seconds": t_rules, "predict_seconds": t_predict})
     return make_plan(searched, env.options.strategy, env.t_capture)
+
+
+def _wants_context(prob: Problem, sol, limit) -> bool:
+    """Whether auto also tries a context axis: under a memory limit its plans cannot meet, or meet only by
+    recomputing, in a model with attention. Context parallelism buys activation memory (each rank keeps its
+    rows of the sequence) with communication in every layer; where nothing is short of memory the search
+    does not spend the time on it."""
+    if limit is None or not any(n.op == "call_function" and op_name(n) == SDPA for n in prob.cap.graph.nodes):
+        return False
+    return not sol.choice or any(kind != "none" for kind in sol.checkpointed.values())
+
+
+def _with_context(prob: Problem, sol, roles: Roles, candidates: list, limit, time_limit, checkpointing):
+    """(solution, roles, candidates searched): the better of `sol` and the plans with one axis in the
+    context role, the others as `roles` give them (free, on a mesh auto searches whole). There weights may
+    be stored split, gathered whole for use (torchtitan shards them over its cp ranks too). An axis the
+    sequence does not divide is left out; the plan's stats say what was tried (stats["context"])."""
+    spec = prob.mesh
+    tried = []
+    for a in range(spec.num_axes):
+        if spec.axis_sizes[a] < 2 or roles.roles[a] == PIPE:
+            continue
+        cp = Roles(roles.roles[:a] + (CONTEXT,) + roles.roles[a + 1:], spec.axis_names, spec.axis_sizes,
+                   roles.sequence_parallel, context_weights_split=True)
+        try:
+            check_context_divisibility(prob.cap, cp)
+        except ShardingError:
+            continue
+        tried.append(cp)
+    if not tried:
+        sol.context = "not tried: no mesh axis divides the sequence"
+        return sol, roles, candidates
+    found, found_roles = _best(prob, tried, limit, time_limit, checkpointing=checkpointing)
+    names = ", ".join(spec.axis_names[r.roles.index(CONTEXT)] for r in tried)
+    if found.choice and (not sol.choice or found.objective < sol.objective):
+        found.solve_seconds += sol.solve_seconds
+        found.build_seconds += sol.build_seconds
+        found.context = f"chosen: a context axis ({names} tried) beats the best plan without one"
+        return found, found_roles, tried
+    why = "no plan with one fits" if not found.choice else (
+        f"the best with one ({found.objective * 1e3:.4g} ms) is slower than without ({sol.objective * 1e3:.4g} ms)")
+    sol.context = f"not chosen: a context axis on {names} was tried; {why}"
+    sol.solve_seconds += found.solve_seconds
+    sol.build_seconds += found.build_seconds
+    return sol, roles, candidates
 
 
 def _check_named_strategy(prob: Problem, roles: Roles, strategy: str, choice: dict) -> None:

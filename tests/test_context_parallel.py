@@ -176,3 +176,23 @@ def test_query_rows_split_only_on_context_axes():
             assert _attention_row_splits(plan) == [[]], (strategy, plan.node_strategies)
     plan = autopar.plan(model, (x,), {"cp": 2}, strategy="cp", hardware="cpu")
     assert _attention_row_splits(plan) == [[0]]
+
+
+def test_auto_under_a_limit_that_needs_recompute_tries_a_context_axis_and_says_why_not():
+    """Where its plans meet the memory limit only by recomputing, auto also searches with one axis in the
+    context role and keeps the faster plan; the plan says what it tried. Here a context axis splits every op
+    the free axis already splits by sequence but attention's rows, which a causal attention pays twice for:
+    the plan without it is faster."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=16, vocab_size=32, block_size=64, dropout=0.0))
+    x = torch.randint(0, 32, (2, 64))
+    fast = {"x": cm.Link(bandwidth=1e9, latency=1e-7)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        free = autopar.plan(model, (x,), {"x": 2}, hardware="cpu", links=fast)
+        assert "context" not in free.stats   # no limit: not tried
+        plan = autopar.plan(model, (x,), {"x": 2}, hardware="cpu", links=fast,
+                            memory_limit=0.75 * free.predicted.memory.total)
+    assert plan.checkpointed and plan.stats["axis_roles"] == "x=any"
+    assert plan.stats["context"].startswith("not chosen: a context axis on x was tried; the best with one")
+    assert "context parallelism not chosen" in str(plan)

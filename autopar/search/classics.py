@@ -44,6 +44,9 @@ class Roles:
     axis_names: tuple = ()
     axis_sizes: tuple = ()
     sequence_parallel: bool = False  # tp axes also split what lies between the matmuls
+    # context axes may store weights split (gathered whole for use, as FSDP does): auto's context candidates.
+    # Named "cp" keeps them whole, as ddp does.
+    context_weights_split: bool = False
 
     def batch_axes(self) -> dict[int, bool]:
         """Axes whose batch split is pinned: True = the batch is split there (never on an axis of one rank,
@@ -93,7 +96,7 @@ def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
 def with_pipeline(roles: Roles, mesh: MeshSpec, axis: int) -> Roles:
     """`roles` (for the mesh without the pipeline axis) with the pipeline axis put back at `axis`."""
     return Roles(roles.roles[:axis] + (PIPE,) + roles.roles[axis:], mesh.axis_names, mesh.axis_sizes,
-                 roles.sequence_parallel)
+                 roles.sequence_parallel, roles.context_weights_split)
 
 
 def role_assignments(mesh: MeshSpec, intra_node: list[bool], num_free: int = 0) -> list[Roles]:
@@ -152,7 +155,7 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
             p = s.output[a]
             if role == PIPE and (p != R or a in s.zero_axes):
                 good = False
-            if role in (DP, ZERO1, ZERO2, CONTEXT) and p != R:
+            if (role in (DP, ZERO1, ZERO2) or role == CONTEXT and not roles.context_weights_split) and p != R:
                 good = False
             if role not in (None, DATA) and a in s.zero_axes and ZERO_LEVEL.get(role) != s.zero:
                 good = False

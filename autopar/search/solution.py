@@ -30,3 +30,4 @@ class Solution:
     regather_activations: bool = False   # activations gathered whole for an op that keeps them: kept as shards
     reshard_after_forward: bool = True   # FSDP weights kept for backward: as shards (True) or whole (False)
     memory: float = 0.0              # bytes per device as the search measures the plan (ilp.solve)
+    context: str = ""                # auto: whether it tried a context axis, and why it took it or not
