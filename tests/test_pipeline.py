@@ -139,6 +139,8 @@ CASES = {
                                             schedule="interleaved-1f1b"),
         "pp2 x dp2, zero bubble": dict(pipeline_axis="pp", strategy="ddp", microbatches=4, schedule="zero-bubble")},
     ((2, 2), ("dp", "pp")): {"dp2 x pp2 (fsdp), 1f1b": dict(pipeline_axis="pp", strategy="fsdp")},
+    # context parallelism inside each stage: the stage's attention gathers K and V over cp
+    ((2, 2), ("pp", "cp")): {"pp2 x cp2, 1f1b": dict(pipeline_axis="pp", strategy="cp")},
     ((2, 2), ("pp", "tp")): {
         "pp2 x tp2, gpipe": dict(pipeline_axis="pp", strategy="tp", schedule="gpipe"),
         "pp2 x tp2, 1f1b": dict(pipeline_axis="pp", strategy="tp", microbatches=2)},

@@ -1,0 +1,71 @@
+"""What context parallelism buys, predicted: Llama-3-8B on 8 x 8 H100s at long sequences (issue 39).
+
+    python benchmarks/context_parallel.py                         # 32k, 64k, 128k tokens, batch 8
+    python benchmarks/context_parallel.py --seqs 131072 --layers 4
+
+For each sequence length it plans, on the meta device (nothing is allocated), under an 80 GB limit:
+- fsdp+cp: fsdp over dp (8), the sequence over the other axis (8);
+- fsdp+tp with every block recomputed, tp+sp with every block recomputed: the hand-written baselines;
+- auto (which tries a context axis when its plans meet the limit only by recomputing, and says why it
+  took one or not).
+It prints predicted memory per device, step time and tokens/s, or why a strategy has no plan. Predictions
+only: no GPU has run these plans (docs/design/context-parallel.md).
+"""
+import argparse
+import time
+import warnings
+
+import torch
+
+import autopar
+
+SHAPE_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
+MESH = {"dp": 8, "tp": 8}
+CASES = [("fsdp+cp", "auto"), ("fsdp+tp", "full"), ("tp+sp", "full"), ("auto", "auto")]
+
+
+def _model(layers: int, seq: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autopar.testing.models import LogitsOnly
+    cfg = LlamaConfig(vocab_size=128256, num_hidden_layers=layers, max_position_embeddings=seq,
+                      rope_theta=500000.0, use_cache=False, attn_implementation="sdpa", **SHAPE_8B)
+    with torch.device("meta"):
+        return LogitsOnly(LlamaForCausalLM(cfg)).train()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seqs", default="32768,65536,131072", help="sequence lengths, comma-separated")
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (32: the 8B model)")
+    p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
+    p.add_argument("--memory", default="80GB")
+    args = p.parse_args()
+    print(f"Llama-3-8B shape, {args.layers} layers, batch {args.batch}, mesh dp=8 x tp=8, h100, limit {args.memory}")
+    print(f"{'seq':>7}  {'strategy':<9} {'recompute':<10} {'memory/device':>13} {'step':>10} {'tokens/s':>10}  "
+          f"{'plan s':>6}  note")
+    for seq in (int(s) for s in args.seqs.split(",")):
+        model = _model(args.layers, seq)
+        x = torch.randint(0, 128256, (args.batch, seq), device="meta")
+        for strategy, checkpointing in CASES:
+            t0 = time.perf_counter()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    plan = autopar.plan(model, (x,), MESH, strategy=strategy, hardware="h100",
+                                        memory_limit=args.memory, checkpointing=checkpointing)
+            except autopar.AutoparError as e:
+                print(f"{seq:>7}  {strategy:<9} {checkpointing:<10} {'-':>13} {'-':>10} {'-':>10}  "
+                      f"{time.perf_counter() - t0:6.1f}  no plan: {str(e)[:110]}")
+                continue
+            pr = plan.predicted
+            kinds = ",".join(sorted(set(plan.checkpointed.values()))) or "none"
+            note = plan.stats.get("context", "") if strategy == "auto" else ""
+            note = note or f"roles {plan.stats['axis_roles']}"
+            print(f"{seq:>7}  {strategy:<9} {kinds:<10} {pr.memory.total / 2**30:>9.2f} GiB "
+                  f"{pr.step_time * 1e3:>7.0f} ms {args.batch * seq / pr.step_time:>10,.0f}  "
+                  f"{time.perf_counter() - t0:6.1f}  {note}")
+
+
+if __name__ == "__main__":
+    main()
