@@ -196,3 +196,16 @@ def test_auto_under_a_limit_that_needs_recompute_tries_a_context_axis_and_says_w
     assert plan.checkpointed and plan.stats["axis_roles"] == "x=any"
     assert plan.stats["context"].startswith("not chosen: a context axis on x was tried; the best with one")
     assert "context parallelism not chosen" in str(plan)
+
+
+def test_cp_compiled_trains_as_one_device():
+    """torch.compile (aot_eager) over a cp module: the causal attention at its rows' offset and the gathers of
+    K and V trace into the graph; losses and parameters after 3 SGD and AdamW steps equal one device's."""
+    pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    model = shipped_causal_lm("llama")
+    batch = padded_batch(vocab=model.config.vocab_size)
+    batch.pop("attention_mask")   # no padding: HF's mask becomes is_causal (capture/causal_masks.py), rows offset
+    records = check_keyword_training(model, batch, "cp", OPTIMIZERS, {"sgd": 1e-5, "adamw": 2e-4}, mesh_shape=(2,),
+                                     compile_backend="aot_eager")
+    assert all(axes == [0] for axes in _attention_row_splits(records[0]["plan"]))
