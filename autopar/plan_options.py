@@ -28,7 +28,7 @@ class PlanOptions:
       under ddp; each rank attends from its rows to keys and values gathered whole, or, where that moves
       fewer bytes, from every row on its share of the heads (an all-to-all each way). "fsdp+cp" puts fsdp on
       the first axis and cp on the last; "fsdp+tp+cp" fsdp on the first, cp on the second last, tp on the
-      last. `auto` does not choose a cp axis yet.
+      last. `auto` searches a cp axis only where no plan of its own fits `memory_limit`.
     - `precision`: an autopar.Precision or "bf16-mixed"; None keeps the model's own dtype.
     - `optimizer`: "adamw" (the default: what large models train with), "adam", "sgd", "sgd-momentum" or a
       torch optimizer; with `precision` it sets the bytes each parameter costs.

@@ -293,13 +293,18 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
 
 
 def _wants_context(prob: Problem, sol, limit) -> bool:
-    """Whether auto also tries a context axis: under a memory limit its plans cannot meet, or meet only by
-    recomputing, in a model with attention. Context parallelism buys activation memory (each rank keeps its
-    rows of the sequence) with communication in every layer; where nothing is short of memory the search
-    does not spend the time on it."""
+    """Whether auto also searches with a context axis: under a memory limit no plan of its own meets, in a
+    model with attention. Context parallelism buys activation memory (each rank keeps its rows of the
+    sequence) with communication in every layer, and as built it runs a causal attention's split rows with
+    a mask, twice the causal kernel's work (runtime/lowering/context_parallel.py): where a plan fits, even
+    by recomputing, it has not been faster in any case measured (benchmarks/context_parallel.py), and
+    searching it costs as much again. A plan that recomputes says so instead (stats["context"])."""
     if limit is None or not any(n.op == "call_function" and op_name(n) == SDPA for n in prob.cap.graph.nodes):
         return False
-    return not sol.choice or any(kind != "none" for kind in sol.checkpointed.values())
+    if sol.choice and any(kind != "none" for kind in sol.checkpointed.values()):
+        sol.context = ("not tried: auto searches a context axis only where no plan fits; compare "
+                       "strategy='cp' or 'fsdp+cp' (autopar.compare)")
+    return not sol.choice
 
 
 def _with_context(prob: Problem, sol, roles: Roles, candidates: list, limit, time_limit, checkpointing):
@@ -322,8 +327,9 @@ def _with_context(prob: Problem, sol, roles: Roles, candidates: list, limit, tim
     if not tried:
         sol.context = "not tried: no mesh axis divides the sequence"
         return sol, roles, candidates
-    found, found_roles = _best(prob, tried, limit, time_limit, checkpointing=checkpointing)
     names = ", ".join(spec.axis_names[r.roles.index(CONTEXT)] for r in tried)
+    log.info("no plan fits; searching again with a context axis (%s)", names)
+    found, found_roles = _best(prob, tried, limit, time_limit, checkpointing=checkpointing)
     if found.choice and (not sol.choice or found.objective < sol.objective):
         found.solve_seconds += sol.solve_seconds
         found.build_seconds += sol.build_seconds

@@ -6,8 +6,7 @@
 For each sequence length it plans, on the meta device (nothing is allocated), under an 80 GB limit:
 - fsdp+cp: fsdp over dp (8), the sequence over the other axis (8);
 - fsdp+tp with every block recomputed, tp+sp with every block recomputed: the hand-written baselines;
-- auto (which tries a context axis when its plans meet the limit only by recomputing, and says why it
-  took one or not).
+- auto (which searches a context axis where no plan of its own fits, and says so where it recomputes).
 It prints predicted memory per device, step time and tokens/s, or why a strategy has no plan. Predictions
 only: no GPU has run these plans (docs/design/context-parallel.md).
 """

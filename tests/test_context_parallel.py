@@ -51,6 +51,29 @@ class WrittenOutAttention(nn.Module):
         return self.out(x + y)
 
 
+class Encoder(nn.Module):
+    """A bidirectional encoder (attention with no mask, as BERT's over an unpadded batch), its blocks a
+    ModuleList of ModuleDicts: no stack of alike blocks for the search to recompute."""
+
+    def __init__(self, dim=16, heads=4, layers=2, vocab=32):
+        super().__init__()
+        self.emb, self.heads = nn.Embedding(vocab, dim), heads
+        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(dim), "qkv": nn.Linear(dim, 3 * dim),
+                                                   "o": nn.Linear(dim, dim), "fc": nn.Linear(dim, 4 * dim),
+                                                   "proj": nn.Linear(4 * dim, dim)}) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, C = x.shape
+        for b in self.blocks:
+            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+                       for t in b["qkv"](b["ln"](x)).split(C, -1))
+            x = x + b["o"](F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, C))
+            x = x + b["proj"](F.gelu(b["fc"](x)))
+        return self.head(x)
+
+
 def _check_against_one_device(model, x, y, mesh_shape, optimizer, strategy="cp", names=None, **plan_kwargs):
     opt, lr = OPTIMIZERS[optimizer]
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=lr, optimizer=opt)
@@ -178,24 +201,32 @@ def test_query_rows_split_only_on_context_axes():
     assert _attention_row_splits(plan) == [[0]]
 
 
-def test_auto_under_a_limit_that_needs_recompute_tries_a_context_axis_and_says_why_not():
-    """Where its plans meet the memory limit only by recomputing, auto also searches with one axis in the
-    context role and keeps the faster plan; the plan says what it tried. Here a context axis splits every op
-    the free axis already splits by sequence but attention's rows, which a causal attention pays twice for:
-    the plan without it is faster."""
+def test_auto_under_a_limit_that_needs_recompute_says_what_it_did_with_context_parallelism():
+    """Where its plans meet the memory limit only by recomputing, auto says whether it searched a context
+    axis and what to run to compare; with no limit it says nothing (nothing was short of memory)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=16, vocab_size=32, block_size=64, dropout=0.0))
     x = torch.randint(0, 32, (2, 64))
-    fast = {"x": cm.Link(bandwidth=1e9, latency=1e-7)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
-        free = autopar.plan(model, (x,), {"x": 2}, hardware="cpu", links=fast)
-        assert "context" not in free.stats   # no limit: not tried
-        plan = autopar.plan(model, (x,), {"x": 2}, hardware="cpu", links=fast,
-                            memory_limit=0.75 * free.predicted.memory.total)
+        free = autopar.plan(model, (x,), {"x": 2}, hardware="cpu")
+        assert "context" not in free.stats
+        plan = autopar.plan(model, (x,), {"x": 2}, hardware="cpu", memory_limit=0.75 * free.predicted.memory.total)
     assert plan.checkpointed and plan.stats["axis_roles"] == "x=any"
-    assert plan.stats["context"].startswith("not chosen: a context axis on x was tried; the best with one")
-    assert "context parallelism not chosen" in str(plan)
+    assert plan.stats["context"].startswith("not tried: auto searches a context axis only where no plan fits")
+    assert "context parallelism not tried" in str(plan)
+
+
+def test_auto_where_nothing_else_fits_searches_a_context_axis(caplog):
+    """An encoder with no stack of repeated blocks to recompute, under a limit no plan of auto's own meets:
+    auto searches again with the axis in the context role before it gives up."""
+    torch.manual_seed(0)
+    model, x = Encoder(), torch.randint(0, 32, (2, 64))
+    free = autopar.plan(model, (x,), {"x": 2}, hardware="cpu")
+    with caplog.at_level("INFO", logger="autopar"), pytest.raises(autopar.InfeasiblePlanError):
+        autopar.plan(model, (x,), {"x": 2}, hardware="cpu", memory_limit=0.4 * free.predicted.memory.total)
+    assert any("searching again with a context axis (x)" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
 
 
 def test_cp_compiled_trains_as_one_device():

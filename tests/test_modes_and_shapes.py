@@ -20,7 +20,7 @@ from autopar.testing import GPT, MLP, GPTConfig, run_threaded
 from torch.distributed.device_mesh import init_device_mesh
 
 CASES = [("ddp", (2,)), ("zero1", (2,)), ("zero2", (2,)), ("fsdp", (2,)), ("tp", (2,)), ("tp+sp", (2,)),
-         ("fsdp+tp", (2, 2))]
+         ("fsdp+tp", (2, 2)), ("cp", (2,))]
 SGD_LR = 0.5
 
 

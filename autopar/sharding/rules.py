@@ -137,6 +137,8 @@ def sdpa_rule(node, ins, out):
     # from its rows to every key). A causal op so split is right only at its rows' offset: the runtime
     # lowers it (runtime/lowering/context_parallel.py); the search allows it on context axes alone.
     no_shard = {E, S, F}
+    if op_arg(node, 5, "is_causal", False) and q.hint[-2] != k.hint[-2]:
+        no_shard.add(L)   # a causal mask over a query shorter than the keys: rows' offsets not derived here
     k_batch = ""
     for j in range(nb):
         if k.hint[j] == q.hint[j] and v.hint[j] == q.hint[j]:

@@ -8,7 +8,8 @@ each rank holds only partly: the share its own rows contribute).
 One thing changes with the split: `is_causal=True` masks by row *index*, and aten aligns that mask to
 the top left of the local (L x S) block, as if this rank's rows were the sequence's first. A rank holding
 rows [start, start + L) must let row i see keys 0 .. start + i instead. That mask is made here, from the
-rank's chunk of the query (placement.chunk_span), and the op runs with it and `is_causal=False`.
+rank's chunk of the query (placement.chunk_span over the keys' length, known at run time), and the op runs
+with it and `is_causal=False`.
 
 What it costs: a mask rules out the kernels that skip the blocks above the diagonal, so a rank computes
 its rows against every key (cost/terms prices that), and the ranks holding the sequence's end do the
@@ -23,22 +24,25 @@ import torch.nn.functional as F
 from ...sharding.placement import chunk_index, chunk_span, dim_factor
 
 
-def row_start(node: fx.Node, strategy, coords, axis_sizes) -> int:
-    """The global index of this rank's first query row (sharding.rules.causal_rows_split_axes says which
-    ops need it)."""
+def row_chunk(node: fx.Node, strategy, coords, axis_sizes) -> tuple[int, int]:
+    """(which chunk of the query's rows this rank holds, how many chunks): sharding.rules.causal_rows_split_axes
+    says which ops need it."""
     dim = _row_dim(node)
-    rows = node.args[0].meta["val"].shape[dim]
     pieces = dim_factor(strategy.inputs[0], dim, axis_sizes)
-    return chunk_span(int(rows), pieces, chunk_index(strategy.inputs[0], dim, coords, axis_sizes))[0]
+    return chunk_index(strategy.inputs[0], dim, coords, axis_sizes), pieces
 
 
 def causal_rows_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, *, scale=None,
-                          enable_gqa=False, row_start=0):
-    """scaled_dot_product_attention(is_causal=True) for query rows [row_start, row_start + L) of a longer
-    sequence, keys whole: row i sees keys 0 .. row_start + i. (aten's signature, so the call site keeps
-    its arguments; `attn_mask` is None, as aten refuses a mask beside is_causal.)"""
+                          enable_gqa=False, chunk=0, num_chunks=1):
+    """scaled_dot_product_attention(is_causal=True) for chunk `chunk` of `num_chunks` of a sequence's query
+    rows, keys and values whole: row i of the chunk, row start + i of the sequence, sees keys 0 .. start + i.
+    The start is taken from the keys' length (self-attention: as long as the whole query; sdpa_rule splits a
+    causal query only then), so a batch of another length than the example's gets its own offsets.
+    (aten's signature, so the call site keeps its arguments; `attn_mask` is None, as aten refuses a mask beside
+    is_causal.)"""
     rows, keys = query.shape[-2], key.shape[-2]
-    mask = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril(diagonal=row_start)
+    start = chunk_span(keys, num_chunks, chunk)[0]
+    mask = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril(diagonal=start)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=False,
                                           scale=scale, enable_gqa=enable_gqa)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ...sharding.rules import causal_rows_split_axes
-from .context_parallel import causal_rows_attention, row_start
+from .context_parallel import causal_rows_attention, row_chunk
 from .vocab_parallel import local_target
 
 
@@ -22,7 +22,8 @@ def local_call(node: fx.Node, strategy, coords, axis_sizes, args: tuple, kwargs:
     `args` and `kwargs` (the op's own, its tensors already local). `coords`: this rank's place on each mesh
     axis."""
     if causal_rows_split_axes(node, strategy, axis_sizes):
-        return causal_rows_attention, args, {**kwargs, "row_start": row_start(node, strategy, coords, axis_sizes)}
+        chunk, num_chunks = row_chunk(node, strategy, coords, axis_sizes)
+        return causal_rows_attention, args, {**kwargs, "chunk": chunk, "num_chunks": num_chunks}
     target, extra = local_target(node, strategy, coords, axis_sizes)
     if extra:  # vocab_parallel_embedding(weight, indices, start, local padding_idx)
         return target, (args[0], args[1]) + extra, {}
