@@ -38,8 +38,8 @@ from .search.pipeline import (AUTO, STAGES_PER_DEVICE, check_depth, check_reques
 from .search.solution import INFEASIBLE, Solution
 from .search.stage_costs import device_prediction, op_costs
 from .search.stage_partition import partition
-from .sharding.strategies import all_strategies, batch_outputs
 from .sharding.op_spec import op_name
+from .sharding.strategies import all_strategies, batch_outputs
 
 # progress of a search (INFO): the command line shows it; a script shows it with
 # logging.basicConfig(level=logging.INFO), or logging.getLogger("autopar").setLevel(logging.INFO) and a handler
@@ -333,7 +333,8 @@ def _with_context(prob: Problem, sol, roles: Roles, candidates: list, limit, tim
     if found.choice and (not sol.choice or found.objective < sol.objective):
         found.solve_seconds += sol.solve_seconds
         found.build_seconds += sol.build_seconds
-        found.context = f"chosen: a context axis ({names} tried) beats the best plan without one"
+        found.context = (f"chosen: a context axis ({names} tried) beats the best plan without one" if sol.choice
+                         else f"chosen: no plan fits without a context axis ({names} tried)")
         return found, found_roles, tried
     why = "no plan with one fits" if not found.choice else (
         f"the best with one ({found.objective * 1e3:.4g} ms) is slower than without ({sol.objective * 1e3:.4g} ms)")

@@ -1,6 +1,6 @@
 """Named classic strategies as restrictions of the same search space.
 
-"ddp", "zero1", "zero2", "fsdp" (ZeRO-3), "tp", "tp+sp", "fsdp+tp", "cp" (and
+"ddp", "zero1", "zero2", "fsdp" (ZeRO-3), "tp", "tp+sp", "fsdp+tp", "cp", "fsdp+cp", "fsdp+tp+cp" (and
 "auto", which restricts nothing) pin the role of each mesh axis, taken in mesh order; the ILP then finds the cheapest
 plan that plays those roles. So a classic is a baseline priced by the same
 cost model, not a separate code path.
