@@ -240,3 +240,42 @@ def test_cp_compiled_trains_as_one_device():
     records = check_keyword_training(model, batch, "cp", OPTIMIZERS, {"sgd": 1e-5, "adamw": 2e-4}, mesh_shape=(2,),
                                      compile_backend="aot_eager")
     assert all(axes == [0] for axes in _attention_row_splits(records[0]["plan"]))
+
+
+def _dropout_run(rank, model, x, optimizer):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.rng import RandomOp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        pm = autopar.parallelize(copy.deepcopy(model), init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)), (x,),
+                                 hardware="cpu", strategy="cp")
+    pm.manual_seed(1234)
+    masks = {}
+    for name, m in pm.graph_module.named_modules():
+        if isinstance(m, RandomOp):
+            m.register_forward_hook(lambda mod, args, out, name=name: masks.__setitem__(name, (mod.key, out != 0)))
+    opt = autopar.ShardedOptimizer(pm, optimizer, lr=0.1)
+    (local,) = pm.plan.local_inputs(x)
+    for _ in range(2):
+        opt.zero_grad()
+        pm(local).square().mean().backward()
+        opt.step()
+    return masks, {n: p.detach().clone() for n, p in pm.named_parameters()}
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW], ids=["sgd", "adamw"])
+def test_dropout_under_cp_draws_a_mask_per_sequence_shard_and_weights_stay_equal(optimizer):
+    """Dropout on: the ranks hold different positions of the sequence, so each draws its own mask (one mask
+    for both would repeat the same pattern every chunk), and the weights they all hold whole stay bitwise
+    equal after SGD and AdamW steps (their gradients are all-reduced, never drawn)."""
+    from autopar.testing import MegatronStack
+    torch.manual_seed(0)
+    model, x = MegatronStack(num_layers=1, hidden=16, heads=4, dropout=0.5).train(), torch.randn(4, 8, 16)
+    (masks_0, params_0), (masks_1, params_1) = run_threaded(2, _dropout_run, model, x, optimizer)
+    assert len(masks_0) == 3
+    for name, (key, mask) in masks_0.items():
+        other_key, other_mask = masks_1[name]
+        assert key != other_key and not torch.equal(mask, other_mask), name
+    for n, p in params_0.items():
+        assert torch.equal(p, params_1[n]), n
