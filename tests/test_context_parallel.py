@@ -74,6 +74,28 @@ class Encoder(nn.Module):
         return self.head(x)
 
 
+class SlidingWindowAttention(nn.Module):
+    """Attention through SDPA with a sliding-window causal mask (each position sees itself and the 3 before it),
+    a buffer cut to the length: a mask the capture keeps as a tensor, so under cp it splits with the rows."""
+
+    def __init__(self, dim=16, heads=2, max_len=32, vocab=32, window=4):
+        super().__init__()
+        self.emb, self.heads = nn.Embedding(vocab, dim), heads
+        # no key bias: its gradient is exactly 0 (it shifts a row's scores alike), which AdamW would turn from
+        # rounding noise into lr-sized steps (testing/models.py's GPT leaves it out for the same reason)
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab)
+        pos = torch.arange(max_len)
+        self.register_buffer("window", (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, C = x.shape
+        q, k, v = (f(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.window[:T, :T])
+        return self.out(x + y.transpose(1, 2).reshape(B, T, C))
+
+
 def _check_against_one_device(model, x, y, mesh_shape, optimizer, strategy="cp", names=None, **plan_kwargs):
     opt, lr = OPTIMIZERS[optimizer]
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=lr, optimizer=opt)
@@ -168,6 +190,15 @@ def test_attention_written_out_trains_as_one_device_under_cp():
         plan = _check_against_one_device(model, x, y, (2,), "sgd")
     scores = [s for n, s in plan.node_strategies.items() if n.startswith("masked_fill")]
     assert scores and all(shard_dim(s.output[0]) == 2 for s in scores)   # the rows of the scores are split
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_sliding_window_mask_trains_as_one_device_under_cp(optimizer):
+    torch.manual_seed(0)
+    model = SlidingWindowAttention()
+    x, y = torch.randint(0, 32, (2, 12)), torch.randint(0, 32, (2, 12))
+    plan = _check_against_one_device(model, x, y, (3,), optimizer)
+    assert _attention_row_splits(plan) == [[0]]
 
 
 def test_hugging_face_llama_with_labels_and_padding_trains_as_one_device_under_cp():
