@@ -20,7 +20,8 @@ import autopar
 import cost_models as cm
 from autopar.sharding.placement import shard_dim
 from autopar.testing import GPT, GPTConfig, gpt_loss, padded_batch, run_threaded, shipped_causal_lm
-from autopar.testing.harness import check_keyword_training, parallel_record, single_device_reference
+from autopar.testing.harness import (check_keyword_training, check_records_against_one_device, parallel_record,
+                                     single_device_reference)
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.5), "adamw": (torch.optim.AdamW, 1e-3)}
 SDPA = "aten.scaled_dot_product_attention.default"
@@ -105,18 +106,7 @@ def _check_against_one_device(model, x, y, mesh_shape, optimizer, strategy="cp",
     names = names or ("cp", "cp2")[:len(mesh_shape)]
     records = run_threaded(world, parallel_record, model, mesh_shape, names, x, y, gpt_loss, 3, lr,
                            {"strategy": strategy, "hardware": "cpu", **plan_kwargs}, opt, timeout=300)
-    for rank, rec in enumerate(records):
-        plan = rec["plan"]
-        (want,) = plan.local_targets(ref["outputs"], rank=rank)
-        torch.testing.assert_close(rec["outputs"], want, atol=1e-5, rtol=0)
-        for name, g in ref["grads"].items():
-            torch.testing.assert_close(rec["grads"][name], g, atol=1e-5, rtol=0, msg=name)
-        for name, p in ref["params"].items():
-            torch.testing.assert_close(rec["params"][name], p, atol=1e-5, rtol=0, msg=name)
-        measured = {a: 0.0 for a in plan.mesh.axis_names}
-        for k, axis, nbytes, _ in rec["comm"]:
-            measured[plan.mesh.axis_names[axis]] += cm.bytes_moved(k, nbytes, plan.mesh.axis_sizes[axis])
-        assert measured == pytest.approx(plan.predicted.comm_bytes, rel=1e-12)
+    check_records_against_one_device(records, ref)
     return records[0]["plan"]
 
 

@@ -266,13 +266,9 @@ def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
     user who asks for tp expects Megatron's layout and should hear at once why
     they will not get it. With sequence parallelism the sequence must divide too.
     """
-    tp_axes = [a for a, r in enumerate(roles.roles) if r == TP]
-    if not tp_axes:
+    degree, axes = _role_degree(roles, TP)
+    if not axes:
         return
-    degree = 1
-    for a in tp_axes:
-        degree *= roles.axis_sizes[a]
-    axes = " x ".join(f"{roles.axis_names[a]}={roles.axis_sizes[a]}" for a in tp_axes)
     for node in cap.graph.nodes:
         if node.op == "call_function" and op_name(node) == "aten.embedding.default":
             vocab = cap.info[tensor_args(node)[0].name].meta.hint[0]
@@ -303,16 +299,21 @@ def check_tensor_parallel_divisibility(cap, roles: Roles) -> None:
             return
 
 
+def _role_degree(roles: Roles, role: str) -> tuple[int, str]:
+    """(the product of the sizes of the axes in `role`, those axes as "name=size x ..."; "" if none)."""
+    axes = [a for a, r in enumerate(roles.roles) if r == role]
+    degree = 1
+    for a in axes:
+        degree *= roles.axis_sizes[a]
+    return degree, " x ".join(f"{roles.axis_names[a]}={roles.axis_sizes[a]}" for a in axes)
+
+
 def check_context_divisibility(cap, roles: Roles) -> None:
     """Context axes split the sequence evenly or not at all (placement.py's uneven splits are for weights): a
     sequence they do not divide is refused by name, before a search that would find no layout."""
-    cp_axes = [a for a, r in enumerate(roles.roles) if r == CONTEXT and roles.axis_sizes[a] > 1]
-    if not cp_axes:
+    degree, axes = _role_degree(roles, CONTEXT)
+    if degree == 1:
         return
-    degree = 1
-    for a in cp_axes:
-        degree *= roles.axis_sizes[a]
-    axes = " x ".join(f"{roles.axis_names[a]}={roles.axis_sizes[a]}" for a in cp_axes)
     for node in cap.graph.nodes:
         if node.op != "call_function" or op_name(node) != SDPA:
             continue

@@ -253,6 +253,32 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
 # -----------------------------------------------------------------------------
 # a model called with keywords, its loss inside forward (Hugging Face's `labels=`)
 
+def check_records_against_one_device(records: list, ref: dict, atol: float = 1e-5) -> None:
+    """Assert each rank's parallel_record equals the one-device run single_device_reference recorded: its
+    outputs (its shard of them), its gradients and its parameters after the steps to `atol`, and the bytes its
+    collectives moved on each mesh axis to the plan's prediction."""
+    import math
+
+    import cost_models as cm
+    for rank, rec in enumerate(records):
+        plan = rec["plan"]
+        (want,) = plan.local_targets(ref["outputs"], rank=rank)
+        torch.testing.assert_close(rec["outputs"], want, atol=atol, rtol=0, msg=lambda m: f"rank {rank} outputs: {m}")
+        assert set(rec["grads"]) == set(ref["grads"]), (rank, set(rec["grads"]) ^ set(ref["grads"]))
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(rec["grads"][name], g, atol=atol, rtol=0,
+                                       msg=lambda m: f"rank {rank} grad of {name}: {m}")
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rec["params"][name], p, atol=atol, rtol=0, msg=lambda m: f"rank {rank} {name}: {m}")
+        measured = {a: 0.0 for a in plan.mesh.axis_names}
+        for kind, axis, nbytes, _ in rec["comm"]:
+            measured[plan.mesh.axis_names[axis]] += cm.bytes_moved(kind, nbytes, plan.mesh.axis_sizes[axis])
+        for a, moved in measured.items():
+            predicted = plan.predicted.comm_bytes.get(a, 0.0)
+            assert math.isclose(moved, predicted, rel_tol=1e-12, abs_tol=1e-9), (
+                f"rank {rank} axis {a}: the plan predicted {predicted} bytes, the collectives moved {moved}")
+
+
 def keyword_reference(model: nn.Module, batch: dict, optimizer, lr: float, steps: int = 3) -> dict:
     """One device trains `model` (a copy) as a Hugging Face script does: `out = model(**batch)`,
     `out.loss.backward()`, `opt.step()`. Records each step's loss and the parameters after the steps."""
