@@ -59,7 +59,7 @@ def _gloo_worker(rank, world_size, port, result_dir, fn, args, environ=None):
         dist.barrier()  # no rank tears gloo down while a peer still talks to it
     except BaseException:
         # A failing rank makes its peers fail too (connection closed), and
-        # spawn may report a peer first; the time tells the parent the cause.
+        # the parent may hear of a peer first; the time tells it the cause.
         # Written before destroy_process_group, i.e. before peers can notice.
         with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
@@ -92,7 +92,7 @@ def run_gloo(world_size: int, fn, *args, timeout: float = 300) -> list:
     run exceeds timeout seconds, all processes are killed and TimeoutError raised.
     """
     with tempfile.TemporaryDirectory(prefix="autopar_gloo_") as result_dir:
-        ctx = _spawn_ranks(world_size, result_dir, fn, args)
+        ctx = _start_ranks(world_size, result_dir, fn, args)
         _wait_for_ranks(ctx, result_dir, world_size, timeout)
         return _load_results(result_dir, world_size)
 
@@ -113,8 +113,9 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def _spawn_ranks(world_size: int, result_dir: str, fn, args: tuple):
-    """Start the rank processes (not waiting for them), each single-threaded; returns spawn's context."""
+def _start_ranks(world_size: int, result_dir: str, fn, args: tuple):
+    """Start the rank processes (not waiting for them), each single-threaded; returns their context
+    (torch.multiprocessing.start_processes')."""
     # Processes read OMP_NUM_THREADS when they import torch, before any of our code runs in them, so it
     # must be in the environment of the fork server (started by the first launch) and of spawned ranks.
     saved = os.environ.get("OMP_NUM_THREADS")
