@@ -3,7 +3,8 @@
     python benchmarks/context_parallel.py                         # 32k, 64k, 128k tokens, batch 8
     python benchmarks/context_parallel.py --seqs 131072 --layers 4
 
-For each sequence length it plans, on the meta device (nothing is allocated), under an 80 GB limit:
+For each sequence length it plans, on the meta device (nothing is allocated), in bf16-mixed with AdamW (as
+`autopar plan` does by default), under an 80 GB limit:
 - fsdp+cp: fsdp over dp (8), the sequence over the other axis (8);
 - fsdp+tp with every block recomputed, tp+sp with every block recomputed: the hand-written baselines;
 - auto (which searches a context axis where no plan of its own fits, and says so where it recomputes).
@@ -40,7 +41,8 @@ def main():
     p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
     p.add_argument("--memory", default="80GB")
     args = p.parse_args()
-    print(f"Llama-3-8B shape, {args.layers} layers, batch {args.batch}, mesh dp=8 x tp=8, h100, limit {args.memory}")
+    print(f"Llama-3-8B shape, {args.layers} layers, batch {args.batch}, mesh dp=8 x tp=8, h100, bf16-mixed, "
+          f"limit {args.memory}")
     print(f"{'seq':>7}  {'strategy':<9} {'recompute':<10} {'memory/device':>13} {'step':>10} {'tokens/s':>10}  "
           f"{'plan s':>6}  note")
     for seq in (int(s) for s in args.seqs.split(",")):
@@ -52,7 +54,8 @@ def main():
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     plan = autopar.plan(model, (x,), MESH, strategy=strategy, hardware="h100",
-                                        memory_limit=args.memory, checkpointing=checkpointing)
+                                        memory_limit=args.memory, checkpointing=checkpointing,
+                                        precision="bf16-mixed")
             except autopar.AutoparError as e:
                 print(f"{seq:>7}  {strategy:<9} {checkpointing:<10} {'-':>13} {'-':>10} {'-':>10}  "
                       f"{time.perf_counter() - t0:6.1f}  no plan: {str(e)[:110]}")
