@@ -191,11 +191,13 @@ def test_a_sliding_window_mask_trains_as_one_device_under_cp(optimizer):
     assert _attention_row_splits(plan) == [[0]]
 
 
-def test_hugging_face_llama_with_labels_and_padding_trains_as_one_device_under_cp():
-    """HF Llama as shipped (default config, use_cache=True), called with keywords and `labels=` on a padded
-    batch: its mask is a tensor (padding), its positions an arange, its loss shifts the labels."""
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_hugging_face_models_with_labels_and_padding_train_as_one_device_under_cp(family):
+    """HF causal LMs as shipped (default config, use_cache=True; GPT-2's embeddings tied, its positions
+    learned), called with keywords and `labels=` on a padded batch: the mask is a tensor (padding), the
+    positions an arange, the loss shifts the labels."""
     pytest.importorskip("transformers")
-    model = shipped_causal_lm("llama")
+    model = shipped_causal_lm(family)
     batch = padded_batch(vocab=model.config.vocab_size)
     records = check_keyword_training(model, batch, "cp", OPTIMIZERS, {"sgd": 1e-5, "adamw": 2e-4}, mesh_shape=(2,))
     assert all(axes == [0] for axes in _attention_row_splits(records[0]["plan"]))
