@@ -360,6 +360,15 @@ def _role_tiers(spec: MeshSpec, axis_links, hw) -> list:
     return [role_assignments(spec, intra), role_assignments(spec, intra, num_free=1)]
 
 
+def _context_hint(candidates: list) -> str:
+    """Under a context role every activation must split along something other than its batch: a model with no
+    sequence (an MLP over vectors) has nothing to split there."""
+    if not any(CONTEXT in roles.roles for roles in candidates):
+        return ""
+    return ("; a context axis splits every activation along a dim other than its batch (the sequence), "
+            "which this model may not have")
+
+
 def _whole_outputs_hint(cap: Captured) -> str:
     """Outputs computed from the batch that do not carry it (a mean over the batch, say) must come back
     whole, which a strategy that splits the batch and never gathers activations cannot do."""
@@ -380,7 +389,8 @@ def _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkp
         raise ShardingError(
             f"strategy {strategy!r} cannot be laid out on mesh {spec}: some tensor dim does not divide by "
             "the axis sizes it must be split over (e.g. heads or hidden size vs the tensor-parallel degree)"
-            f"{_whole_outputs_hint(prob.cap)}; use strategy='auto', another mesh, or sizes divisible by the axis sizes")
+            f"{_whole_outputs_hint(prob.cap)}{_context_hint(candidates)}; use strategy='auto', another mesh, or "
+            "sizes divisible by the axis sizes")
     least, _ = _best(prob, candidates, None, time_limit, minimize_memory=True, checkpointing=checkpointing)
     raise InfeasiblePlanError(
         f"no {strategy!r} plan on mesh {spec} fits memory_limit={cm.format_bytes(limit)} per device: "

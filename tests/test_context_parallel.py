@@ -39,13 +39,16 @@ class WrittenOutAttention(nn.Module):
     def __init__(self, dim=16, heads=2, max_len=32, vocab=32):
         super().__init__()
         self.emb, self.heads = nn.Embedding(vocab, dim), heads
-        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+        # no key bias: its gradient is exactly 0 (it shifts a row's scores alike), which AdamW would turn from
+        # rounding noise into lr-sized steps (testing/models.py's GPT leaves it out for the same reason)
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab)
         self.register_buffer("causal", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)))
 
     def forward(self, idx):
         x = self.emb(idx)
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        q, k, v = (f(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
         scores = (q @ k.transpose(-2, -1)) / (C // self.heads) ** 0.5
         scores = scores.masked_fill(~self.causal[:T, :T], float("-inf"))
         y = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(B, T, C)
@@ -171,13 +174,14 @@ def test_cp_with_fsdp_and_with_tp_trains_as_one_device(strategy, names, mesh_sha
         assert _attention_row_splits(plan, dim=1) == [[names.index("tp")]]
 
 
-def test_attention_written_out_trains_as_one_device_under_cp():
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_attention_written_out_trains_as_one_device_under_cp(optimizer):
     torch.manual_seed(0)
     model = WrittenOutAttention()
     x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
-        plan = _check_against_one_device(model, x, y, (2,), "sgd")
+        plan = _check_against_one_device(model, x, y, (2,), optimizer)
     scores = [s for n, s in plan.node_strategies.items() if n.startswith("masked_fill")]
     assert scores and all(shard_dim(s.output[0]) == 2 for s in scores)   # the rows of the scores are split
 
@@ -207,6 +211,14 @@ def test_a_sequence_the_axis_does_not_divide_is_refused_in_words():
     model, x, _ = _gpt(seq=9)
     with pytest.raises(autopar.ShardingError, match=r"sequence .*9.* 2"):
         autopar.plan(model, (x,), {"cp": 2}, strategy="cp", hardware="cpu")
+
+
+def test_a_model_with_no_sequence_is_refused_in_words():
+    """An MLP over vectors has nothing to split along a sequence: cp finds no layout, and says why."""
+    from autopar.testing import MLP
+    torch.manual_seed(0)
+    with pytest.raises(autopar.ShardingError, match="splits every activation along a dim other than its batch"):
+        autopar.plan(MLP([16, 32, 16]), (torch.randn(8, 16),), {"cp": 2}, strategy="cp", hardware="cpu")
 
 
 def test_query_rows_split_only_on_context_axes():
