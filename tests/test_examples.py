@@ -14,10 +14,12 @@ import contextlib
 import io
 import os
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -55,6 +57,7 @@ class Run:
     extra: list = field(default_factory=list)          # small sizes appended to the README's command
     check: Callable | None = None                      # check(stdout, workdir, stderr) after a zero exit status
     gloo: bool = False                                  # starts gloo processes
+    in_process: bool = False   # a `python SCRIPT` run here (runpy) rather than in a new interpreter's seconds of imports
 
 
 def _train_gpt(out, _, err):
@@ -106,10 +109,11 @@ COMMANDS: dict = {
     "bash scripts/gpu_check.sh": "needs a GPU, which CI lacks; it runs tests/test_cuda.py (in this suite, skipped "
                                  "without CUDA) and benchmarks/runtime_overhead.py on the GPUs",
     "python benchmarks/search_time.py": Run(["--layers", "1", "--batch", "1", "--seq", "256"]),
-    "python examples/plan_offline.py": Run(check=lambda out, _, err: "autopar plan" in out and "batch" in out),
+    "python examples/plan_offline.py": Run(check=lambda out, _, err: "autopar plan" in out and "batch" in out,
+                                           in_process=True),
     "python examples/plan_llama3_8b.py": Run(["--layers", "1", "--batch", "8", "--seq", "512"],
-                                             lambda out, _, err: "per GPU:" in out),
-    "python examples/finetune_hf.py --make-tiny /tmp/tiny-llama": Run(),
+                                             lambda out, _, err: "per GPU:" in out, in_process=True),
+    "python examples/finetune_hf.py --make-tiny /tmp/tiny-llama": Run(in_process=True),
     "torchrun --nproc-per-node 4 examples/finetune_hf.py --model /tmp/tiny-llama": Run(["--steps", "2"], _finetune,
                                                                                         gloo=True),
     "python -m autopar": Run(["--help"], lambda out, _, err: "plan" in out and "compare" in out),
@@ -161,22 +165,35 @@ def _run(argv, cwd, timeout=600):
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _run_cli(args, cwd) -> subprocess.CompletedProcess:
-    """`autopar ARGS` in this process, from `cwd`: the command's own function (cli.main, which the console
-    script calls), without a new interpreter's 3-7 s of imports. `python -m autopar` still starts one."""
-    from autopar import cli
+def _in_process(argv: list, run, cwd) -> subprocess.CompletedProcess:
+    """run() in this process, from `cwd`, with sys.argv = argv: its exit status and what it printed, as a
+    subprocess's. Warnings filters it sets stay inside."""
     out, err = io.StringIO(), io.StringIO()
-    here = os.getcwd()
+    here, argv_before = os.getcwd(), sys.argv
     os.chdir(cwd)
+    sys.argv = list(argv)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             try:
-                code = cli.main(args)
-            except SystemExit as e:   # argparse's --help and usage errors
+                code = run()
+            except SystemExit as e:   # argparse's --help and usage errors, sys.exit(message)
                 code = e.code
     finally:
         os.chdir(here)
-    return subprocess.CompletedProcess(["autopar", *args], code or 0, out.getvalue(), err.getvalue())
+        sys.argv = argv_before
+    return subprocess.CompletedProcess(argv, code or 0, out.getvalue(), err.getvalue())
+
+
+def _run_cli(args, cwd) -> subprocess.CompletedProcess:
+    """`autopar ARGS` in this process: the command's own function (cli.main, which the console script calls),
+    without a new interpreter's 3-7 s of imports. `python -m autopar` still starts one."""
+    from autopar import cli
+    return _in_process(["autopar", *args], lambda: cli.main(args), cwd)
+
+
+def _run_script(path: str, args: list, cwd) -> subprocess.CompletedProcess:
+    """`python PATH ARGS` in this process (runpy, as `__main__`)."""
+    return _in_process([path, *args], lambda: runpy.run_path(path, run_name="__main__") and 0, cwd)
 
 
 RUNNABLE = [c for c, how in COMMANDS.items() if isinstance(how, Run)]
@@ -191,6 +208,9 @@ def test_readme_command_runs(command, workdir):
     how = COMMANDS[command]
     if command.startswith("autopar "):
         proc = _run_cli(shlex.split(command)[1:] + how.extra, workdir)
+    elif how.in_process:
+        argv = _argv(command, workdir)
+        proc = _run_script(argv[1], argv[2:] + how.extra, workdir)
     else:
         proc = _run(_argv(command, workdir) + how.extra, workdir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
