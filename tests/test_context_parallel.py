@@ -314,3 +314,29 @@ def test_dropout_under_cp_draws_a_mask_per_sequence_shard_and_weights_stay_equal
         assert key != other_key and not torch.equal(mask, other_mask), name
     for n, p in params_0.items():
         assert torch.equal(p, params_1[n]), n
+
+
+class CausalDropoutAttention(nn.Module):
+    """Causal SDPA with attention dropout on, at a probability so small no weight is ever dropped: a random op
+    whose outputs still equal one device's, so the rows' offset is checked with dropout on."""
+
+    def __init__(self, dim=16, heads=2, vocab=32):
+        super().__init__()
+        self.emb, self.heads = nn.Embedding(vocab, dim), heads
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, C = x.shape
+        q, k, v = (f(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=1e-12)
+        return self.out(x + y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_causal_attention_with_dropout_keeps_its_rows_offset_under_cp():
+    torch.manual_seed(0)
+    model = CausalDropoutAttention()
+    x, y = torch.randint(0, 32, (2, 12)), torch.randint(0, 32, (2, 12))
+    plan = _check_against_one_device(model, x, y, (3,), "sgd")
+    assert _attention_row_splits(plan) == [[0]]

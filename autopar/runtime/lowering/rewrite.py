@@ -364,23 +364,25 @@ class _Rewriter:
             mod_name = f"vocab_parallel_{self._count}_{node.name}"
             self.root.add_module(mod_name, vocab_parallel_loss(node, s, self.comm, self.coords, self.sizes))
             new = self.g.call_module(mod_name, (args[0], args[1]))
-        elif draws_random(node):
-            new = self._call_random(node, s, args, kwargs)
         else:
+            # the local op first: a causal attention over this rank's rows keeps its offset with dropout on too
             target, args, kwargs = local_call(node, s, self.coords, self.sizes, args, kwargs)
-            new = self.g.call_function(target, args, kwargs)
+            if draws_random(node):
+                new = self._call_random(node, s, target, args, kwargs)
+            else:
+                new = self.g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.env[node.name] = new
 
-    def _call_random(self, node: fx.Node, s, args, kwargs) -> fx.Node:
-        """A random op drawing from the stream of this rank's shard of its output (rng.py): per shard where the
-        output is split, shared where it is replicated."""
+    def _call_random(self, node: fx.Node, s, target, args, kwargs) -> fx.Node:
+        """A random op (`target`, local_ops.local_call's) drawing from the stream of this rank's shard of its
+        output (rng.py): per shard where the output is split, shared where it is replicated."""
         key = shard_key(s.output if s is not None else (R,) * len(self.sizes), self.coords, self.sizes)
         self._count += 1
         mod_name = f"random_{self._count}_{node.name}"
         shards = ", ".join(f"{self.names[a]}={c}" for a, c in key) or "shared by all ranks"
         label = f"{node.name}: stream {shards}"
-        self.root.add_module(mod_name, RandomOp(node.target, self.comm.random_streams, key, label))
+        self.root.add_module(mod_name, RandomOp(target, self.comm.random_streams, key, label))
         return self.g.call_module(mod_name, args, kwargs)
 
     def _global_size(self, node: fx.Node) -> fx.Node:
