@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 import autopar
 import cost_models as cm
+from autopar.cost.terms import skips_swaps
+from autopar.runtime.collectives import AxisGroup, Comm, CommLog
+from autopar.runtime.lowering.ring_attention import RingAttention, balanced_chunks
 from autopar.sharding.placement import shard_dim
 from autopar.testing import GPT, GPTConfig, gpt_loss, padded_batch, run_threaded, shipped_causal_lm
 from autopar.testing.harness import (check_keyword_training, check_records_against_one_device, parallel_record,
@@ -340,3 +343,114 @@ def test_causal_attention_with_dropout_keeps_its_rows_offset_under_cp():
     x, y = torch.randint(0, 32, (2, 12)), torch.randint(0, 32, (2, 12))
     plan = _check_against_one_device(model, x, y, (3,), "sgd")
     assert _attention_row_splits(plan) == [[0]]
+
+
+# ---------------------------------------------------------------- ring attention (runtime/lowering/ring_attention.py)
+
+# links on which bytes and calls cost next to nothing: compute decides, and a causal attention over a rank's rows
+# costs half as a ring (its causal blocks only, balanced) as against keys gathered whole (every block, masked)
+FREE_LINKS = cm.Link(bandwidth=1e12, latency=1e-12)
+
+
+def test_balanced_chunks_give_every_rank_a_pair_and_keep_one_of_its_own():
+    for n in range(1, 17):
+        plan = balanced_chunks(n)
+        assert sorted(min(k, 2 * n - 1 - k) for k, _ in plan) == list(range(n)), (n, plan)
+        for r, (kept, received) in enumerate(plan):
+            assert kept // 2 == r and kept + received == 2 * n - 1   # its own chunk, and its pair
+            # the rank that swaps nothing is the one the prediction leaves out (harness._swaps_not_sent)
+            assert (received // 2 == r) == skips_swaps(n, r), (n, r)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_attention_equals_one_device_attention(n):
+    """Outputs and the gradients of q, k and v, causal or not, grouped-query or not, against one device's SDPA;
+    and every rank sent the bytes cost/terms.ring_collectives predicts (with an odd n, the middle rank none of
+    the row swaps)."""
+    torch.manual_seed(0)
+    cases = []
+    for causal in (False, True):
+        for kv_heads in (4, 2):
+            q = torch.randn(2, 4, 4 * n, 8, requires_grad=True)
+            k, v = (torch.randn(2, kv_heads, 4 * n, 8, requires_grad=True) for _ in range(2))
+            grad = torch.randn(2, 4, 4 * n, 8)
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != 4).backward(grad)
+            cases.append((causal, kv_heads != 4, q, k, v, grad))
+
+    def rank_fn(rank):
+        import torch.distributed as dist
+        out = []
+        for causal, gqa, q, k, v, grad in cases:
+            comm = Comm([AxisGroup(dist.group.WORLD, n, rank)], log=CommLog())
+            local = [t.detach().chunk(n, -2)[rank].clone().requires_grad_() for t in (q, k, v)]
+            y = RingAttention(comm, 0, causal, None, gqa)(*local)
+            y.backward(grad.chunk(n, -2)[rank])
+            out.append((y.detach(), *(t.grad for t in local), sum(b for _, _, b, _ in comm.log.records)))
+        return out
+
+    for rank, results in enumerate(run_threaded(n, rank_fn)):
+        for (causal, gqa, q, k, v, grad), (y, dq, dk, dv, sent) in zip(cases, results):
+            want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa).detach()
+            for got, whole in ((y, want), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
+                torch.testing.assert_close(got, whole.chunk(n, -2)[rank], atol=2e-6, rtol=0)
+            kv = 2 * k.numel() // n * 4
+            expected = (n - 1) * kv * 2 + n * kv            # K/V there and back again, their grads' fp32 home
+            if causal and not skips_swaps(n, rank):
+                expected += 4 * (q.numel() // n // 2 * 4)   # q and out rows, then their gradients
+            assert sent == expected, (n, causal, gqa, rank, sent, expected)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_gpt_with_ring_attention_trains_as_one_device_on_three_ranks(optimizer):
+    """On free links the search runs our GPT's causal attention as a balanced ring over 3 ranks (2 heads: no
+    Ulysses); it trains as one device does, and each rank's bytes are the prediction's."""
+    model, x, y = _gpt(seq=12)
+    plan = _check_against_one_device(model, x, y, (3,), optimizer, links={"cp": FREE_LINKS})
+    assert _attention_row_splits(plan) == [[0], [0]]
+    assert [[a for a, p in enumerate(s.inputs[1]) if shard_dim(p) == 2] for _, s in _sdpa_strategies(plan)] \
+        == [[0], [0]], "keys and values stay split: a ring"
+    kinds = {c.kind for c in plan.collectives if c.axis == "cp"}
+    assert cm.SEND_RECV in kinds
+
+
+def _sdpa_strategies(plan):
+    return [(n, s) for n, s in plan.node_strategies.items() if n.startswith("scaled_dot_product_attention")]
+
+
+def test_hugging_face_llama_with_labels_trains_as_one_device_with_ring_attention():
+    """HF Llama from its default config shrunk (3 query heads on 1 key/value head: no Ulysses on 2 ranks),
+    `labels=` and no padding (no mask tensor: SDPA's is_causal), on free links: a balanced ring; losses and
+    parameters after SGD and AdamW steps as one device's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 64, (2, 12))
+    batch = {"input_ids": ids, "labels": ids}
+    records = check_keyword_training(model, batch, "cp", OPTIMIZERS, {"sgd": 1e-5, "adamw": 2e-4}, mesh_shape=(2,),
+                                     plan_kwargs={"links": {"dp": FREE_LINKS}})
+    strategies = _sdpa_strategies(records[0]["plan"])
+    assert strategies and all(shard_dim(s.inputs[1][0]) == 2 for _, s in strategies), strategies
+
+
+def test_ring_attention_keeps_what_the_plan_predicts():
+    """Activations autograd keeps under a ring (its keys and values as this rank's chunk, its output in its
+    balanced row order besides the one it returns) within 1% of the prediction; bytes exact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.manual_seed(0)   # 3 heads: no Ulysses on 2 ranks
+    model = GPT(GPTConfig(n_layer=2, n_head=3, n_embd=24, vocab_size=32, block_size=12, dropout=0.0))
+    x = torch.randint(0, 32, (2, 12))
+
+    def rank_fn(rank):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), strategy="cp", hardware="cpu",
+                                 links={"cp": FREE_LINKS})
+        report = autopar.audit(pm, *pm.plan.local_inputs(x))
+        return pm.plan, {r.quantity: (r.predicted, r.measured) for r in report.rows}
+
+    for plan, rows in run_threaded(2, rank_fn):
+        assert all(shard_dim(s.inputs[1][0]) == 2 for _, s in _sdpa_strategies(plan))
+        predicted, measured = rows["activations saved for backward"]
+        assert measured == pytest.approx(predicted, rel=0.01)
+        assert rows["comm bytes on cp"][0] == rows["comm bytes on cp"][1]

@@ -30,7 +30,7 @@ from autopar.mesh import MeshSpec
 from autopar.sharding.placement import P, R, S, dim_factor, local_shape, shard_dim, shard_full_tensor
 from autopar.runtime.lowering.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, squeezed_dims
 from autopar.runtime.lowering.local_ops import local_call
-from autopar.sharding.rules import vocab_split_axes
+from autopar.sharding.rules import ring_axes, vocab_split_axes
 from autopar.sharding.rules import RULES
 from autopar.sharding.op_spec import op_name, tensor_args
 from autopar.sharding.strategies import op_strategies
@@ -239,9 +239,9 @@ def check_node(node, cap, values, mesh, gen) -> tuple[int, list]:
         return 1, [f"{op_name(node)} ({node.name}, input shapes {shapes}) on mesh {mesh.axis_sizes}: "
                    f"op_strategies raised {type(e).__name__}: {e}"]
     for s in strategies:
-        if vocab_split_axes(node, s, mesh.axis_sizes):
-            # its local op all-reduces inside itself, which ranks simulated one after another cannot:
-            # test_vocab_parallel runs it on threaded ranks against F.cross_entropy
+        if vocab_split_axes(node, s, mesh.axis_sizes) or ring_axes(node, s, mesh.axis_sizes):
+            # its local op communicates inside itself, which ranks simulated one after another cannot:
+            # test_vocab_parallel and test_context_parallel run them on threaded ranks against the whole op
             continue
         try:
             outs = run_strategy(node, s, globals_, mesh, gen)

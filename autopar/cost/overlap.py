@@ -4,7 +4,7 @@ Most collectives the module launches are waited on at once: a TP all-reduce
 feeds the next op, a reduce-scatter the autograd function that issued it.
 Those are exposed: the step takes compute + their time.
 
-Three kinds are launched ahead of whatever waits for them, and hide behind
+Four kinds are launched ahead of whatever waits for them, and hide behind
 the compute that runs meanwhile:
 
     gradient buckets (buckets.py, runtime/reduction/grad_buckets.py) and FSDP's per-layer
@@ -17,6 +17,8 @@ the compute that runs meanwhile:
         while this layer computes; the first layer's is waited on whole
     FSDP's per-layer re-gathers in backward: likewise, a layer's re-gather
         launches the one of the layer before it (in forward order)
+    a ring attention's key/value sends: each step launches the next chunk's
+        before computing its own (ring_hidden_time)
 
 The model, as DDP's, FSDP2's and the peers' simple ones (Megatron's overlap,
 SimpleFSDP's): forward runs the ops in order, op i taking 1/TRAIN_FLOPS_FACTOR
@@ -47,7 +49,7 @@ import cost_models as cm
 from ..capture.export import OP
 from ..sharding.op_spec import tensor_args
 from ..sharding.redistribute import ALL_GATHER, REDUCE_SCATTER
-from .terms import collectives_time
+from .terms import RING_KEYS, collectives_time
 
 BUCKET = "gradient bucket "   # the `where` of a bucket's all-reduce (predict.bucketed)
 LAYER = "layer "              # the `where` of an FSDP layer's collectives (layer_groups.grouped)
@@ -62,6 +64,8 @@ def hidden_comm_time(prob, colls: list, op_times: dict) -> dict:
     hidden = {a: 0.0 for a in mesh.axis_names}
     if not prob.hardware.comm_overlaps_compute:   # the collectives take the cores the compute runs on
         return hidden
+    for axis, seconds in ring_hidden_time(prob, colls, op_times).items():
+        hidden[axis] += seconds
     ops = [n for n in prob.cap.graph.nodes if n.name in prob.cap.info and prob.cap.info[n.name].kind == OP]
     uses: dict = {}   # weight -> indices of the ops that read it
     for i, node in enumerate(ops):
@@ -89,6 +93,25 @@ def hidden_comm_time(prob, colls: list, op_times: dict) -> dict:
         hidden[mesh.axis_names[m.axis]] += m.seconds
     for axis, t in step.waited.items():
         hidden[mesh.axis_names[axis]] -= t
+    return hidden
+
+
+def ring_hidden_time(prob, colls: list, op_times: dict) -> dict:
+    """Axis name -> seconds of ring attentions' key/value sends that hide behind their own compute: each
+    of the n-1 sends is launched before a step's blocks and waited for after them, so it hides behind that
+    step's share of the op's forward (or backward) time, (n-1)/n of it. The gradients' accumulator and the
+    row swaps are waited on at once: exposed."""
+    sends: dict = {}
+    for c in colls:
+        if c.kind == cm.SEND_RECV and c.tensor.endswith(RING_KEYS):
+            key = (c.where, c.axis, "backward" if c.phase == "backward" else "forward")
+            sends[key] = sends.get(key, 0.0) + float(collectives_time([c], prob.mesh, prob.links))
+    hidden: dict = {}
+    share = {"forward": 1 / cm.TRAIN_FLOPS_FACTOR, "backward": 1 - 1 / cm.TRAIN_FLOPS_FACTOR}
+    for (op, axis, phase), seconds in sends.items():
+        n = prob.mesh.axis_sizes[axis]
+        name = prob.mesh.axis_names[axis]
+        hidden[name] = hidden.get(name, 0.0) + min(seconds, op_times.get(op, 0.0) * share[phase] * (n - 1) / n)
     return hidden
 
 

@@ -256,7 +256,7 @@ def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
         # of sympy sums would otherwise dominate the planning time)
         key = (prob.canonical.get(name, name), choice[name], charge_key(saved, name), name in rerun)
         if key not in op_terms:
-            a = activation_bytes(name, cap, s.output, prob.mesh, saved, symbolic)
+            a = activation_bytes(name, cap, s.output, prob.mesh, saved, symbolic, strategy=s)
             t = node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, symbolic)
             # a recomputed op runs its forward (a third of forward + backward) once more
             t = t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t
@@ -279,7 +279,9 @@ def _op_collectives(prob, choice, rerun: set, symbolic: bool) -> list[Collective
     for name, ns in prob.strategies.items():
         if prob.cap.info[name].kind == OP:
             own = op_collectives(prob.cap.node(name), prob.cap, ns.strategies[choice[name]], prob.mesh, symbolic)
-            colls += own + ([replace(c, phase="recompute") for c in own] if name in rerun else [])
+            # a recomputed op runs its forward again (its backward's collectives run once)
+            colls += own + ([replace(c, phase="recompute") for c in own if c.phase == "forward"]
+                            if name in rerun else [])
     return colls
 
 
@@ -347,7 +349,8 @@ def _transient(prob, choice, groups, stacks, symbolic: bool, zero_hold=0):
     transient = peak_working_set(prob, choice, groups, symbolic)
     start = backward_start_bytes(prob, choice, symbolic) + zero_hold
     blocks = [sum(activation_bytes(n, prob.cap, prob.strategies[n].strategies[choice[n]].output, prob.mesh,
-                                   prob.saved, symbolic) for n in st.blocks[0] if n in prob.strategies)
+                                   prob.saved, symbolic, strategy=prob.strategies[n].strategies[choice[n]])
+                  for n in st.blocks[0] if n in prob.strategies)
               for st in stacks]
     if not symbolic:
         return max([transient, start, *blocks])

@@ -151,7 +151,7 @@ def node_memory(prob: Problem, name: str, s, saved=None) -> float:
         m = param_memory(first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
         return float(m.params + m.master + m.grads + m.optimizer)
     if info.kind in (OP, INPUT):   # a checkpoint holds the user inputs its block reads
-        return float(activation_bytes(name, prob.cap, s.output, prob.mesh, saved or prob.saved))
+        return float(activation_bytes(name, prob.cap, s.output, prob.mesh, saved or prob.saved, strategy=s))
     return 0.0
 
 

@@ -22,13 +22,13 @@ import torch.fx as fx
 
 import cost_models as cm
 
-from ..capture.export import PARAM, Captured, TensorMeta
+from ..capture.export import INPUT, PARAM, Captured, TensorMeta
 from ..mesh import MeshSpec
-from ..sharding.op_spec import op_name, tensor_args
+from ..sharding.op_spec import op_arg, op_name, tensor_args
 from ..sharding.placement import P, Placements, R, S, ceil_div, local_shape, numel, shard_dim, uneven_dims
 from ..sharding.redistribute import (Collective, UnsupportedRedistribution, gathers_again, plan_steps,
                                      step_collectives)
-from ..sharding.rules import causal_rows_split_axes, vocab_split_axes
+from ..sharding.rules import causal_rows_split_axes, ring_axes, vocab_split_axes
 from .activations import ActivationModel, activation_model, node_activation_bytes
 from .precision import ParamBytes
 
@@ -97,7 +97,10 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
         return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw) / hw.matmul_efficiency
     if name == SDPA:
         q, kk = locals_[0], locals_[1]
-        flops = 2 * numel(q) * kk[-2] + 2 * numel(out_local) * kk[-2]
+        keys = kk[-2]
+        for a in ring_axes(node, strategy, sizes):   # a ring attends to every rank's keys in turn
+            keys = keys * sizes[a]
+        flops = 2 * numel(q) * keys + 2 * numel(out_local) * keys
         if causal_rows_split_axes(node, strategy, sizes):
             # the causal kernel skips the blocks above the diagonal, about half of them; a rank's rows of a
             # longer sequence run with a mask instead (runtime/lowering/context_parallel.py), every block
@@ -115,7 +118,10 @@ def is_memory_bound(node: fx.Node) -> bool:
 def op_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, symbolic=False) -> list[Collective]:
     """Collectives an op launches inside itself: a cross-entropy over classes split on some axes
     all-reduces a max and then a sum of exponentials, one number per position (fp32 at least), over each
-    of them (runtime/lowering/vocab_parallel.py). Every other op launches none."""
+    of them (runtime/lowering/vocab_parallel.py); a ring attention passes keys and values round
+    (ring_collectives). Every other op launches none."""
+    if ring_axes(node, strategy, mesh.axis_sizes):
+        return ring_collectives(node, cap, strategy, mesh, symbolic)
     axes = vocab_split_axes(node, strategy, mesh.axis_sizes)
     if not axes:
         return []
@@ -125,10 +131,82 @@ def op_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, symbo
     return [Collective(cm.ALL_REDUCE, a, nbytes, "forward", node.name, node.name) for _ in range(2) for a in axes]
 
 
+def ring_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, symbolic=False) -> list[Collective]:
+    """The sends of a ring attention over n ranks (runtime/lowering/ring_attention.py), each a
+    point-to-point message of a rank's chunk:
+    - forward: its keys and values, n-1 times;
+    - backward: keys and values again n-1 times, and their gradient's fp32 accumulator n times (back
+      to its owner);
+    - causal: half the query's rows out and half the output's back in forward, the output's gradient and
+      the query's in backward (the balanced layout). With an odd n the middle rank swaps nothing: these
+      are the other ranks' bytes."""
+    (axis,) = ring_axes(node, strategy, mesh.axis_sizes)
+    n = mesh.axis_sizes[axis]
+    args = tensor_args(node)
+    q, k, v = (first_meta(cap.info[a.name].meta) for a in args[:3])
+    out = first_meta(cap.info[node.name].meta)
+    local = [local_numel(m, pl, mesh, symbolic) for m, pl in zip((q, k, v), strategy.inputs[:3])]
+    kv = local[1] * k.itemsize + local[2] * v.itemsize
+    acc = (local[1] + local[2]) * 4
+
+    def sends(nbytes, phase, times, tensor=node.name):
+        return [Collective(cm.SEND_RECV, axis, nbytes, phase, node.name, tensor) for _ in range(times)]
+    keys = node.name + RING_KEYS
+    colls = sends(kv, "forward", n - 1, keys) + sends(kv, "backward", n - 1, keys) + sends(acc, "backward", n)
+    if op_arg(node, 5, "is_causal", False):
+        q_half = local[0] * q.itemsize / 2
+        out_half = local_numel(out, strategy.output, mesh, symbolic) / 2 * out.itemsize
+        swap = node.name + SWAPPED_ROWS
+        colls += (sends(q_half, "forward", 1, swap) + sends(out_half, "forward", 1, swap)
+                  + sends(out_half, "backward", 1, swap) + sends(q_half, "backward", 1, swap))
+    return colls
+
+
+# what a ring attention's sends move, in a Collective's `tensor` (ring_collectives): the keys and values
+# passed on (launched before the step's compute, which hides them: overlap.py), and the swaps of query and
+# output rows (the middle rank of an odd axis sends none)
+RING_KEYS = ":keys and values"
+SWAPPED_ROWS = ":swapped rows"
+
+
+def skips_swaps(axis_size: int, coord: int) -> bool:
+    """Whether the rank at `coord` of a ring attention's axis swaps no rows: with an odd number of ranks,
+    the middle one holds a balanced pair of chunks already (runtime/lowering/ring_attention.balanced_chunks)."""
+    return axis_size % 2 == 1 and coord == axis_size // 2
+
+
 def activation_bytes(node_name: str, cap: Captured, output: Placements, mesh: MeshSpec,
-                     saved: ActivationModel, symbolic=False):
-    """Bytes of kept activations node `node_name` pays for with output placements `output`."""
-    return node_activation_bytes(saved, node_name, output, mesh.axis_sizes, symbolic)
+                     saved: ActivationModel, symbolic=False, strategy=None):
+    """Bytes of kept activations node `node_name` pays for with output placements `output`. `strategy`: the
+    node's, for the one op whose inputs' layout changes what it keeps besides its output's: a ring
+    attention (ring_saved_correction)."""
+    kept = node_activation_bytes(saved, node_name, output, mesh.axis_sizes, symbolic)
+    if strategy is not None and cap.info[node_name].kind not in (PARAM, INPUT) \
+            and ring_axes(cap.node(node_name), strategy, mesh.axis_sizes):
+        kept = kept + ring_saved_correction(cap, cap.node(node_name), strategy, mesh, saved, symbolic)
+    return kept
+
+
+def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec, saved: ActivationModel,
+                          symbolic=False):
+    """What a ring attention keeps beyond what its output's layout says (the activation model knows an op by
+    its output's layout, which a ring shares with attention over keys gathered whole): its keys and values
+    are kept as this rank's chunk, not whole; a causal one keeps its output in its own row order too, beside
+    the output it returns (runtime/lowering/ring_attention.py)."""
+    if not saved.charges.get(node.name):   # it keeps nothing here: recomputed in backward (checkpointing)
+        return 0
+    (axis,) = ring_axes(node, strategy, mesh.axis_sizes)
+    n = mesh.axis_sizes[axis]
+    kv = {a.name for a in tensor_args(node)[1:3]}
+    extra = 0
+    for c in saved.charges.get(node.name, ()):
+        if c.what.split(" kept by ")[0] in kv and strategy.output[axis] not in c.cut_by:
+            whole = node_activation_bytes(replace(saved, charges={node.name: (c,)}), node.name, strategy.output,
+                                          mesh.axis_sizes, symbolic)
+            extra = extra - (whole - (whole / n if symbolic else whole // n))
+    if op_arg(node, 5, "is_causal", False):
+        extra = extra + output_bytes(node.name, cap, strategy.output, mesh, symbolic)
+    return extra
 
 
 def gathered_weight_bytes(cap: Captured, producer: str, src: Placements, dst: Placements, mesh: MeshSpec,

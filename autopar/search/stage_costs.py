@@ -69,7 +69,7 @@ def op_costs(prob, choice) -> OpCosts:
             state_parts[name] = (float(numel(meta.hint) * meta.itemsize), 0.0, 0.0, 0.0, 0.0)
         elif info.kind == OP and name in pos:
             i = pos[name]
-            acts[i] = float(activation_bytes(name, cap, s.output, mesh, prob.saved))
+            acts[i] = float(activation_bytes(name, cap, s.output, mesh, prob.saved, strategy=s))
             compute[i] = float(node_compute_time(cap.node(name), cap, s, mesh, prob.hardware))
             charge(i, op_collectives(cap.node(name), cap, s, mesh))
         elif info.kind == INPUT:

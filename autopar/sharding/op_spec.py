@@ -32,6 +32,9 @@ class OpSpec:
     linear: tuple = ()       # inputs the op is linear in: one of them may be P (the rest R)
     additive: tuple = ()     # inputs added into the output: P whenever the output is P
     replicate_only: bool = False  # no strategy but all-R (factories, unknown ops)
+    # (rows letter, keys letter): both split together on one axis, where the op runs as a ring that passes
+    # the keys round (attention; runtime/lowering/ring_attention.py); the output splits with the rows
+    ring: tuple = ()
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:

@@ -15,6 +15,8 @@ from .layout_rules import (cat_rule, diff_rule, expand_rule, getitem_rule, index
 from .op_spec import Letters, OpSpec, Rule, elementwise, op_arg, op_name, wrap_dim
 from .placement import shard_dim
 
+SDPA = "aten.scaled_dot_product_attention.default"
+
 # ---------------------------------------------------------------- rule builders
 
 
@@ -165,7 +167,13 @@ def sdpa_rule(node, ins, out):
                 no_shard.add(c)
                 s += c
         inputs.append(s)
-    return OpSpec(tuple(inputs), batch + L + F, frozenset(no_shard))
+    # ring attention: the rows and the keys split together, on one axis (ring_fits), the op passing keys
+    # and values round it; without a mask or dropout (what the ring computes), and for a causal op only
+    # where query and keys are one sequence (its masks come from chunk positions)
+    causal = op_arg(node, 5, "is_causal", False)
+    ring = (L, S) if (len(ins) == 3 and not op_arg(node, 4, "dropout_p", 0.0)
+                      and not (causal and q.hint[-2] != k.hint[-2])) else ()
+    return OpSpec(tuple(inputs), batch + L + F, frozenset(no_shard), ring=ring)
 
 
 def reduce_rule(kind: str):
@@ -234,12 +242,37 @@ def vocab_split_axes(node, strategy, axis_sizes) -> tuple:
     return tuple(a for a, p in enumerate(strategy.inputs[0]) if shard_dim(p) == 1 and axis_sizes[a] > 1)
 
 
+def ring_axes(node, strategy, axis_sizes) -> tuple:
+    """The mesh axes on which attention `node` runs as a ring under `strategy` (its query's rows and its
+    keys both split there: runtime/lowering/ring_attention.py); () for any other op or layout."""
+    if op_name(node) != SDPA or strategy is None or len(strategy.inputs) < 2:
+        return ()
+    rows, keys = node.args[0].meta["val"].dim() - 2, node.args[1].meta["val"].dim() - 2
+    return tuple(a for a, (q, k) in enumerate(zip(strategy.inputs[0], strategy.inputs[1]))
+                 if shard_dim(q) == rows and shard_dim(k) == keys and axis_sizes[a] > 1)
+
+
+def ring_fits(node, strategy, axis_sizes) -> bool:
+    """A ring runs on one axis, which alone splits the rows and the keys; a causal one cuts its rows into
+    two chunks per rank (the balanced layout), so it needs the sequence divisible by twice the axis."""
+    axes = ring_axes(node, strategy, axis_sizes)
+    if not axes:
+        return True
+    rows, keys = node.args[0].meta["val"].dim() - 2, node.args[1].meta["val"].dim() - 2
+    (a,) = axes if len(axes) == 1 else (None,)
+    if a is None or any(shard_dim(p) == rows for b, p in enumerate(strategy.inputs[0]) if b != a) \
+            or any(shard_dim(p) == keys for b, p in enumerate(strategy.inputs[1]) if b != a):
+        return False
+    length = node.args[0].meta["val"].shape[-2]
+    return not op_arg(node, 5, "is_causal", False) or length % (2 * axis_sizes[a]) == 0
+
+
 def causal_rows_split_axes(node, strategy, axis_sizes) -> tuple:
     """The mesh axes that split the query rows (dim -2) of a causal attention under `strategy`: such an op
     runs with its rows' global offset (runtime/lowering/context_parallel.py); () for any other op or layout."""
-    if op_name(node) != "aten.scaled_dot_product_attention.default" or strategy is None:
+    if op_name(node) != SDPA or strategy is None:
         return ()
-    if not op_arg(node, 5, "is_causal", False):
+    if not op_arg(node, 5, "is_causal", False) or ring_axes(node, strategy, axis_sizes):
         return ()
     rows = node.args[0].meta["val"].dim() - 2
     return tuple(a for a, p in enumerate(strategy.inputs[0]) if shard_dim(p) == rows and axis_sizes[a] > 1)

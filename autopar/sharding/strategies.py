@@ -20,7 +20,7 @@ from ..errors import UnsupportedOpWarning
 from ..mesh import MeshSpec
 from .op_spec import OpSpec, op_name, tensor_args
 from .placement import P, Placements, R, S, can_split_unevenly, dim_factor, local_shape, numel, uneven_dims
-from .rules import rule_for
+from .rules import ring_fits, rule_for
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,10 @@ def _axis_options(spec: OpSpec, num_in: int):
             else:
                 ins.append(R)
         opts.append((tuple(ins), out))
+    if spec.ring:
+        rows, keys = spec.ring
+        ins = tuple(S(s.index(rows)) if rows in s else S(s.index(keys)) if keys in s else R for s in spec.inputs)
+        opts.append((ins, S(spec.output.index(rows))))
     partial_sources = [(i,) for i in spec.linear] or ([tuple(spec.additive)] if spec.additive else [])
     for src in partial_sources:
         ins = tuple(P if (i in src or i in spec.additive) else R for i in range(num_in))
@@ -136,6 +140,8 @@ def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategie
         if not _divides(out_meta, s.output, mesh.axis_sizes):
             continue
         if not all(_divides(m, pl, mesh.axis_sizes) for m, pl in zip(in_metas, s.inputs)):
+            continue
+        if spec.ring and not ring_fits(node, s, mesh.axis_sizes):
             continue
         strategies.append(s)
     return NodeStrategies(node.name, OP, strategies, fallback)

@@ -25,13 +25,14 @@ from ...errors import PlanError
 from ...sharding.op_spec import op_name, tensor_args
 from ...sharding.placement import R, dim_factor, gathered_size, is_shard
 from ...sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
-from ...sharding.rules import vocab_split_axes
+from ...sharding.rules import ring_axes, vocab_split_axes
 from ..collectives import CastAndRedistribute, Comm, Redistribute, forward_phase, scale_grad, transform
 from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
 from .recompute import outline, recompute_all_but_logging
 from .regather import GatheredParams
 from ..rng import RandomOp, draws_random, shard_key
 from .local_ops import local_call
+from .ring_attention import ring_attention
 from .vocab_parallel import vocab_parallel_loss
 
 SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
@@ -359,6 +360,11 @@ class _Rewriter:
         # transposed layout, so `.contiguous()` vanished from the trace): reshape copies only then
         if name in VIEW_OPS:
             new = self.g.call_function(torch.ops.aten.reshape.default, args, kwargs)
+        elif ring_axes(node, s, self.sizes):   # attention passing keys and values round a context axis
+            self._count += 1
+            mod_name = f"ring_attention_{self._count}_{node.name}"
+            self.root.add_module(mod_name, ring_attention(node, s, self.comm, self.sizes))
+            new = self.g.call_module(mod_name, tuple(args[:3]))
         elif vocab_split_axes(node, s, self.sizes):   # a cross-entropy over this rank's classes
             self._count += 1
             mod_name = f"vocab_parallel_{self._count}_{node.name}"
