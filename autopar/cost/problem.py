@@ -18,6 +18,7 @@ from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution
 from ..sharding.strategies import NodeStrategies
 from .buckets import DEFAULT_BUCKET_BYTES
 from .checkpointing import checkpointed_model
+from .overlap import ring_hidden
 from .terms import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time,
                     op_collectives, param_memory, reduce_itemsize, regathers, zero_collectives)
 
@@ -139,8 +140,12 @@ def node_time(prob: Problem, name: str, s) -> float:
         colls = zero_collectives(name, first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
         return float(collectives_time(colls, prob.mesh, prob.links))
     node = prob.cap.node(name)
-    return float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware)
-                 + collectives_time(op_collectives(node, prob.cap, s, prob.mesh), prob.mesh, prob.links))
+    compute = float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware))
+    colls = op_collectives(node, prob.cap, s, prob.mesh)
+    t = compute + float(collectives_time(colls, prob.mesh, prob.links))
+    if colls and prob.hardware.comm_overlaps_compute:   # a ring's key/value sends hide behind its own steps
+        t -= sum(ring_hidden(colls, {name: compute}, prob.mesh, prob.links, prob.cap.hints).values())
+    return t
 
 
 def node_memory(prob: Problem, name: str, s, saved=None) -> float:
