@@ -70,6 +70,8 @@ def gloo_runs():
         ("fsdp+tp", (2, 2), {"strategy": "fsdp+tp"}),
         ("auto", (2, 2), {"strategy": "auto", "memory_limit": limit}),
         ("cp", (4,), {"strategy": "cp"}),   # the sequence of 8 in chunks of 2, keys and values gathered
+        # on free links (compute decides) and 2 heads (no Ulysses on 4): a ring, its causal rows balanced
+        ("cp ring", (4,), {"strategy": "cp", "links": {"a": cm.Link(bandwidth=1e12, latency=1e-12)}}),
     ]
     per_rank = run_gloo(WORLD, _train_all, model, x, y, cases, timeout=300)
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, STEPS, LR)
@@ -77,7 +79,7 @@ def gloo_runs():
             "limit": limit, "replicated": replicated}
 
 
-@pytest.mark.parametrize("label", ["ddp", "fsdp", "tp", "fsdp+tp", "auto", "cp"])
+@pytest.mark.parametrize("label", ["ddp", "fsdp", "tp", "fsdp+tp", "auto", "cp", "cp ring"])
 def test_gloo_training_matches_single_device(gloo_runs, label):
     shape, _ = gloo_runs["cases"][label]
     names = NAMES[shape]
@@ -85,6 +87,9 @@ def test_gloo_training_matches_single_device(gloo_runs, label):
     res = [r[label] for r in gloo_runs["ranks"]]
     assert len(res) == WORLD == math.prod(shape)
     plan = res[0]["plan"]
+    if label == "cp ring":   # keys split with the rows: the ring, its sends asynchronous on gloo
+        attention = [s for n, s in plan.node_strategies.items() if n.startswith("scaled_dot_product_attention")]
+        assert attention and all(s.inputs[1] == ("S(2)",) for s in attention), attention
     for rank, r in enumerate(res):
         assert r["plan"].param_placements == plan.param_placements, f"{label}: rank {rank} planned differently"
         assert r["plan"].node_strategies == plan.node_strategies, f"{label}: rank {rank} planned differently"
