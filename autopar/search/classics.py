@@ -227,7 +227,9 @@ def allowed_op_strategies(roles: Roles, strategies, takes_tuple: bool = False, o
         allowed = [o and all(roles.roles[a] == CONTEXT for a in axes) for o, axes in zip(allowed, rows_split_on)]
     if on_batch and not takes_tuple:
         for a, role in enumerate(roles.roles):
-            if role == CONTEXT and any(o and s.output[a] != R for o, s in zip(allowed, strategies)):
+            # where it can split its output; an op that can only pass partial sums on (a slice of labels
+            # the axis does not divide, which reads a padded length) may run whole
+            if role == CONTEXT and any(o and is_shard(s.output[a]) for o, s in zip(allowed, strategies)):
                 allowed = [o and s.output[a] != R for o, s in zip(allowed, strategies)]
     if roles.sequence_parallel and not takes_tuple:
         for a, role in enumerate(roles.roles):
