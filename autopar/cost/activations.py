@@ -256,6 +256,10 @@ class ActivationModel:
     # the module keeps the shard instead (runtime/lowering/regather.py) and the edge corrects the charge
     # (terms.regather_saving)
     payers: frozenset = frozenset()
+    # (op, tensor input index) of ops that keep their input there while another op pays for its storage (the
+    # storage is kept once, so they add nothing), unless a layout change on that very edge hands them a new
+    # tensor (terms.copied_kept_bytes)
+    also_kept: frozenset = frozenset()
 
 
 def _bytes_of(m: TensorMeta) -> int:
@@ -300,7 +304,8 @@ def activation_model(cap: Captured, hardware, regions=()) -> ActivationModel:
         book.charge_storage(root, uses)
     kept = {root[0] for root in book.kept_by} | {v[0] for uses in book.kept_by.values() for _, _, v in uses}
     return ActivationModel(kernels, {n: tuple(c) for n, c in book.charges.items()}, frozenset(kept),
-                           frozenset(book.keepers), dict(book.saves_through), frozenset(book.payers))
+                           frozenset(book.keepers), dict(book.saves_through), frozenset(book.payers),
+                           frozenset(book.also_kept))
 
 
 @dataclass
@@ -314,6 +319,7 @@ class _Keeping:
     keepers: set = field(default_factory=set)
     saves_through: dict = field(default_factory=dict)   # (op, tensor input index) -> saves
     payers: set = field(default_factory=set)            # (op, tensor input index)
+    also_kept: set = field(default_factory=set)         # (op, tensor input index)
 
     def meta_of(self, value: Value) -> TensorMeta | None:
         m = self.cap.info[value[0]].meta
@@ -380,6 +386,7 @@ class _Keeping:
         cap = self.cap
         whole = _bytes_of(self.meta_of(root))
         partial = any(_bytes_of(self.meta_of(v)) != whole for _, _, v in uses)
+        self.also_kept.update((n.name, k.index) for n, k, _ in (uses if partial else uses[1:]) if isinstance(k, Arg))
         if partial and cap.info[root[0]].kind == OP:
             # a piece keeps the whole storage alive: its maker pays for all of it
             m = self.meta_of(root)

@@ -21,9 +21,9 @@ from .checkpointing import recomputed_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import BUCKET, hidden_comm_time
 from .problem import charge_key, checkpoint_model, edge_regathers, reshards
-from .terms import (activation_bytes, edge_collectives, first_meta, gathered_weight_bytes, is_memory_bound,
-                    is_saved, kept_weight_bytes, node_compute_time, op_collectives, output_bytes, param_memory,
-                    read_bytes, reduce_itemsize, regather_saving, zero_collectives)
+from .terms import (activation_bytes, copied_kept_bytes, edge_collectives, first_meta, gathered_weight_bytes,
+                    is_memory_bound, is_saved, kept_weight_bytes, node_compute_time, op_collectives, output_bytes,
+                    param_memory, read_bytes, reduce_itemsize, regather_saving, zero_collectives)
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,8 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     kept = saved if prob.regather_activations else None   # the model the re-gather saving reads
     acts = acts + sum(regather_saving(prob.cap, kept, r.producer, c, i, r.src, r.dst, r.grad_partial, mesh,
                                       prob.grad_nodes, symbolic) for r in groups for c, i in r.consumers)
+    acts = acts + sum(copied_kept_bytes(prob.cap, saved, r.producer, r.consumers, r.src, r.dst, r.grad_partial, mesh,
+                                        symbolic) for r in groups)
     acts = acts + _kept_weights(prob, groups, stacks, symbolic)
     colls = zero_bucketed(prob, choice, colls) + _redistributions(prob, groups, stacks, rerun, symbolic)
     colls = bucketed(prob, choice, colls + _op_collectives(prob, choice, rerun, symbolic))

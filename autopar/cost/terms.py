@@ -386,6 +386,24 @@ def regather_saving(cap: Captured, saved: ActivationModel | None, producer: str,
     return (local_numel(meta, src, mesh, symbolic) - local_numel(meta, dst, mesh, symbolic)) * meta.itemsize
 
 
+def copied_kept_bytes(cap: Captured, saved: ActivationModel | None, producer: str, consumers, src, dst,
+                      grad_partial, mesh: MeshSpec, symbolic=False):
+    """Activation bytes a redistribution adds when its output, a new tensor, is kept for backward by one of
+    `consumers` (or by an op reading it through views) while the producer's storage is paid for by another
+    reader in its own layout: attention's output under Ulysses, kept by the attention and, turned back into a
+    sequence split by an all-to-all, by the projection after it. activations.py charges one storage per
+    tensor, the owner's; the all-to-all makes a second. (An all-gather's copy is the payer's own, priced in
+    the layout it takes it in, or kept as the shard: regather_saving.)"""
+    if saved is None or cap.info[producer].kind == PARAM or src == dst:
+        return 0
+    if not any(ci in saved.also_kept for ci in consumers):
+        return 0
+    if not any(st.forward_kind == cm.ALL_TO_ALL for st in plan_steps(src, dst, grad_partial)):
+        return 0
+    meta = first_meta(cap.info[producer].meta)
+    return local_numel(meta, dst, mesh, symbolic) * meta.itemsize
+
+
 def collectives_time(colls, mesh: MeshSpec, links: dict):
     t = 0
     for c in colls:

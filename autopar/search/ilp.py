@@ -26,8 +26,8 @@ from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_time, recompute_edge_cost, regather_model, repeat_memory,
                             reshards, tied_edges)
-from ..cost.terms import (first_meta, gathered_weight_bytes, is_saved, kept_weight_bytes, output_bytes, read_bytes,
-                          reduce_itemsize, regather_saving, regathers)
+from ..cost.terms import (copied_kept_bytes, first_meta, gathered_weight_bytes, is_saved, kept_weight_bytes,
+                          output_bytes, read_bytes, reduce_itemsize, regather_saving, regathers)
 from ..errors import InfeasiblePlanError
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import UnsupportedRedistribution
@@ -296,6 +296,9 @@ def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key
     holders = [] if reshards(prob) else _by_weight_shape(
         prob, [m for m in edges if m.consumer not in rerun
                and regathers(cap, m.producer, m.consumer, m.index, prob.grad_nodes)])
+    # readers kept as a new tensor an all-to-all makes, beside the storage another op pays for (Ulysses)
+    copiers = _by_weight_shape(prob, [m for m in edges if (m.consumer, m.index) in prob.saved.also_kept
+                                      and m.consumer not in rerun])
     src_index = {key: i for i, key in enumerate(src_groups)}
     dst_index = {key: i for i, key in enumerate(dst_groups)}
     cost, memory, src, dst, gathered = [], [], [], [], []
@@ -316,6 +319,9 @@ def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key
         if keepers:
             kept_bytes += sum(n * regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst_key, gp,
                                                   prob.mesh, prob.grad_nodes) for m, n in keepers)
+        if copiers:
+            kept_bytes += sum(n * copied_kept_bytes(cap, prob.saved, m.producer, ((m.consumer, m.index),), p, dst_key,
+                                                    gp, prob.mesh) for m, n in copiers)
         if holders:
             kept_bytes += sum(n * kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst_key,
                                                     prob.grad_nodes, prob.mesh) for m, n in holders)

@@ -18,8 +18,9 @@ import cost_models as cm
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
 from ..cost.predict import Memory, Predicted, group_redistributions, redistribution_collectives
 from ..cost.problem import regather_model
-from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, first_meta, node_compute_time,
-                          op_collectives, output_bytes, param_memory, regather_saving, zero_collectives)
+from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, copied_kept_bytes, first_meta,
+                          node_compute_time, op_collectives, output_bytes, param_memory, regather_saving,
+                          zero_collectives)
 from ..sharding.placement import numel
 from .pipeline import PipelinePlan
 
@@ -81,6 +82,9 @@ def op_costs(prob, choice) -> OpCosts:
             if c in pos:
                 acts[pos[c]] += float(regather_saving(cap, regather_model(prob), r.producer, c, i, r.src, r.dst,
                                                       r.grad_partial, mesh, prob.grad_nodes))
+        # a reader kept as the all-to-all's new tensor (Ulysses; terms.copied_kept_bytes)
+        acts[first] += float(copied_kept_bytes(cap, prob.saved, r.producer, r.consumers, r.src, r.dst, r.grad_partial,
+                                               mesh))
     time = [compute[i] + sum(comm_time[i].values()) for i in range(len(order))]
     parts = [(compute[i], comm_bytes[i], comm_time[i]) for i in range(len(order))]
     crossing = _crossing_bytes(cap, order, pos, strategy, mesh)
