@@ -178,6 +178,19 @@ def test_cp_with_fsdp_and_with_tp_trains_as_one_device(strategy, names, mesh_sha
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_ring_attention_with_fsdp_and_tp_trains_as_one_device(optimizer):
+    """The ring on the middle axis of dp x cp x tp (its sends within each cp group of the 3-d mesh), each rank
+    holding one head (tp) of its batch share (fsdp), on free cp links: one head no cp degree divides, so a ring."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=0.0))
+    x, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    plan = _check_against_one_device(model, x, y, (2, 2, 2), optimizer, "fsdp+tp+cp", ("dp", "cp", "tp"),
+                                     links={"cp": FREE_LINKS})
+    (_, attention), = _sdpa_strategies(plan)
+    assert attention.inputs[1] == ("S(0)", "S(2)", "S(1)"), attention   # batch on dp, keys on cp, heads on tp
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_attention_written_out_trains_as_one_device_under_cp(optimizer):
     torch.manual_seed(0)
     model = WrittenOutAttention()
