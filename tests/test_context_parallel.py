@@ -20,7 +20,7 @@ import autopar
 import cost_models as cm
 from autopar.cost.terms import skips_swaps
 from autopar.runtime.collectives import AxisGroup, Comm, CommLog
-from autopar.runtime.lowering.ring_attention import RingAttention, balanced_chunks
+from autopar.runtime.lowering.ring_attention import TILE_BYTES, RingAttention, balanced_chunks
 from autopar.sharding.placement import shard_dim
 from autopar.testing import GPT, GPTConfig, gpt_loss, padded_batch, run_threaded, shipped_causal_lm
 from autopar.testing.harness import (check_keyword_training, check_records_against_one_device, parallel_record,
@@ -388,32 +388,34 @@ def test_balanced_chunks_give_every_rank_a_pair_and_keep_one_of_its_own():
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ring_attention_equals_one_device_attention(n):
-    """Outputs and the gradients of q, k and v, causal or not, grouped-query or not, against one device's SDPA;
+    """Outputs and the gradients of q, k and v, causal or not, grouped-query or not, in tiles of query rows or
+    whole blocks, against one device's SDPA;
     and every rank sent the bytes cost/terms.ring_collectives predicts (with an odd n, the middle rank none of
     the row swaps)."""
     torch.manual_seed(0)
     cases = []
     for causal in (False, True):
         for kv_heads in (4, 2):
-            q = torch.randn(2, 4, 4 * n, 8, requires_grad=True)
-            k, v = (torch.randn(2, kv_heads, 4 * n, 8, requires_grad=True) for _ in range(2))
-            grad = torch.randn(2, 4, 4 * n, 8)
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != 4).backward(grad)
-            cases.append((causal, kv_heads != 4, q, k, v, grad))
+            for tile_bytes in (TILE_BYTES, 1):   # the default, and tiles of one query row each
+                q = torch.randn(2, 4, 4 * n, 8, requires_grad=True)
+                k, v = (torch.randn(2, kv_heads, 4 * n, 8, requires_grad=True) for _ in range(2))
+                grad = torch.randn(2, 4, 4 * n, 8)
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != 4).backward(grad)
+                cases.append((causal, kv_heads != 4, tile_bytes, q, k, v, grad))
 
     def rank_fn(rank):
         import torch.distributed as dist
         out = []
-        for causal, gqa, q, k, v, grad in cases:
+        for causal, gqa, tile_bytes, q, k, v, grad in cases:
             comm = Comm([AxisGroup(dist.group.WORLD, n, rank)], log=CommLog())
             local = [t.detach().chunk(n, -2)[rank].clone().requires_grad_() for t in (q, k, v)]
-            y = RingAttention(comm, 0, causal, None, gqa)(*local)
+            y = RingAttention(comm, 0, causal, None, gqa, tile_bytes=tile_bytes)(*local)
             y.backward(grad.chunk(n, -2)[rank])
             out.append((y.detach(), *(t.grad for t in local), sum(b for _, _, b, _ in comm.log.records)))
         return out
 
     for rank, results in enumerate(run_threaded(n, rank_fn)):
-        for (causal, gqa, q, k, v, grad), (y, dq, dk, dv, sent) in zip(cases, results):
+        for (causal, gqa, _, q, k, v, grad), (y, dq, dk, dv, sent) in zip(cases, results):
             want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa).detach()
             for got, whole in ((y, want), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
                 torch.testing.assert_close(got, whole.chunk(n, -2)[rank], atol=2e-6, rtol=0)

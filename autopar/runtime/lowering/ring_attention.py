@@ -23,8 +23,9 @@ the middle rank already holds a pair, and sends nothing). The output goes back t
 backward the output's gradient and the query's likewise.
 
 The blocks are computed by plain matmuls in fp32 (the lse has to be had; the CPU flash kernel's has no
-gradient, docs/design/context-parallel.md), skipping every block a causal mask hides whole. A GPU would
-rather call its flash kernels per block: not done yet. Dropout and explicit masks never come here
+gradient, docs/design/context-parallel.md), skipping every block a causal mask hides whole, in tiles of
+query rows whose scores stay under TILE_BYTES. A GPU would rather call its flash kernels per block: not done
+yet (they are private aten ops, untested here without a GPU). Dropout and explicit masks never come here
 (sharding/rules.sdpa_rule offers this layout without them).
 """
 from __future__ import annotations
@@ -131,6 +132,21 @@ class _Layout:
         out.narrow(-2, m, m).copy_(rows[own + 1])
         return out
 
+    def tiles(self, holder: int, batch_heads: int, num_keys: int, tile_bytes: int):
+        """(query rows, first key, end key, mask or None) of what this rank's rows see of rank `holder`'s
+        `num_keys` keys, cut into tiles of rows whose fp32 scores (batch x heads x rows x keys) take at most
+        `tile_bytes`, one row at least."""
+        for seg in self.segments:
+            seen = self.visible(seg, holder)
+            if seen is None:
+                continue
+            start, end, mask = seen
+            keys = (num_keys if end is None else end) - start
+            step = max(1, tile_bytes // max(1, 4 * batch_heads * keys))
+            for r in range(0, seg[1], step):
+                n = min(step, seg[1] - r)
+                yield slice(seg[0] + r, seg[0] + r + n), start, end, None if mask is None else mask[r:r + n]
+
     def visible(self, segment, holder: int):
         """The keys of rank `holder`'s chunk that rows `segment` see: (first key, end key, mask or None),
         or None where a causal mask hides them all. A holder's keys are chunks 2h and 2h+1."""
@@ -189,9 +205,10 @@ def _split_kv(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 class _Ring:
     """One call's constants: the axis, this rank's place on it, the layout of its rows."""
 
-    def __init__(self, comm: Comm, axis: int, layout: _Layout, scale: float, gqa: bool):
+    def __init__(self, comm: Comm, axis: int, layout: _Layout, scale: float, gqa: bool, tile_bytes: int):
         ax = comm.axes[axis]
         self.comm, self.axis, self.layout, self.scale, self.gqa = comm, axis, layout, scale, gqa
+        self.tile_bytes = tile_bytes
         self.n, self.rank = ax.size, ax.coord
         self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
 
@@ -220,18 +237,13 @@ class _RingAttentionFn(torch.autograd.Function):
         qb = lay.to_balanced(q, ring.comm, ring.axis, phase)
         out = qb.new_zeros(qb.shape[:-1] + (v.shape[-1],), dtype=torch.float32)
         lse = torch.full(qb.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        batch_heads = math.prod(qb.shape[:-2])
         for _, holder, buf in ring.blocks(_kv_buffer(k, v), phase):
-            kb, vb = _split_kv(buf, k, v)
-            for seg in lay.segments:
-                seen = lay.visible(seg, holder)
-                if seen is None:
-                    continue
-                start, end, mask = seen
-                rows = slice(seg[0], seg[0] + seg[1])
-                kk, vv = (_expand(t, q, ring.gqa)[..., start:end, :] for t in (kb, vb))
-                s = _scores(qb[..., rows, :], kk, ring.scale, mask)
+            kx, vx = (_expand(t, q, ring.gqa) for t in _split_kv(buf, k, v))
+            for rows, start, end, mask in lay.tiles(holder, batch_heads, kx.shape[-2], ring.tile_bytes):
+                s = _scores(qb[..., rows, :], kx[..., start:end, :], ring.scale, mask)
                 lse_blk = torch.logsumexp(s, dim=-1)
-                out_blk = torch.matmul(torch.exp(s - lse_blk.unsqueeze(-1)), vv.float())
+                out_blk = torch.matmul(torch.exp(s - lse_blk.unsqueeze(-1)), vx[..., start:end, :].float())
                 merged = torch.logaddexp(lse[..., rows], lse_blk)
                 out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
                                      + out_blk * torch.exp(lse_blk - merged).unsqueeze(-1))
@@ -253,24 +265,18 @@ class _RingAttentionFn(torch.autograd.Function):
         do = lay.to_balanced(grad_out, ring.comm, ring.axis, "backward").float()
         delta = (do * out.float()).sum(-1)
         dq = torch.zeros(qb.shape, dtype=torch.float32, device=qb.device)
+        batch_heads = math.prod(qb.shape[:-2])
         # the gradient of the chunk a rank holds travels with it, in fp32 (n additions)
         acc = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
         for _, holder, buf in ring.blocks(_kv_buffer(k, v), "backward"):
-            kb, vb = _split_kv(buf, k, v)
+            kx, vx = (_expand(t, qb, ring.gqa).float() for t in _split_kv(buf, k, v))
             dk, dv = _split_kv(acc, k, v)
-            for seg in lay.segments:
-                seen = lay.visible(seg, holder)
-                if seen is None:
-                    continue
-                start, end, mask = seen
-                rows = slice(seg[0], seg[0] + seg[1])
-                kk, vv = (_expand(t, qb, ring.gqa)[..., start:end, :] for t in (kb, vb))
-                p = torch.exp(_scores(qb[..., rows, :], kk, ring.scale, mask) - lse[..., rows].unsqueeze(-1))
-                ds = p * (torch.matmul(do[..., rows, :], vv.float().transpose(-2, -1))
-                          - delta[..., rows].unsqueeze(-1))
-                dq[..., rows, :] += torch.matmul(ds, kk.float()) * ring.scale
-                dk[..., start:end, :] += _fold(torch.matmul(ds.transpose(-2, -1), qb[..., rows, :].float())
-                                               * ring.scale, k)
+            for rows, start, end, mask in lay.tiles(holder, batch_heads, kx.shape[-2], ring.tile_bytes):
+                kk, vv, qq = kx[..., start:end, :], vx[..., start:end, :], qb[..., rows, :].float()
+                p = torch.exp(_scores(qq, kk, ring.scale, mask) - lse[..., rows].unsqueeze(-1))
+                ds = p * (torch.matmul(do[..., rows, :], vv.transpose(-2, -1)) - delta[..., rows].unsqueeze(-1))
+                dq[..., rows, :] += torch.matmul(ds, kk) * ring.scale
+                dk[..., start:end, :] += _fold(torch.matmul(ds.transpose(-2, -1), qq) * ring.scale, k)
                 dv[..., start:end, :] += _fold(torch.matmul(p.transpose(-2, -1), do[..., rows, :]), v)
             acc, _ = _exchange(acc, ring.next, ring.prev, ring.comm, ring.axis, "backward")
         dk, dv = _split_kv(acc, k, v)
@@ -278,18 +284,27 @@ class _RingAttentionFn(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), None
 
 
+# fp32 scores of one tile of query rows against a chunk of keys: each tile's scores, probabilities and (in
+# backward) their gradient live at once, so about 3x this at the peak; small against a GPU's memory at the long
+# sequences a ring is for (a chunk of 8k rows against 8k keys on 32 heads would be 8 GiB), large enough that a
+# tile's matmuls stay efficient
+TILE_BYTES = 256 << 20
+
+
 class RingAttention(nn.Module):
     """scaled_dot_product_attention(q, k, v) with the rows of q and of k, v split over mesh axis `axis`."""
 
-    def __init__(self, comm: Comm, axis: int, causal: bool, scale: float | None, gqa: bool, label: str = ""):
+    def __init__(self, comm: Comm, axis: int, causal: bool, scale: float | None, gqa: bool, label: str = "",
+                 tile_bytes: int = TILE_BYTES):
         super().__init__()
         self.comm, self.axis, self.causal, self.scale, self.gqa, self.label = comm, axis, causal, scale, gqa, label
+        self.tile_bytes = tile_bytes
 
     def forward(self, q, k, v):
         ax = self.comm.axes[self.axis]
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         layout = _Layout(ax.size, ax.coord, q.shape[-2], self.causal)
-        return _RingAttentionFn.apply(q, k, v, _Ring(self.comm, self.axis, layout, scale, self.gqa))
+        return _RingAttentionFn.apply(q, k, v, _Ring(self.comm, self.axis, layout, scale, self.gqa, self.tile_bytes))
 
     def extra_repr(self) -> str:
         return f"{self.label}, axis={self.axis}, causal={self.causal}"
