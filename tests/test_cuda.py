@@ -150,3 +150,61 @@ def test_hf_llama_called_with_labels_on_a_gpu_trains_like_one_gpu(strategy, shap
         for name, p in ref_model.named_parameters():
             torch.testing.assert_close(params[name], p.detach(), atol=ATOL, rtol=0,
                                        msg=lambda m: f"{strategy} rank {rank} {name} after {STEPS} steps: {m}")
+
+
+# ---------------------------------------------------------------- context parallelism's ring (issue 39)
+
+def test_ring_attention_on_a_gpu_equals_one_gpu_attention():
+    """The ring on 2 threaded ranks sharing one GPU against SDPA on the whole sequence: float32 to 1e-4, and bf16
+    inputs (its scores and merges in fp32) against float32 SDPA on the same values to 2e-2; causal or not."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from autopar.runtime.collectives import AxisGroup, Comm
+    from autopar.runtime.lowering.ring_attention import RingAttention
+    n = 2
+    torch.manual_seed(0)
+    cases = []
+    for dtype, atol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        for causal in (False, True):
+            q, k, v = (torch.randn(2, 4, 64, 32, device="cuda").to(dtype) for _ in range(3))
+            grad = torch.randn(2, 4, 64, 32, device="cuda").to(dtype)
+            whole = [t.detach().float().requires_grad_() for t in (q, k, v)]
+            F.scaled_dot_product_attention(*whole, is_causal=causal).backward(grad.float())
+            cases.append((causal, atol, (q, k, v), grad, whole))
+
+    def rank_fn(rank):
+        out = []
+        for causal, _, qkv, grad, _ in cases:
+            local = [t.chunk(n, -2)[rank].clone().requires_grad_() for t in qkv]
+            y = RingAttention(Comm([AxisGroup(dist.group.WORLD, n, rank)]), 0, causal, None, False)(*local)
+            y.backward(grad.chunk(n, -2)[rank])
+            out.append((y.detach(), *(t.grad for t in local)))
+        return out
+
+    for rank, results in enumerate(run_threaded(n, rank_fn)):
+        for (causal, atol, _, _, whole), got in zip(cases, results):
+            want = torch.nn.functional.scaled_dot_product_attention(*[t.detach() for t in whole], is_causal=causal)
+            for g, w in zip(got, (want, *(t.grad for t in whole))):
+                assert g.is_cuda
+                torch.testing.assert_close(g.float(), w.chunk(n, -2)[rank], atol=atol, rtol=0)
+
+
+def test_gpt_with_ring_attention_on_a_gpu_trains_like_one_gpu():
+    """Our GPT on 3 threaded ranks of one GPU, its causal attention a balanced ring (2 heads: no Ulysses on 3;
+    free links: no gather), with AdamW, as the CPU test does (tests/test_context_parallel.py)."""
+    import cost_models as cm
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=12, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    x, y = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
+    ref = single_device_reference(lambda: copy.deepcopy(model).cuda(), x.cuda(), y.cuda(), gpt_loss, STEPS,
+                                  LR[torch.optim.AdamW], optimizer=torch.optim.AdamW)
+    kwargs = {"strategy": "cp", "links": {"cp": cm.Link(bandwidth=1e12, latency=1e-12)}}
+    res = run_threaded(3, parallel_record, model, (3,), ("cp",), x, y, gpt_loss, STEPS, LR[torch.optim.AdamW],
+                       kwargs, torch.optim.AdamW, "cuda", timeout=300)
+    attention = [s for n, s in res[0]["plan"].node_strategies.items() if n.startswith("scaled_dot_product")]
+    assert attention and all(s.inputs[1] == ("S(2)",) for s in attention), attention
+    for rank, r in enumerate(res):
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(r["params"][name], p, atol=ATOL, rtol=0,
+                                       msg=lambda m: f"cp ring rank {rank} {name} after {STEPS} steps: {m}")
