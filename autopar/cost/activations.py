@@ -256,9 +256,9 @@ class ActivationModel:
     # the module keeps the shard instead (runtime/lowering/regather.py) and the edge corrects the charge
     # (terms.regather_saving)
     payers: frozenset = frozenset()
-    # (op, tensor input index) of ops that keep their input there while another op pays for its storage (the
-    # storage is kept once, so they add nothing), unless a layout change on that very edge hands them a new
-    # tensor (terms.copied_kept_bytes)
+    # (op, tensor input index) on the way to ops that keep a view of a storage the op making it keeps too (an
+    # attention's output): the storage is kept once, so they add nothing, unless a layout change on one of these
+    # edges hands them a new tensor (terms.copied_kept_bytes)
     also_kept: frozenset = frozenset()
 
 
@@ -345,6 +345,20 @@ class _Keeping:
             cur = args[0].name
         return edges
 
+    def view_edges(self, keeper: fx.Node, keep, value: Value, root: Value) -> list:
+        """The (op, tensor input index) edges from `keeper`'s kept input back along the views of `root` it is:
+        a layout change on any of them hands the keeper a new tensor instead of a view of root's storage."""
+        edges = [(keeper.name, keep.index)]
+        cur = value[0]
+        while cur != root[0]:
+            node = self.cap.node(cur)
+            args = tensor_args(node) if node.op == "call_function" else []
+            if not args:
+                break
+            edges.append((cur, 0))
+            cur = args[0].name
+        return edges
+
     def checkpoint_holds(self, region) -> None:
         """A checkpoint keeps its region's tensor inputs, charged to their producers."""
         for value in region_inputs(self.cap, region):
@@ -386,7 +400,11 @@ class _Keeping:
         cap = self.cap
         whole = _bytes_of(self.meta_of(root))
         partial = any(_bytes_of(self.meta_of(v)) != whole for _, _, v in uses)
-        self.also_kept.update((n.name, k.index) for n, k, _ in (uses if partial else uses[1:]) if isinstance(k, Arg))
+        if not partial and isinstance(uses[0][1], Out):
+            # the op keeps its own output: the storage stays, whatever its other keepers read it through
+            for n, k, v in uses[1:]:
+                if isinstance(k, Arg):
+                    self.also_kept.update(self.view_edges(n, k, v, root))
         if partial and cap.info[root[0]].kind == OP:
             # a piece keeps the whole storage alive: its maker pays for all of it
             m = self.meta_of(root)

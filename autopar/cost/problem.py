@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import cost_models as cm
+
 from ..capture.export import BUFFER, INPUT, OP, OUTPUT, PARAM, Captured
 from ..mesh import MeshSpec
 from ..sharding.op_spec import tensor_args
@@ -128,6 +130,15 @@ def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_par
             cost -= float(collectives_time([c for c in forward if c.kind == ALL_GATHER], prob.mesh, prob.links))
         prob.edge_cost_cache[key] = cost
     return cost
+
+
+def node_recompute_time(prob: Problem, name: str, s) -> float:
+    """What an op costs again when a checkpointed block reruns it in backward: its forward's compute (a
+    third of its training time) and the collectives it launches in forward (its backward's run once)."""
+    node = prob.cap.node(name)
+    compute = float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware)) / cm.TRAIN_FLOPS_FACTOR
+    colls = [c for c in op_collectives(node, prob.cap, s, prob.mesh) if c.phase == "forward"]
+    return compute + float(collectives_time(colls, prob.mesh, prob.links))
 
 
 def node_time(prob: Problem, name: str, s) -> float:

@@ -192,7 +192,7 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
     """What a ring attention keeps beyond what its output's layout says (the activation model knows an op by
     its output's layout, which a ring shares with attention over keys gathered whole): its keys and values
     are kept as this rank's chunk, not whole; a causal one keeps its output in its own row order too, beside
-    the output it returns (runtime/lowering/ring_attention.py)."""
+    the output it returns, and its query rows as a new tensor (runtime/lowering/ring_attention.py)."""
     if not saved.charges.get(node.name):   # it keeps nothing here: recomputed in backward (checkpointing)
         return 0
     (axis,) = ring_axes(node, strategy, mesh.axis_sizes)
@@ -206,6 +206,11 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
             extra = extra - (whole - (whole / n if symbolic else whole // n))
     if op_arg(node, 5, "is_causal", False):
         extra = extra + output_bytes(node.name, cap, strategy.output, mesh, symbolic)
+        q = tensor_args(node)[0].name
+        if not any(c.what.split(" kept by ")[0] == q for c in saved.charges[node.name]):
+            # its query rows, swapped, are a new tensor; where q's storage is charged to another (a fused
+            # projection's, which keys and values keep alive) that one is no stand-in for them
+            extra = extra + output_bytes(q, cap, strategy.inputs[0], mesh, symbolic)
     return extra
 
 

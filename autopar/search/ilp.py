@@ -18,14 +18,12 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-import cost_models as cm
-
 from ..capture.export import PARAM
 from ..cost.checkpointing import KINDS, NONE, recomputed_ops
 from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
-                            memory_reserve, node_memory, node_time, recompute_edge_cost, regather_model, repeat_memory,
-                            reshards, tied_edges)
+                            memory_reserve, node_memory, node_recompute_time, node_time, recompute_edge_cost,
+                            regather_model, repeat_memory, reshards, tied_edges)
 from ..cost.terms import (copied_kept_bytes, first_meta, gathered_weight_bytes, is_saved, kept_weight_bytes,
                           output_bytes, read_bytes, reduce_itemsize, regather_saving, regathers)
 from ..errors import InfeasiblePlanError
@@ -496,7 +494,7 @@ def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) ->
         for canon, n in repeats.items():
             for s, var in zip(prob.strategies[canon].strategies, xvars[canon]):
                 if var is not None:
-                    ilp.cost[var] += node_time(prob, canon, s) / cm.TRAIN_FLOPS_FACTOR * n * TIME_SCALE
+                    ilp.cost[var] += node_recompute_time(prob, canon, s) * n * TIME_SCALE
         block: dict = {}
         for name in st.blocks[0]:
             if name in prob.strategies:

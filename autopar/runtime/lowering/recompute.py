@@ -81,7 +81,10 @@ def _hoist_shared(graph: fx.Graph, region: list) -> list:
         else:
             kept.append(node)
     if not kept:
-        return []   # nothing of the block to recompute: leave it as it is
+        # every node reads only from outside and is read outside too: one op, an attention core alone (SDPA).
+        # Checkpointed whole, it still drops what the op keeps beyond its inputs (its output, its lse), as the
+        # plan priced it (cost/checkpointing.py)
+        return list(region)
     for node in hoisted:   # in order, so each still follows what it reads
         kept[0].prepend(node)
     return kept

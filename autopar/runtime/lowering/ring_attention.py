@@ -39,6 +39,7 @@ import torch.nn as nn
 
 import cost_models as cm
 
+from ...errors import InputShapeError
 from ...sharding.op_spec import op_arg
 from ...sharding.rules import ring_axes
 from ..collectives import Comm, forward_phase, logged
@@ -78,8 +79,7 @@ def _exchange(x: torch.Tensor, dest: int | None, src: int | None, comm: Comm, ax
     send = logged(send, comm, SEND_RECV, axis, send.numel() * send.element_size(), phase)
     t0 = comm.start()
     work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=ax.group, async_op=async_op)
-    if not async_op:
-        comm.stop(axis, t0)
+    comm.stop(axis, t0)
     return (recv.view(x.shape) if src is not None else None), work
 
 
@@ -110,7 +110,7 @@ class _Layout:
             return x
         if self.local:   # nothing to swap here, but the exchange is a collective the others run
             _exchange(x.new_empty(0), None, None, comm, axis, phase)
-            return x
+            return x.clone()   # kept like every other rank's rows (the plan prices one new tensor each)
         m, own = self.chunk_len, 2 * self.rank
         rows = {c: x.narrow(-2, (c - own) * m, m) for c in (own, own + 1)}
         rows[self.received], _ = _exchange(rows[self.sent], self.dest, self.src, comm, axis, phase)
@@ -132,12 +132,12 @@ class _Layout:
         out.narrow(-2, m, m).copy_(rows[own + 1])
         return out
 
-    def tiles(self, holder: int, batch_heads: int, num_keys: int, tile_bytes: int):
+    def tiles(self, holder: int, batch_heads: int, num_keys: int, tile_bytes: int, device):
         """(query rows, first key, end key, mask or None) of what this rank's rows see of rank `holder`'s
         `num_keys` keys, cut into tiles of rows whose fp32 scores (batch x heads x rows x keys) take at most
         `tile_bytes`, one row at least."""
         for seg in self.segments:
-            seen = self.visible(seg, holder)
+            seen = self.visible(seg, holder, device)
             if seen is None:
                 continue
             start, end, mask = seen
@@ -147,7 +147,7 @@ class _Layout:
                 n = min(step, seg[1] - r)
                 yield slice(seg[0] + r, seg[0] + r + n), start, end, None if mask is None else mask[r:r + n]
 
-    def visible(self, segment, holder: int):
+    def visible(self, segment, holder: int, device=None):
         """The keys of rank `holder`'s chunk that rows `segment` see: (first key, end key, mask or None),
         or None where a causal mask hides them all. A holder's keys are chunks 2h and 2h+1."""
         _, rows, chunk = segment
@@ -160,7 +160,8 @@ class _Layout:
         start, end = (seen[0] - 2 * holder) * m, (seen[-1] - 2 * holder + 1) * m
         mask = None
         if seen[-1] == chunk:   # the diagonal chunk: row i sees keys up to its own position
-            mask = torch.ones(rows, end - start, dtype=torch.bool).tril(diagonal=(chunk - seen[0]) * m)
+            mask = torch.ones(rows, end - start, dtype=torch.bool, device=device)
+            mask = mask.tril(diagonal=(chunk - seen[0]) * m)
         return start, end, mask
 
 
@@ -191,7 +192,7 @@ def _fold(dk: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def _scores(q, k, scale, mask):
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
-    return s if mask is None else s.masked_fill(~mask.to(s.device), float("-inf"))
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
 def _kv_buffer(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -218,12 +219,11 @@ class _Ring:
         for step in range(self.n):
             pending = None
             if step < self.n - 1:
-                t0 = self.comm.start()
-                recv, work = _exchange(buf, self.next, self.prev, self.comm, self.axis, phase, async_op=True)
-                pending = (recv, work, t0)
+                pending = _exchange(buf, self.next, self.prev, self.comm, self.axis, phase, async_op=True)
             yield step, (self.rank - step) % self.n, buf
             if pending is not None:
-                recv, work, t0 = pending
+                recv, work = pending
+                t0 = self.comm.start()   # blocked only while waiting (the launch is timed in _exchange)
                 work.wait()
                 self.comm.stop(self.axis, t0)
                 buf = recv
@@ -240,7 +240,7 @@ class _RingAttentionFn(torch.autograd.Function):
         batch_heads = math.prod(qb.shape[:-2])
         for _, holder, buf in ring.blocks(_kv_buffer(k, v), phase):
             kx, vx = (_expand(t, q, ring.gqa) for t in _split_kv(buf, k, v))
-            for rows, start, end, mask in lay.tiles(holder, batch_heads, kx.shape[-2], ring.tile_bytes):
+            for rows, start, end, mask in lay.tiles(holder, batch_heads, kx.shape[-2], ring.tile_bytes, q.device):
                 s = _scores(qb[..., rows, :], kx[..., start:end, :], ring.scale, mask)
                 lse_blk = torch.logsumexp(s, dim=-1)
                 out_blk = torch.matmul(torch.exp(s - lse_blk.unsqueeze(-1)), vx[..., start:end, :].float())
@@ -271,7 +271,7 @@ class _RingAttentionFn(torch.autograd.Function):
         for _, holder, buf in ring.blocks(_kv_buffer(k, v), "backward"):
             kx, vx = (_expand(t, qb, ring.gqa).float() for t in _split_kv(buf, k, v))
             dk, dv = _split_kv(acc, k, v)
-            for rows, start, end, mask in lay.tiles(holder, batch_heads, kx.shape[-2], ring.tile_bytes):
+            for rows, start, end, mask in lay.tiles(holder, batch_heads, kx.shape[-2], ring.tile_bytes, qb.device):
                 kk, vv, qq = kx[..., start:end, :], vx[..., start:end, :], qb[..., rows, :].float()
                 p = torch.exp(_scores(qq, kk, ring.scale, mask) - lse[..., rows].unsqueeze(-1))
                 ds = p * (torch.matmul(do[..., rows, :], vv.transpose(-2, -1)) - delta[..., rows].unsqueeze(-1))
@@ -302,6 +302,13 @@ class RingAttention(nn.Module):
 
     def forward(self, q, k, v):
         ax = self.comm.axes[self.axis]
+        if self.causal and (q.shape[-2] != k.shape[-2] or q.shape[-2] % 2):
+            # the plan checked the example's length; a call's may differ (a dynamic sequence dim)
+            raise InputShapeError(
+                f"{self.label}: causal ring attention over mesh axis {self.axis} cuts the sequence into 2 x "
+                f"{ax.size} chunks, so its length must divide by {2 * ax.size} and its queries and keys be "
+                f"one sequence; this rank got {q.shape[-2]} query and {k.shape[-2]} key positions. Pad the "
+                f"batch to a multiple of {2 * ax.size} positions.")
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         layout = _Layout(ax.size, ax.coord, q.shape[-2], self.causal)
         return _RingAttentionFn.apply(q, k, v, _Ring(self.comm, self.axis, layout, scale, self.gqa, self.tile_bytes))
