@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import autopar
+import cost_models as cm
 from autopar import Plan
 from autopar.errors import MeshError, PipelineError, PlanError
+from autopar.sharding.placement import shard_dim
 from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo, single_device_reference
 
 ATOL = 1e-5
@@ -130,6 +132,8 @@ def _check(results, ref, plan, case=""):
                 assert mean == pytest.approx(ref[opt]["losses"][step], abs=ATOL), (case, opt)
 
 
+# free links but for all-to-alls: no Ulysses, and compute decides between K/V gathered and the ring (cheaper: causal)
+RING_LINKS = cm.Link(bandwidth=1e12, latency=1e-12, kinds={cm.ALL_TO_ALL: cm.Link(bandwidth=1e3, latency=1.0)})
 # (mesh shape, axis names) -> {case: plan kwargs}: every mesh's cases share one launch of 4 processes
 CASES = {
     ((2, 2), ("pp", "dp")): {
@@ -139,8 +143,10 @@ CASES = {
                                             schedule="interleaved-1f1b"),
         "pp2 x dp2, zero bubble": dict(pipeline_axis="pp", strategy="ddp", microbatches=4, schedule="zero-bubble")},
     ((2, 2), ("dp", "pp")): {"dp2 x pp2 (fsdp), 1f1b": dict(pipeline_axis="pp", strategy="fsdp")},
-    # context parallelism inside each stage: the stage's attention gathers K and V over cp
-    ((2, 2), ("pp", "cp")): {"pp2 x cp2, 1f1b": dict(pipeline_axis="pp", strategy="cp")},
+    # context parallelism inside each stage: the stage's attention gathers K and V over cp; or, where cp's
+    # all-to-alls are dear and its other collectives cheap, runs as a ring
+    ((2, 2), ("pp", "cp")): {"pp2 x cp2, 1f1b": dict(pipeline_axis="pp", strategy="cp"),
+                             "pp2 x cp2 ring, 1f1b": dict(pipeline_axis="pp", strategy="cp", links={"cp": RING_LINKS})},
     ((2, 2), ("pp", "tp")): {
         "pp2 x tp2, gpipe": dict(pipeline_axis="pp", strategy="tp", schedule="gpipe"),
         "pp2 x tp2, 1f1b": dict(pipeline_axis="pp", strategy="tp", microbatches=2)},
@@ -181,6 +187,10 @@ def test_pipelined_training_matches_one_device(mesh, four_ranks):
     by_case = four_ranks[mesh]
     for case, kwargs in cases.items():
         _check_case(case, kwargs, [r[case] for r in by_case], refs[kwargs.get("n_layer", 4)])
+        if "ring" in case:   # keys split with the rows on cp: each stage's attention is a ring
+            plan = Plan.from_json(by_case[0][case]["plan"])
+            attention = [s for n, s in plan.node_strategies.items() if n.startswith("scaled_dot_product_attention")]
+            assert attention and all(shard_dim(s.inputs[1][1]) == 2 for s in attention), (case, attention)
 
 
 def _check_case(case, kwargs, results, ref):
