@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...errors import InputShapeError
 from ...sharding.placement import chunk_index, chunk_span, dim_factor
 
 
@@ -41,7 +42,11 @@ def causal_rows_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     (aten's signature, so the call site keeps its arguments; `attn_mask` is None, as aten refuses a mask beside
     is_causal.)"""
     rows, keys = query.shape[-2], key.shape[-2]
-    start = chunk_span(keys, num_chunks, chunk)[0]
+    start, length = chunk_span(keys, num_chunks, chunk)
+    if rows != length:   # the plan saw one sequence; a call's query and keys differ in length (dynamic dims)
+        raise InputShapeError(
+            f"causal attention split by its query's rows over {num_chunks} ranks needs queries and keys of one "
+            f"sequence: this rank holds {rows} query rows, and chunk {chunk} of {keys} keys is {length} long")
     mask = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril(diagonal=start)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=False,
                                           scale=scale, enable_gqa=enable_gqa)
