@@ -192,14 +192,17 @@ def test_ring_attention_on_a_gpu_equals_one_gpu_attention():
 
 def test_gpt_with_ring_attention_on_a_gpu_trains_like_one_gpu():
     """Our GPT on 3 threaded ranks of one GPU, its causal attention a balanced ring (2 heads: no Ulysses on 3;
-    free links: no gather), with AdamW, as the CPU test does (tests/test_context_parallel.py)."""
+    cp links free but for all-gathers and all-to-alls: no gather), with AdamW, as the CPU test does
+    (tests/test_context_parallel.py). (On free links the h100 preset, a CUDA mesh's default, gathers K/V.)"""
     import cost_models as cm
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=12, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
     x, y = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
     ref = single_device_reference(lambda: copy.deepcopy(model).cuda(), x.cuda(), y.cuda(), gpt_loss, STEPS,
                                   LR[torch.optim.AdamW], optimizer=torch.optim.AdamW)
-    kwargs = {"strategy": "cp", "links": {"cp": cm.Link(bandwidth=1e12, latency=1e-12)}}
+    dear = cm.Link(bandwidth=1e3, latency=1.0)
+    links = cm.Link(bandwidth=1e12, latency=1e-12, kinds={cm.ALL_GATHER: dear, cm.ALL_TO_ALL: dear})
+    kwargs = {"strategy": "cp", "links": {"cp": links}}
     res = run_threaded(3, parallel_record, model, (3,), ("cp",), x, y, gpt_loss, STEPS, LR[torch.optim.AdamW],
                        kwargs, torch.optim.AdamW, "cuda", timeout=300)
     attention = [s for n, s in res[0]["plan"].node_strategies.items() if n.startswith("scaled_dot_product")]

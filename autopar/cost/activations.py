@@ -257,9 +257,9 @@ class ActivationModel:
     # (terms.regather_saving)
     payers: frozenset = frozenset()
     # (op, tensor input index) on the way to ops that keep a view of a storage the op making it keeps too (an
-    # attention's output): the storage is kept once, so they add nothing, unless a layout change on one of these
-    # edges hands them a new tensor (terms.copied_kept_bytes)
-    also_kept: frozenset = frozenset()
+    # attention's output) -> that op: the storage is kept once, so they add nothing, unless a layout change on
+    # one of these edges hands them a new tensor (terms.copied_kept_bytes)
+    also_kept: Mapping = field(default_factory=dict)
 
 
 def _bytes_of(m: TensorMeta) -> int:
@@ -305,7 +305,7 @@ def activation_model(cap: Captured, hardware, regions=()) -> ActivationModel:
     kept = {root[0] for root in book.kept_by} | {v[0] for uses in book.kept_by.values() for _, _, v in uses}
     return ActivationModel(kernels, {n: tuple(c) for n, c in book.charges.items()}, frozenset(kept),
                            frozenset(book.keepers), dict(book.saves_through), frozenset(book.payers),
-                           frozenset(book.also_kept))
+                           dict(book.also_kept))
 
 
 @dataclass
@@ -319,7 +319,7 @@ class _Keeping:
     keepers: set = field(default_factory=set)
     saves_through: dict = field(default_factory=dict)   # (op, tensor input index) -> saves
     payers: set = field(default_factory=set)            # (op, tensor input index)
-    also_kept: set = field(default_factory=set)         # (op, tensor input index)
+    also_kept: dict = field(default_factory=dict)       # (op, tensor input index) -> the storage's maker
 
     def meta_of(self, value: Value) -> TensorMeta | None:
         m = self.cap.info[value[0]].meta
@@ -404,7 +404,7 @@ class _Keeping:
             # the op keeps its own output: the storage stays, whatever its other keepers read it through
             for n, k, v in uses[1:]:
                 if isinstance(k, Arg):
-                    self.also_kept.update(self.view_edges(n, k, v, root))
+                    self.also_kept.update(dict.fromkeys(self.view_edges(n, k, v, root), root[0]))
         if partial and cap.info[root[0]].kind == OP:
             # a piece keeps the whole storage alive: its maker pays for all of it
             m = self.meta_of(root)

@@ -295,8 +295,10 @@ def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key
         prob, [m for m in edges if m.consumer not in rerun
                and regathers(cap, m.producer, m.consumer, m.index, prob.grad_nodes)])
     # readers kept as a new tensor an all-to-all makes, beside the storage another op pays for (Ulysses)
-    copiers = _by_weight_shape(prob, [m for m in edges if (m.consumer, m.index) in prob.saved.also_kept
-                                      and m.consumer not in rerun])
+    # (not where the op keeping that storage recomputes: then it keeps nothing, and the reader pays)
+    also = prob.saved.also_kept
+    copiers = _by_weight_shape(prob, [m for m in edges if (m.consumer, m.index) in also
+                                      and m.consumer not in rerun and also[(m.consumer, m.index)] not in rerun])
     src_index = {key: i for i, key in enumerate(src_groups)}
     dst_index = {key: i for i, key in enumerate(dst_groups)}
     cost, memory, src, dst, gathered = [], [], [], [], []

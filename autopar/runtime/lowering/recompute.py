@@ -63,7 +63,9 @@ class CheckpointRegion(torch.nn.Module):
             # backward's rerun (its collectives run as the recompute's: collectives.forward_phase)
             with streams.replaying(drawn_from):
                 return self.body(*args)
-        return checkpoint(run, *inputs, use_reentrant=False)
+        # every random op draws from autopar's streams, replayed above: the default generators need no saving
+        # (and threaded ranks share them, so restoring them would race with another rank's draws)
+        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=False)
 
     def extra_repr(self) -> str:
         return self.label
