@@ -145,3 +145,23 @@ def test_checkpointing_requests_are_checked():
         autopar.plan(model, (x,), {"dp": 2}, checkpointing="sometimes")
     with pytest.raises(autopar.PlanError, match="no stack of repeated blocks"):
         autopar.plan(torch.nn.Linear(8, 8), (torch.randn(4, 8),), {"dp": 2}, checkpointing="full")
+
+
+def test_a_region_of_ops_reading_only_from_outside_is_still_checkpointed():
+    """A block's attention core that is one SDPA reads only from outside and is read outside: it is checkpointed
+    (it once was left out, so selective recompute saved nothing the plan priced). Of such a region, the ops other
+    members read are moved in front of it; only the last ones are recomputed."""
+    import torch.fx as fx
+
+    from autopar.runtime.lowering.recompute import _hoist_shared
+    g = fx.Graph()
+    x = g.placeholder("x")
+    attention = g.call_function(torch.neg, (x,))
+    g.output(attention)
+    assert _hoist_shared(g, [attention]) == [attention]
+    g = fx.Graph()
+    x = g.placeholder("x")
+    shared = g.call_function(torch.neg, (x,))       # read in the region and after it
+    core = g.call_function(torch.add, (shared, shared))
+    g.output((shared, g.call_function(torch.mul, (shared, core))))
+    assert _hoist_shared(g, [shared, core]) == [core]

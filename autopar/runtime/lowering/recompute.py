@@ -83,10 +83,12 @@ def _hoist_shared(graph: fx.Graph, region: list) -> list:
         else:
             kept.append(node)
     if not kept:
-        # every node reads only from outside and is read outside too: one op, an attention core alone (SDPA).
-        # Checkpointed whole, it still drops what the op keeps beyond its inputs (its output, its lse), as the
-        # plan priced it (cost/checkpointing.py)
-        return list(region)
+        # every node reads only from outside, or from nodes hoisted before it, and is read outside too: an
+        # attention core of one op (SDPA). Checkpointed, that op still drops what it keeps beyond its inputs
+        # (its output, its lse), as the plan priced it (cost/checkpointing.py); what it reads is hoisted
+        inside = set(region)
+        kept = [n for n in region if not any(u in inside for u in n.users)]
+        hoisted = [n for n in region if n not in kept]
     for node in hoisted:   # in order, so each still follows what it reads
         kept[0].prepend(node)
     return kept
