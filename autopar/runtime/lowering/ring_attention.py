@@ -1,32 +1,23 @@
 """Ring attention: the query's rows and the keys both split over one context axis.
 
-Each rank holds a contiguous chunk of the sequence's queries, keys and values. The keys and values go
-round the axis, one rank's chunk per step (n steps, n-1 sends), and each rank attends from its rows to
-the chunk it holds. A step's result is a partial softmax over some of the keys; the partials merge by
-their log-sum-exp (lse):
+Each rank holds a contiguous chunk of the sequence's queries, keys and values. The keys and values go round
+the axis, one rank's chunk per step (n steps, n-1 sends; each step's send runs while the step computes), and
+each rank attends from its rows to the chunk it holds. The partial softmaxes merge by their log-sum-exp:
     lse' = logaddexp(lse, lse_blk);  out' = out * exp(lse - lse') + out_blk * exp(lse_blk - lse')
-so no rank ever holds K and V whole (the all-gather scheme's memory), and the next chunk's send runs
-while this one is computed (it is launched first and waited for after).
+so no rank holds K and V whole (the all-gather scheme's memory). Backward passes K and V round again with an
+fp32 accumulator of their gradient, which after n sends is back at its owner; it needs only the final output
+and lse (flash attention's backward), kept from forward.
 
-Backward passes K and V round again, with an accumulator of their gradient beside them: each rank adds
-its rows' share of the gradient of the chunk it holds and passes it on; after n sends each chunk's
-accumulator is back at its owner, whole. It needs the final output and lse only (flash attention's
-backward), kept from forward.
+Causal attention, balanced: cut into 2n chunks, chunk c's rows see the chunks before it, so a rank holding
+chunks c and 2n-1-c does the same work as every other (torch's head-tail load balancer). The model's tensors
+keep the contiguous layout (every other op, rotary table and label is untouched); this op alone swaps query
+rows: each rank keeps one of its two chunks and sends the other to the rank whose pair it completes
+(`balanced_chunks`; with an odd n the middle rank holds a pair already). The output goes back the same way.
 
-Causal attention, balanced. With contiguous chunks the rank holding the sequence's end would attend to
-every key and rank 0 to its own only. Cut the sequence into 2n chunks: chunk c's rows see the chunks
-before it, so a rank holding chunks c and 2n-1-c does the same work as every other (torch's head-tail
-load balancer). Here the model's tensors keep the contiguous layout (every other op, every rotary table
-and label stays as it is); the op alone swaps query rows: each rank keeps one of its two chunks and sends
-the other, to the rank whose pair it completes (`balanced_chunks`), one chunk each way (with an odd n
-the middle rank already holds a pair, and sends nothing). The output goes back the same way, and in
-backward the output's gradient and the query's likewise.
-
-The blocks are computed by plain matmuls in fp32 (the lse has to be had; the CPU flash kernel's has no
-gradient, docs/design/context-parallel.md), skipping every block a causal mask hides whole, in tiles of
-query rows whose scores stay under TILE_BYTES. A GPU would rather call its flash kernels per block: not done
-yet (they are private aten ops, untested here without a GPU). Dropout and explicit masks never come here
-(sharding/rules.sdpa_rule offers this layout without them).
+Blocks are plain fp32 matmuls (the lse has to be had: the CPU flash kernel's has no gradient), skipping every
+block a causal mask hides whole, in tiles of query rows whose scores stay under TILE_BYTES. A GPU would rather
+call its flash kernels per block (private aten ops; not done, untested without a GPU). Dropout and mask
+tensors never come here (sharding/rules.sdpa_rule offers this layout without them).
 """
 from __future__ import annotations
 
@@ -48,12 +39,10 @@ SEND_RECV = cm.SEND_RECV
 
 
 def balanced_chunks(n: int) -> list[tuple[int, int]]:
-    """Per rank of n, (the chunk it keeps, the chunk it receives) of the sequence cut into 2n chunks, rank
-    r holding chunks 2r and 2r+1 before. The two make a pair {c, 2n-1-c}, so every rank does the same
-    causal work. Each rank keeps one of its own chunks: a rank's two chunks lie in two pairs, and each
-    pair's two chunks on two ranks, so the ranks and pairs form cycles; walking each cycle, a rank takes
-    the pair it was reached by, keeping its chunk of it, and the rank holding its other chunk takes that
-    rank's other pair."""
+    """Per rank of n, (the chunk it keeps, the chunk it receives) of the sequence in 2n chunks, rank r holding
+    2r and 2r+1 before: a pair {c, 2n-1-c}, the same causal work on every rank. Ranks and pairs form cycles
+    (two chunks per rank, each in a pair, each pair's chunks on two ranks); walking one, a rank keeps its
+    chunk of the pair it was reached by, and the holder of that pair's other chunk takes its other pair."""
     keep: dict[int, int] = {}
     taken: set = set()
     for first in range(n):
@@ -284,10 +273,9 @@ class _RingAttentionFn(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), None
 
 
-# fp32 scores of one tile of query rows against a chunk of keys: each tile's scores, probabilities and (in
-# backward) their gradient live at once, so about 3x this at the peak; small against a GPU's memory at the long
-# sequences a ring is for (a chunk of 8k rows against 8k keys on 32 heads would be 8 GiB), large enough that a
-# tile's matmuls stay efficient
+# fp32 scores of a tile of query rows against a chunk of keys (scores, probabilities and, in backward, their
+# gradient live at once: ~3x at the peak): small beside a GPU's memory at the sequences a ring is for (8k rows
+# against 8k keys on 32 heads would be 8 GiB), large enough that a tile's matmuls stay efficient
 TILE_BYTES = 256 << 20
 
 
