@@ -18,7 +18,7 @@ the compute that runs meanwhile:
     FSDP's per-layer re-gathers in backward: likewise, a layer's re-gather
         launches the one of the layer before it (in forward order)
     a ring attention's key/value sends: each step launches the next chunk's
-        before computing its own (ring_hidden_time)
+        before computing its own (ring_hidden)
 
 The model, as DDP's, FSDP2's and the peers' simple ones (Megatron's overlap,
 SimpleFSDP's): forward runs the ops in order, op i taking 1/TRAIN_FLOPS_FACTOR
@@ -64,7 +64,7 @@ def hidden_comm_time(prob, colls: list, op_times: dict) -> dict:
     hidden = {a: 0.0 for a in mesh.axis_names}
     if not prob.hardware.comm_overlaps_compute:   # the collectives take the cores the compute runs on
         return hidden
-    for axis, seconds in ring_hidden_time(prob, colls, op_times).items():
+    for axis, seconds in ring_hidden(colls, op_times, mesh, prob.links, prob.cap.hints).items():
         hidden[axis] += seconds
     ops = [n for n in prob.cap.graph.nodes if n.name in prob.cap.info and prob.cap.info[n.name].kind == OP]
     uses: dict = {}   # weight -> indices of the ops that read it
@@ -96,17 +96,13 @@ def hidden_comm_time(prob, colls: list, op_times: dict) -> dict:
     return hidden
 
 
-def ring_hidden_time(prob, colls: list, op_times: dict) -> dict:
-    """Axis name -> seconds of ring attentions' key/value sends that hide behind their own compute: each
-    of the n-1 sends is launched before a step's blocks and waited for after them, so it hides behind that
-    step's share of the op's forward (or backward) time, (n-1)/n of it. The gradients' accumulator and the
-    row swaps are waited on at once: exposed. The search prices the same (problem.node_time), op by op."""
-    return ring_hidden(colls, op_times, prob.mesh, prob.links, prob.cap.hints)
-
-
 def ring_hidden(colls: list, op_times: dict, mesh, links: dict, hints: dict) -> dict:
-    """ring_hidden_time's sum over `colls`, with `op_times` op -> training seconds and `hints` the example's
-    sizes (symbol -> int) at which symbolic bytes are evaluated, as op_times are."""
+    """Axis name -> seconds of ring attentions' key/value sends in `colls` that hide behind their own compute:
+    each of the n-1 sends is launched before a step's blocks and waited for after them, so it hides behind that
+    step's share of the op's forward (or backward) time, (n-1)/n of it. The gradients' accumulator and the row
+    swaps are waited on at once: exposed. `op_times`: op -> training seconds; `hints`: the example's sizes
+    (symbol -> int), at which symbolic bytes are evaluated, as op_times are. The prediction
+    (hidden_comm_time) and the search (problem.node_time) both price with it."""
     sends: dict = {}
     for c in colls:
         if c.kind == cm.SEND_RECV and c.tensor.endswith(RING_KEYS):

@@ -193,13 +193,14 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
     its output's layout, which a ring shares with attention over keys gathered whole): its keys and values
     are kept as this rank's chunk, not whole; a causal one keeps its output in its own row order too, beside
     the output it returns, and its query rows as a new tensor (runtime/lowering/ring_attention.py)."""
-    if not saved.charges.get(node.name):   # it keeps nothing here: recomputed in backward (checkpointing)
+    charges = saved.charges.get(node.name)
+    if not charges:   # it keeps nothing here: recomputed in backward (checkpointing)
         return 0
     (axis,) = ring_axes(node, strategy, mesh.axis_sizes)
     n = mesh.axis_sizes[axis]
     kv = {a.name for a in tensor_args(node)[1:3]}
     extra = 0
-    for c in saved.charges.get(node.name, ()):
+    for c in charges:
         if c.what.split(" kept by ")[0] in kv and strategy.output[axis] not in c.cut_by:
             whole = node_activation_bytes(replace(saved, charges={node.name: (c,)}), node.name, strategy.output,
                                           mesh.axis_sizes, symbolic)
@@ -207,7 +208,7 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
     if op_arg(node, 5, "is_causal", False):
         extra = extra + output_bytes(node.name, cap, strategy.output, mesh, symbolic)
         q = tensor_args(node)[0].name
-        if not any(c.what.split(" kept by ")[0] == q for c in saved.charges[node.name]):
+        if not any(c.what.split(" kept by ")[0] == q for c in charges):
             # its query rows, swapped, are a new tensor; where q's storage is charged to another (a fused
             # projection's, which keys and values keep alive) that one is no stand-in for them
             extra = extra + output_bytes(q, cap, strategy.inputs[0], mesh, symbolic)

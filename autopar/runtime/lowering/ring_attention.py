@@ -203,13 +203,13 @@ class _Ring:
         self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
 
     def blocks(self, buf: torch.Tensor, phase: str):
-        """(step, holder of the chunk, the chunk's buffer) for each of the n steps; the next chunk's send
-        is launched before the step's work and waited for after it."""
+        """(holder of the chunk, the chunk's buffer) for each of the n steps; the next chunk's send is
+        launched before the step's work and waited for after it."""
         for step in range(self.n):
             pending = None
             if step < self.n - 1:
                 pending = _exchange(buf, self.next, self.prev, self.comm, self.axis, phase, async_op=True)
-            yield step, (self.rank - step) % self.n, buf
+            yield (self.rank - step) % self.n, buf
             if pending is not None:
                 recv, work = pending
                 t0 = self.comm.start()   # blocked only while waiting (the launch is timed in _exchange)
@@ -227,7 +227,7 @@ class _RingAttentionFn(torch.autograd.Function):
         out = qb.new_zeros(qb.shape[:-1] + (v.shape[-1],), dtype=torch.float32)
         lse = torch.full(qb.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         batch_heads = math.prod(qb.shape[:-2])
-        for _, holder, buf in ring.blocks(_kv_buffer(k, v), phase):
+        for holder, buf in ring.blocks(_kv_buffer(k, v), phase):
             kx, vx = (_expand(t, q, ring.gqa) for t in _split_kv(buf, k, v))
             for rows, start, end, mask in lay.tiles(holder, batch_heads, kx.shape[-2], ring.tile_bytes, q.device):
                 s = _scores(qb[..., rows, :], kx[..., start:end, :], ring.scale, mask)
@@ -257,7 +257,7 @@ class _RingAttentionFn(torch.autograd.Function):
         batch_heads = math.prod(qb.shape[:-2])
         # the gradient of the chunk a rank holds travels with it, in fp32 (n additions)
         acc = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
-        for _, holder, buf in ring.blocks(_kv_buffer(k, v), "backward"):
+        for holder, buf in ring.blocks(_kv_buffer(k, v), "backward"):
             kx, vx = (_expand(t, qb, ring.gqa).float() for t in _split_kv(buf, k, v))
             dk, dv = _split_kv(acc, k, v)
             for rows, start, end, mask in lay.tiles(holder, batch_heads, kx.shape[-2], ring.tile_bytes, qb.device):
