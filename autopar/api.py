@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from ._compat import trace_lock
 from .capture.compute_dtype import at_compute_dtype
 from .capture.export import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
 from .capture.repeat import capture_repeated
@@ -256,7 +257,10 @@ def _plan_on_rank0(whole_batch_capture, mesh, opts: PlanOptions, recapture) -> P
     if dist.get_rank() == 0:
         try:
             cap = whole_batch_capture()
-            message[0] = ("plan", plan_captured(cap, mesh, opts, recapture=recapture).to_json())
+            # threaded ranks share torch's tracing state: a SymInt's arithmetic in the planner would reach the
+            # tracer of a rank still capturing, so no rank traces while rank 0 plans (a no-op across processes)
+            with trace_lock:
+                message[0] = ("plan", plan_captured(cap, mesh, opts, recapture=recapture).to_json())
         except AutoparError as e:
             message[0] = ("error", e)
     dist.broadcast_object_list(message, src=0)

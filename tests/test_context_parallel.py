@@ -547,3 +547,30 @@ def test_a_causal_ring_refuses_a_length_twice_the_axis_does_not_divide():
             pm(*pm.plan.local_inputs(short))
 
     run_threaded(2, rank_fn)
+
+
+def test_a_ring_is_planned_while_another_thread_traces():
+    """On threaded ranks, rank 0 plans while another rank may be inside torch.export, whose tracer then
+    receives any arithmetic on a traced SymInt. A ring's length check once did such arithmetic and failed
+    in CI; planning inside another module's export reproduces that, and the plan must equal one made
+    outside."""
+    from autopar.capture.export import capture
+    from autopar.planner import plan_captured
+    torch.manual_seed(0)
+    cap = capture(_gpt_of(3, 0.0), (torch.randint(0, 32, (2, 12)),))
+
+    def plan():
+        return plan_captured(cap, {"cp": 2}, hardware="cpu", strategy="cp", links={"cp": FREE_LINKS})
+
+    inside = []
+
+    class Traced(nn.Module):
+        def forward(self, t):
+            inside.append(plan())
+            return t + 1
+
+    torch.export.export(Traced(), (torch.ones(3, 4),), strict=False,
+                        dynamic_shapes=({0: torch.export.Dim("rows")},))
+    outside = plan()
+    assert all(s.inputs[1] == ("S(2)",) for _, s in _sdpa_strategies(outside)) and _sdpa_strategies(outside)
+    assert inside[0].node_strategies == outside.node_strategies

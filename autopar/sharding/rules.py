@@ -252,9 +252,13 @@ def ring_axes(node, strategy, axis_sizes) -> tuple:
                  if shard_dim(q) == rows and shard_dim(k) == keys and axis_sizes[a] > 1)
 
 
-def ring_fits(node, strategy, axis_sizes) -> bool:
+def ring_fits(node, query_length: int, strategy, axis_sizes) -> bool:
     """A ring runs on one axis, which alone splits the rows and the keys; a causal one cuts its rows into
-    two chunks per rank (the balanced layout), so it needs the sequence divisible by twice the axis."""
+    two chunks per rank (the balanced layout), so it needs the sequence divisible by twice the axis.
+
+    `query_length` is the example's length (the TensorMeta hint), never the traced SymInt: arithmetic on
+    a SymInt dispatches to whatever proxy tracer is active, and on threaded ranks that may be another
+    rank's capture."""
     axes = ring_axes(node, strategy, axis_sizes)
     if not axes:
         return True
@@ -263,8 +267,7 @@ def ring_fits(node, strategy, axis_sizes) -> bool:
     if a is None or any(shard_dim(p) == rows for b, p in enumerate(strategy.inputs[0]) if b != a) \
             or any(shard_dim(p) == keys for b, p in enumerate(strategy.inputs[1]) if b != a):
         return False
-    length = node.args[0].meta["val"].shape[-2]
-    return not op_arg(node, 5, "is_causal", False) or length % (2 * axis_sizes[a]) == 0
+    return not op_arg(node, 5, "is_causal", False) or query_length % (2 * axis_sizes[a]) == 0
 
 
 def causal_rows_split_axes(node, strategy, axis_sizes) -> tuple:

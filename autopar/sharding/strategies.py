@@ -141,7 +141,7 @@ def op_strategies(node: fx.Node, cap: Captured, mesh: MeshSpec) -> NodeStrategie
             continue
         if not all(_divides(m, pl, mesh.axis_sizes) for m, pl in zip(in_metas, s.inputs)):
             continue
-        if spec.ring and not ring_fits(node, s, mesh.axis_sizes):
+        if spec.ring and not ring_fits(node, in_metas[0].hint[-2], s, mesh.axis_sizes):
             continue
         strategies.append(s)
     return NodeStrategies(node.name, OP, strategies, fallback)
