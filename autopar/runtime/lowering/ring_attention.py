@@ -1,23 +1,18 @@
 """Ring attention: the query's rows and the keys both split over one context axis.
 
-Each rank holds a contiguous chunk of the sequence's queries, keys and values. The keys and values go round
-the axis, one rank's chunk per step (n steps, n-1 sends; each step's send runs while the step computes), and
-each rank attends from its rows to the chunk it holds. The partial softmaxes merge by their log-sum-exp:
-    lse' = logaddexp(lse, lse_blk);  out' = out * exp(lse - lse') + out_blk * exp(lse_blk - lse')
-so no rank holds K and V whole (the all-gather scheme's memory). Backward passes K and V round again with an
-fp32 accumulator of their gradient, which after n sends is back at its owner; it needs only the final output
-and lse (flash attention's backward), kept from forward.
+Each rank holds a chunk of the sequence's queries, keys and values. K and V go round the axis, one chunk per
+step (n steps, n-1 sends, each overlapping its step's compute), and the partial softmaxes merge by their
+log-sum-exp:  lse' = logaddexp(lse, lse_blk);  out' = out * exp(lse - lse') + out_blk * exp(lse_blk - lse'),
+so no rank holds K and V whole. Backward passes K and V round again with an fp32 accumulator of their
+gradient, back at its owner after n sends; it needs only the output and lse kept from forward.
 
-Causal attention, balanced: cut into 2n chunks, chunk c's rows see the chunks before it, so a rank holding
-chunks c and 2n-1-c does the same work as every other (torch's head-tail load balancer). The model's tensors
-keep the contiguous layout (every other op, rotary table and label is untouched); this op alone swaps query
-rows: each rank keeps one of its two chunks and sends the other to the rank whose pair it completes
-(`balanced_chunks`; with an odd n the middle rank holds a pair already). The output goes back the same way.
+Causal balance: in 2n chunks, a rank holding chunks c and 2n-1-c does the same work as every other. The
+model's tensors keep the contiguous layout; this op alone swaps one chunk of query rows per rank
+(`balanced_chunks`; with an odd n the middle rank holds a pair already) and sends the output back.
 
-Blocks are plain fp32 matmuls (the lse has to be had: the CPU flash kernel's has no gradient), skipping every
-block a causal mask hides whole, in tiles of query rows whose scores stay under TILE_BYTES. A GPU would rather
-call its flash kernels per block (private aten ops; not done, untested without a GPU). Dropout and mask
-tensors never come here (sharding/rules.sdpa_rule offers this layout without them).
+Blocks are plain fp32 matmuls (the CPU flash kernel's lse has no gradient), skipping the blocks a causal mask
+hides whole, in tiles of query rows whose scores stay under TILE_BYTES. A GPU would rather call its flash
+kernels per block (private aten ops; not done). Dropout and masks never come here (sharding/rules.sdpa_rule).
 """
 from __future__ import annotations
 
@@ -34,8 +29,6 @@ from ...errors import InputShapeError
 from ...sharding.op_spec import op_arg
 from ...sharding.rules import ring_axes
 from ..collectives import Comm, forward_phase, logged
-
-SEND_RECV = cm.SEND_RECV
 
 
 def balanced_chunks(n: int) -> list[tuple[int, int]]:
@@ -57,15 +50,14 @@ def balanced_chunks(n: int) -> list[tuple[int, int]]:
 
 def _exchange(x: torch.Tensor, dest: int | None, src: int | None, comm: Comm, axis: int, phase: str,
               async_op: bool = False):
-    """Send `x` to rank `dest` of the axis and receive a tensor shaped like it from rank `src` (None:
-    nothing that way), in one all_to_all_single with one non-zero split each way: a send and a receive
-    any process group runs (the threaded one has no send/recv). Returns (received or None, work)."""
+    """Send `x` to rank `dest` of the axis, receive its like from rank `src` (None: nothing that way) in one
+    all_to_all_single with one non-zero split each way (the threaded group has no send/recv)."""
     ax = comm.axes[axis]
     send = x.contiguous().reshape(-1) if dest is not None else x.new_empty(0)
     recv = x.new_empty(x.numel()) if src is not None else x.new_empty(0)
     send_sizes = [send.numel() if j == dest else 0 for j in range(ax.size)]
     recv_sizes = [recv.numel() if j == src else 0 for j in range(ax.size)]
-    send = logged(send, comm, SEND_RECV, axis, send.numel() * send.element_size(), phase)
+    send = logged(send, comm, cm.SEND_RECV, axis, send.numel() * send.element_size(), phase)
     t0 = comm.start()
     work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=ax.group, async_op=async_op)
     comm.stop(axis, t0)
@@ -93,8 +85,7 @@ class _Layout:
         self.segments = [(0, m, lo), (m, m, hi)]
 
     def to_balanced(self, x: torch.Tensor, comm: Comm, axis: int, phase: str) -> torch.Tensor:
-        """Rows in the model's layout (chunks 2r, 2r+1) -> this op's (the kept and received chunks, in
-        sequence order)."""
+        """Rows in the model's layout (chunks 2r, 2r+1) -> this op's (kept and received, in sequence order)."""
         if not self.causal:
             return x
         if self.local:   # nothing to swap here, but the exchange is a collective the others run
@@ -112,10 +103,9 @@ class _Layout:
         if self.local:
             _exchange(x.new_empty(0), None, None, comm, axis, phase)
             return _flash_layout(x).copy_(x)
-        m = self.chunk_len
+        m, own = self.chunk_len, 2 * self.rank
         rows = {c: x.narrow(-2, start, m) for start, _, c in self.segments}
         rows[self.sent], _ = _exchange(rows[self.received], self.src, self.dest, comm, axis, phase)
-        own = 2 * self.rank
         out = _flash_layout(x)
         out.narrow(-2, 0, m).copy_(rows[own])
         out.narrow(-2, m, m).copy_(rows[own + 1])
@@ -123,8 +113,7 @@ class _Layout:
 
     def tiles(self, holder: int, batch_heads: int, num_keys: int, tile_bytes: int, device):
         """(query rows, first key, end key, mask or None) of what this rank's rows see of rank `holder`'s
-        `num_keys` keys, cut into tiles of rows whose fp32 scores (batch x heads x rows x keys) take at most
-        `tile_bytes`, one row at least."""
+        `num_keys` keys, in tiles of rows (one at least) whose fp32 scores take at most `tile_bytes`."""
         for seg in self.segments:
             seen = self.visible(seg, holder, device)
             if seen is None:
@@ -155,9 +144,8 @@ class _Layout:
 
 
 def _flash_layout(x: torch.Tensor, dtype=None) -> torch.Tensor:
-    """An empty tensor shaped like `x` (batch, heads, rows, dim), laid out (batch, rows, heads, dim) in
-    memory as the flash kernels return attention, so the model's usual transpose(1, 2).contiguous() after
-    the op copies nothing, as it would after aten's (and the activations autograd keeps are the same)."""
+    """An empty tensor shaped like `x` (batch, heads, rows, dim), laid out (batch, rows, heads, dim) as flash
+    kernels return attention: the model's transpose(1, 2).contiguous() after it copies nothing, as after aten's."""
     dtype = dtype or x.dtype
     if x.dim() != 4:
         return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
@@ -185,7 +173,7 @@ def _scores(q, k, scale, mask):
 
 
 def _kv_buffer(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.cat([k.reshape(-1), v.reshape(-1)])
+    return torch.cat([k.reshape(-1), v.reshape(-1)])   # one send a step, K and V together
 
 
 def _split_kv(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -273,9 +261,8 @@ class _RingAttentionFn(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), None
 
 
-# fp32 scores of a tile of query rows against a chunk of keys (scores, probabilities and, in backward, their
-# gradient live at once: ~3x at the peak): small beside a GPU's memory at the sequences a ring is for (8k rows
-# against 8k keys on 32 heads would be 8 GiB), large enough that a tile's matmuls stay efficient
+# fp32 scores of a tile of rows against a chunk of keys (~3x that at backward's peak): small beside a GPU's
+# memory (8k rows against 8k keys on 32 heads would be 8 GiB), large enough to keep a tile's matmuls efficient
 TILE_BYTES = 256 << 20
 
 
