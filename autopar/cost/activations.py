@@ -46,7 +46,7 @@ from .._compat import storage_id
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured, TensorMeta
 from ..sharding.op_spec import OpSpec, op_arg, op_name, tensor_args
 from ..sharding.placement import P, R, S
-from ..sharding.rules import rule_for
+from ..sharding.rules import SDPA, rule_for
 from .saved_tensors import Arg, New, Out, first_of, kernel_family, op_keeps
 
 # --------------------------------------------------------------------------- requires grad
@@ -235,6 +235,7 @@ class Charge:
     # (placements, pieces, factor): when the axes with these placements cut the tensor into
     # exactly `pieces`, the rank keeps a view of a `factor` times smaller storage instead
     view: tuple | None = None
+    follows: int | None = None   # a kernel tensor's: the tensor input it is laid out like (New.follows)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,9 @@ class ActivationModel:
     # attention's output) -> that op: the storage is kept once, so they add nothing, unless a layout change on
     # one of these edges hands them a new tensor (terms.copied_kept_bytes)
     also_kept: Mapping = field(default_factory=dict)
+    # attention with a boolean mask -> the mask's storage, for the first attention reading a storage no op keeps:
+    # a ring keeps its mask, where a kernel keeps a copy of its own (terms.ring_saved_correction)
+    ring_masks: Mapping = field(default_factory=dict)
 
 
 def _bytes_of(m: TensorMeta) -> int:
@@ -305,7 +309,23 @@ def activation_model(cap: Captured, hardware, regions=()) -> ActivationModel:
     kept = {root[0] for root in book.kept_by} | {v[0] for uses in book.kept_by.values() for _, _, v in uses}
     return ActivationModel(kernels, {n: tuple(c) for n, c in book.charges.items()}, frozenset(kept),
                            frozenset(book.keepers), dict(book.saves_through), frozenset(book.payers),
-                           dict(book.also_kept))
+                           dict(book.also_kept), _ring_masks(book, region_of))
+
+
+def _ring_masks(book: "_Keeping", region_of: dict) -> dict:
+    """Attention that keeps its boolean mask if it runs as a ring -> the mask's storage, for the first one (in
+    graph order) to read a storage nothing else keeps: the layers of a model share one mask, kept once."""
+    out, seen = {}, set(book.kept_by)
+    for node in book.cap.graph.nodes:
+        args = tensor_args(node) if node.op == "call_function" else []
+        if op_name(node) != SDPA or len(args) < 4 or node.name in region_of or node.name not in book.grad:
+            continue
+        mask = book.meta_of((args[3].name, None))
+        root = book.owner.get((args[3].name, None), (args[3].name, None))
+        if mask is not None and mask.dtype == torch.bool and root not in seen and book.meta_of(root) is not None:
+            seen.add(root)
+            out[node.name] = root
+    return out
 
 
 @dataclass
@@ -379,7 +399,8 @@ class _Keeping:
                     spec = spec or op_spec(node, cap)
                     cuts = input_cuts(spec, keep.follows, out.ndim, range(keep.dims))
                 self.charges.setdefault(node.name, []).append(
-                    Charge(keep.meta, cuts, f"{op_name(node)} kernel tensor", when=keep.when, unless=keep.unless))
+                    Charge(keep.meta, cuts, f"{op_name(node)} kernel tensor", when=keep.when, unless=keep.unless,
+                           follows=keep.follows))
                 self.keepers.add(node.name)
                 continue
             value = kept_value(node, keep, args, self.grad)

@@ -238,5 +238,7 @@ def tied_edges(prob: Problem) -> list[list[Edge]]:
 
 
 def charge_key(model, name: str) -> tuple:
-    """A node's charges without their labels: tied repeats of a node pay alike."""
-    return tuple((c.meta, c.cut_by, c.when, c.unless, c.view) for c in model.charges.get(name, ()))
+    """A node's charges without their labels: tied repeats of a node pay alike (but for the one attention of
+    them that pays for the mask all keep as rings)."""
+    return tuple((c.meta, c.cut_by, c.when, c.unless, c.view, c.follows) for c in model.charges.get(name, ())) \
+        + ((name in model.ring_masks),)

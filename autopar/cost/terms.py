@@ -171,7 +171,7 @@ SWAPPED_ROWS = ":swapped rows"
 
 def skips_swaps(axis_size: int, coord: int) -> bool:
     """Whether the rank at `coord` of a ring attention's axis swaps no rows: with an odd number of ranks,
-    the middle one holds a balanced pair of chunks already (runtime/lowering/ring_attention.balanced_chunks)."""
+    the middle one holds a balanced pair of chunks already (runtime/lowering/ring_layout.balanced_chunks)."""
     return axis_size % 2 == 1 and coord == axis_size // 2
 
 
@@ -192,7 +192,9 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
     """What a ring attention keeps beyond what its output's layout says (the activation model knows an op by
     its output's layout, which a ring shares with attention over keys gathered whole): its keys and values
     are kept as this rank's chunk, not whole; a causal one keeps its output in its own row order too, beside
-    the output it returns, and its query rows as a new tensor (runtime/lowering/ring_attention.py)."""
+    the output it returns, and its query rows as a new tensor; a masked one keeps its boolean mask (rows split
+    like the query's, one storage for all layers: ActivationModel.ring_masks) where a kernel keeps a copy in
+    its own dtype (runtime/lowering/ring_attention.py)."""
     charges = saved.charges.get(node.name)
     if not charges:   # it keeps nothing here: recomputed in backward (checkpointing)
         return 0
@@ -201,10 +203,18 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
     kv = {a.name for a in tensor_args(node)[1:3]}
     extra = 0
     for c in charges:
-        if c.what.split(" kept by ")[0] in kv and strategy.output[axis] not in c.cut_by:
-            whole = node_activation_bytes(replace(saved, charges={node.name: (c,)}), node.name, strategy.output,
-                                          mesh.axis_sizes, symbolic)
+        one = replace(saved, charges={node.name: (c,)})
+        if c.follows == 3:   # the kernel's copy of the mask
+            extra = extra - node_activation_bytes(one, node.name, strategy.output, mesh.axis_sizes, symbolic)
+        elif c.what.split(" kept by ")[0] in kv and strategy.output[axis] not in c.cut_by:
+            whole = node_activation_bytes(one, node.name, strategy.output, mesh.axis_sizes, symbolic)
             extra = extra - (whole - (whole / n if symbolic else whole // n))
+    root = saved.ring_masks.get(node.name)
+    if root is not None:
+        mask, kept = first_meta(cap.info[tensor_args(node)[3].name].meta), first_meta(cap.info[root[0]].meta)
+        # a mask expanded from a smaller storage keeps that one, whole (its layout is its maker's)
+        placements = strategy.inputs[3] if kept.hint == mask.hint else (R,) * len(mesh.axis_sizes)
+        extra = extra + local_numel(kept, placements, mesh, symbolic) * kept.itemsize
     if op_arg(node, 5, "is_causal", False):
         extra = extra + output_bytes(node.name, cap, strategy.output, mesh, symbolic)
         q = tensor_args(node)[0].name

@@ -7,6 +7,7 @@ An op missing from RULES is replicated with an UnsupportedOpWarning.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from .layout_rules import (cat_rule, diff_rule, expand_rule, getitem_rule, index_rule, pad_rule, permute_rule,
@@ -168,10 +169,14 @@ def sdpa_rule(node, ins, out):
                 s += c
         inputs.append(s)
     # ring attention: the rows and the keys split together, on one axis (ring_fits), the op passing keys
-    # and values round it; without a mask or dropout (what the ring computes), and for a causal op only
-    # where query and keys are one sequence (its masks come from chunk positions)
+    # and values round it; without dropout (what the ring computes), for a causal op only where query and
+    # keys are one sequence (its masks come from chunk positions). A mask must be boolean (an additive one
+    # may be a learned bias, whose gradient the ring does not compute) with a row per query row: the ring
+    # splits it with them and keeps its keys whole, reading each holder's columns in turn
     causal = op_arg(node, 5, "is_causal", False)
-    ring = (L, S) if (len(ins) == 3 and not op_arg(node, 4, "dropout_p", 0.0)
+    mask_fits = len(ins) == 3 or (len(ins) == 4 and ins[3].dtype == torch.bool and ins[3].ndim >= 2
+                                  and L in inputs[3])
+    ring = (L, S) if (mask_fits and not op_arg(node, 4, "dropout_p", 0.0)
                       and not (causal and q.hint[-2] != k.hint[-2])) else ()
     return OpSpec(tuple(inputs), batch + L + F, frozenset(no_shard), ring=ring)
 

@@ -364,7 +364,8 @@ class _Rewriter:
             self._count += 1
             mod_name = f"ring_attention_{self._count}_{node.name}"
             self.root.add_module(mod_name, ring_attention(node, s, self.comm, self.sizes))
-            new = self.g.call_module(mod_name, tuple(args[:3]))
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            new = self.g.call_module(mod_name, tuple(args[:3]) + ((mask,) if mask is not None else ()))
         elif vocab_split_axes(node, s, self.sizes):   # a cross-entropy over this rank's classes
             self._count += 1
             mod_name = f"vocab_parallel_{self._count}_{node.name}"
