@@ -232,6 +232,17 @@ def test_a_sliding_window_mask_trains_as_one_device_under_cp(optimizer):
     assert _attention_row_splits(plan) == [[0]]
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_sliding_window_mask_trains_as_one_device_as_a_ring(optimizer):
+    """The window is a boolean mask cut from a buffer, a row per query row: on free links, with 2 heads on 3
+    ranks (no Ulysses), attention runs as a ring that reads each holder's columns of the window."""
+    torch.manual_seed(0)
+    model = SlidingWindowAttention()
+    x, y = torch.randint(0, 32, (2, 12)), torch.randint(0, 32, (2, 12))
+    plan = _check_against_one_device(model, x, y, (3,), optimizer, links={"cp": FREE_LINKS})
+    assert [(s.inputs[1], s.inputs[3]) for _, s in _sdpa_strategies(plan)] == [(("S(2)",), ("S(0)",))]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_hugging_face_models_with_labels_and_padding_train_as_one_device_under_cp(family):
     """HF causal LMs as shipped (default config, use_cache=True; GPT-2's embeddings tied, its positions
