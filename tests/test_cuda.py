@@ -156,38 +156,44 @@ def test_hf_llama_called_with_labels_on_a_gpu_trains_like_one_gpu(strategy, shap
 
 def test_ring_attention_on_a_gpu_equals_one_gpu_attention():
     """The ring on 2 threaded ranks sharing one GPU against SDPA on the whole sequence: float32 to 1e-4, and bf16
-    inputs (its scores and merges in fp32) against float32 SDPA on the same values to 2e-2; causal or not."""
+    inputs (its scores and merges in fp32) against float32 SDPA on the same values to 2e-2; causal, not causal,
+    and with a padded batch's boolean mask (left-padded rows see no key: against CPU SDPA, which gives them 0,
+    as CUDA kernels need not)."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from autopar.runtime.collectives import AxisGroup, Comm
     from autopar.runtime.lowering.ring_attention import RingAttention
-    n = 2
+    n, L = 2, 64
     torch.manual_seed(0)
+    pos = torch.arange(L)
+    padded = ((pos[None, None, :] >= torch.tensor([0, 40])[:, None, None]) & (pos[None, :] <= pos[:, None]))[:, None]
     cases = []
     for dtype, atol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        for causal in (False, True):
-            q, k, v = (torch.randn(2, 4, 64, 32, device="cuda").to(dtype) for _ in range(3))
-            grad = torch.randn(2, 4, 64, 32, device="cuda").to(dtype)
-            whole = [t.detach().float().requires_grad_() for t in (q, k, v)]
-            F.scaled_dot_product_attention(*whole, is_causal=causal).backward(grad.float())
-            cases.append((causal, atol, (q, k, v), grad, whole))
+        for causal, mask in ((False, None), (True, None), (False, padded)):
+            q, k, v = (torch.randn(2, 4, L, 32, device="cuda").to(dtype) for _ in range(3))
+            grad = torch.randn(2, 4, L, 32, device="cuda").to(dtype)
+            device = "cuda" if mask is None else "cpu"
+            whole = [t.detach().float().to(device).requires_grad_() for t in (q, k, v)]
+            F.scaled_dot_product_attention(*whole, attn_mask=mask, is_causal=causal).backward(grad.float().to(device))
+            cases.append((causal, mask, atol, (q, k, v), grad, whole))
 
     def rank_fn(rank):
         out = []
-        for causal, _, qkv, grad, _ in cases:
+        for causal, mask, _, qkv, grad, _ in cases:
             local = [t.chunk(n, -2)[rank].clone().requires_grad_() for t in qkv]
-            y = RingAttention(Comm([AxisGroup(dist.group.WORLD, n, rank)]), 0, causal, None, False)(*local)
+            rows = () if mask is None else (mask.chunk(n, -2)[rank].cuda(),)
+            y = RingAttention(Comm([AxisGroup(dist.group.WORLD, n, rank)]), 0, causal, None, False)(*local, *rows)
             y.backward(grad.chunk(n, -2)[rank])
             out.append((y.detach(), *(t.grad for t in local)))
         return out
 
     for rank, results in enumerate(run_threaded(n, rank_fn)):
-        for (causal, atol, _, _, whole), got in zip(cases, results):
-            want = torch.nn.functional.scaled_dot_product_attention(*[t.detach() for t in whole], is_causal=causal)
+        for (causal, mask, atol, _, _, whole), got in zip(cases, results):
+            want = F.scaled_dot_product_attention(*[t.detach() for t in whole], attn_mask=mask, is_causal=causal)
             for g, w in zip(got, (want, *(t.grad for t in whole))):
                 assert g.is_cuda
-                torch.testing.assert_close(g.float(), w.chunk(n, -2)[rank], atol=atol, rtol=0)
+                torch.testing.assert_close(g.float().cpu(), w.chunk(n, -2)[rank].cpu(), atol=atol, rtol=0)
 
 
 def test_gpt_with_ring_attention_on_a_gpu_trains_like_one_gpu():
