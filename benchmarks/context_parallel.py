@@ -34,6 +34,17 @@ def _model(layers: int, seq: int):
         return LogitsOnly(LlamaForCausalLM(cfg)).train()
 
 
+def _attention(plan) -> str:
+    """How the plan runs attention on the context axis, per distinct choice: "ring" (keys split along the
+    sequence), "heads" (Ulysses: keys split by head), "gathered" (keys whole), or "-" without a context axis."""
+    roles = dict(r.split("=") for r in plan.stats["axis_roles"].split(","))
+    if "context" not in roles.values():
+        return "-"
+    axis = list(roles).index(next(a for a, r in roles.items() if r == "context"))
+    keys = {s.inputs[1][axis] for n, s in plan.node_strategies.items() if n.startswith("scaled_dot_product_attention")}
+    return ",".join(sorted({"S(2)": "ring", "S(1)": "heads"}.get(k, "gathered") for k in keys)) or "-"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqs", default="32768,65536,131072", help="sequence lengths, comma-separated")
@@ -43,8 +54,8 @@ def main():
     args = p.parse_args()
     print(f"Llama-3-8B shape, {args.layers} layers, batch {args.batch}, mesh dp=8 x tp=8, h100, bf16-mixed, "
           f"limit {args.memory}")
-    print(f"{'seq':>7}  {'strategy':<9} {'recompute':<10} {'memory/device':>13} {'step':>10} {'tokens/s':>10}  "
-          f"{'plan s':>6}  note")
+    print(f"{'seq':>7}  {'strategy':<9} {'recompute':<10} {'attention':<9} {'memory/device':>13} {'step':>10} "
+          f"{'tokens/s':>10}  {'plan s':>6}  note")
     for seq in (int(s) for s in args.seqs.split(",")):
         model = _model(args.layers, seq)
         x = torch.randint(0, 128256, (args.batch, seq), device="meta")
@@ -57,14 +68,14 @@ def main():
                                         memory_limit=args.memory, checkpointing=checkpointing,
                                         precision="bf16-mixed")
             except autopar.AutoparError as e:
-                print(f"{seq:>7}  {strategy:<9} {checkpointing:<10} {'-':>13} {'-':>10} {'-':>10}  "
+                print(f"{seq:>7}  {strategy:<9} {checkpointing:<10} {'-':<9} {'-':>13} {'-':>10} {'-':>10}  "
                       f"{time.perf_counter() - t0:6.1f}  no plan: {str(e)[:110]}")
                 continue
             pr = plan.predicted
             kinds = ",".join(sorted(set(plan.checkpointed.values()))) or "none"
             note = plan.stats.get("context", "") if strategy == "auto" else ""
             note = note or f"roles {plan.stats['axis_roles']}"
-            print(f"{seq:>7}  {strategy:<9} {kinds:<10} {pr.memory.total / 2**30:>9.2f} GiB "
+            print(f"{seq:>7}  {strategy:<9} {kinds:<10} {_attention(plan):<9} {pr.memory.total / 2**30:>9.2f} GiB "
                   f"{pr.step_time * 1e3:>7.0f} ms {args.batch * seq / pr.step_time:>10,.0f}  "
                   f"{time.perf_counter() - t0:6.1f}  {note}")
 

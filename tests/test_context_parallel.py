@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import autopar
 import cost_models as cm
-from autopar.cost.terms import skips_swaps
+from autopar.cost.terms import RING_KEYS, skips_swaps
 from autopar.runtime.collectives import AxisGroup, Comm, CommLog
 from autopar.runtime.lowering.ring_attention import TILE_BYTES, RingAttention
 from autopar.runtime.lowering.ring_layout import balanced_chunks
@@ -587,8 +587,10 @@ def test_what_autograd_keeps_under_cp_is_what_the_plan_predicts(scheme, make, ra
 
 def test_what_a_masked_ring_keeps_and_sends_is_what_the_plan_predicts():
     """HF Llama on a padded batch, its attention a ring with a boolean mask (free links, 3 ranks): activations
-    autograd keeps within 1% of the prediction (the ring keeps its rows of the mask, as SDPA would), and the
-    bytes each rank sends exactly the prediction's (the mask is never sent)."""
+    autograd keeps within 1% of the prediction (the ring keeps the boolean mask once for both layers, where
+    the kernel keeps a float copy per layer), and the bytes each rank sends exactly the prediction's (the mask
+    is never sent). HF's repeat_kv doubles the 2 key/value heads to the 4 query heads before attention; the
+    ring passes and keeps one copy of each: 2 heads x 4 rows x 8 dims x 4 bytes x 4 sequences, K and V."""
     pytest.importorskip("transformers")
     from torch.distributed.device_mesh import init_device_mesh
     model = shipped_causal_lm("llama")
@@ -607,6 +609,27 @@ def test_what_a_masked_ring_keeps_and_sends_is_what_the_plan_predicts():
         predicted, measured = rows["activations saved for backward"]
         assert measured == pytest.approx(predicted, rel=0.01)
         assert rows["comm bytes on cp"][0] == rows["comm bytes on cp"][1]
+        assert {c.bytes for c in plan.collectives if c.tensor.endswith(RING_KEYS)} == {2 * 2 * 4 * 8 * 4 * 4}
+
+
+def test_a_ring_passes_one_copy_of_each_repeated_head_where_a_rank_holds_whole_groups():
+    """sharding/rules.ring_repeats on HF Llama's attention (4 query heads, 2 key/value heads repeated twice):
+    a ring on one axis passes one copy of each head, also with the heads split in two besides (a group per
+    rank), but not split in four (a rank would hold one copy of a group, which is no group)."""
+    pytest.importorskip("transformers")
+    from autopar.capture.export import capture
+    from autopar.sharding.rules import ring_repeats
+    from autopar.sharding.strategies import Strategy
+    model = shipped_causal_lm("llama")
+    cap = capture(model, (torch.randint(0, 64, (2, 8)),))
+    node = next(n for n in cap.graph.nodes if n.name.startswith("scaled_dot_product_attention"))
+
+    def ring(heads_split):
+        qkv = ("S(2)", "S(1)" if heads_split > 1 else "R")
+        return ring_repeats(node, cap, Strategy((qkv,) * 3, qkv), (2, heads_split))
+
+    assert (ring(1), ring(2), ring(4)) == (2, 2, 1)
+    assert ring_repeats(node, cap, Strategy((("S(2)",), ("R",), ("R",)), ("S(2)",)), (2,)) == 1   # no ring
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

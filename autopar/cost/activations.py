@@ -44,6 +44,7 @@ from torch import fx
 
 from .._compat import storage_id
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured, TensorMeta
+from ..capture.repeat_kv import repeated_heads
 from ..sharding.op_spec import OpSpec, op_arg, op_name, tensor_args
 from ..sharding.placement import P, R, S
 from ..sharding.rules import SDPA, rule_for
@@ -180,44 +181,12 @@ def input_cuts(spec: OpSpec | None, index: int, out_ndim: int, dims) -> frozense
     return frozenset(cuts)
 
 
-def _through_whole_slices(node, cap: Captured):
-    """The tensor behind slices that keep every element (x[:, :, None] traced with a dynamic dim
-    slices each dim from 0 to its size; a static trace drops such slices)."""
-    while isinstance(node, fx.Node) and op_name(node) == "aten.slice.Tensor" and isinstance(node.args[0], fx.Node):
-        src, out = first_of(cap.info[node.args[0].name].meta), first_of(cap.info[node.name].meta)
-        if src is None or out is None or src.shape != out.shape:
-            break
-        node = node.args[0]
-    return node
-
-
 def _repeated_heads(node: fx.Node, cap: Captured) -> tuple | None:
-    """(dim, groups, repeats) if `node` is GQA's repeat_kv: reshape(expand(unsqueeze(x, j)))
-    merging x's dim j-1 (the key/value heads) with `repeats` copies of each.
-
-    Traced whole it copies. A rank that holds a single key/value head merges a size-1
-    dim, which is a view: it keeps x's storage, `repeats` times smaller, instead.
-    """
-    if op_name(node) not in ("aten.reshape.default", "aten.flatten.using_ints") or not node.args:
-        return None
-    expand = node.args[0]
-    if not isinstance(expand, fx.Node) or op_name(expand) != "aten.expand.default":
-        return None
-    unsq = _through_whole_slices(expand.args[0], cap)
-    if not isinstance(unsq, fx.Node) or op_name(unsq) != "aten.unsqueeze.default" or \
-            not isinstance(unsq.args[0], fx.Node):
-        return None
-    x = first_of(cap.info[_through_whole_slices(unsq.args[0], cap).name].meta)
-    e = first_of(cap.info[expand.name].meta)
-    out = first_of(cap.info[node.name].meta)
-    if x is None or e is None or out is None:
-        return None
-    j = unsq.args[1] % e.ndim
-    if j == 0:
-        return None
-    repeats, groups = e.hint[j], x.hint[j - 1]
-    merged = x.hint[:j - 1] + (groups * repeats,) + x.hint[j:]
-    return (j - 1, groups, repeats) if out.hint == merged and repeats > 1 and groups > 1 else None
+    """capture/repeat_kv.repeated_heads where it copies: traced whole, the merge copies; a rank that holds a
+    single key/value head merges a size-1 dim, which is a view: it keeps x's storage, `repeats` times smaller,
+    instead. With one key/value head in all, the merge is a view everywhere: nothing to tell apart."""
+    heads = repeated_heads(node, cap)
+    return heads if heads is not None and heads[1] > 1 else None
 
 
 # --------------------------------------------------------------------------- who pays

@@ -28,7 +28,7 @@ from ..sharding.op_spec import op_arg, op_name, tensor_args
 from ..sharding.placement import P, Placements, R, S, ceil_div, local_shape, numel, shard_dim, uneven_dims
 from ..sharding.redistribute import (Collective, UnsupportedRedistribution, gathers_again, plan_steps,
                                      step_collectives)
-from ..sharding.rules import causal_rows_split_axes, ring_axes, vocab_split_axes
+from ..sharding.rules import causal_rows_split_axes, ring_axes, ring_repeats, vocab_split_axes
 from .activations import ActivationModel, activation_model, node_activation_bytes
 from .precision import ParamBytes
 
@@ -139,13 +139,16 @@ def ring_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, sym
       to its owner);
     - causal: half the query's rows out and half the output's back in forward, the output's gradient and
       the query's in backward (the balanced layout). With an odd n the middle rank swaps nothing: these
-      are the other ranks' bytes."""
+      are the other ranks' bytes.
+    Keys and values repeated per query head (GQA's repeat_kv) go round as one copy of each head."""
     (axis,) = ring_axes(node, strategy, mesh.axis_sizes)
     n = mesh.axis_sizes[axis]
     args = tensor_args(node)
     q, k, v = (first_meta(cap.info[a.name].meta) for a in args[:3])
     out = first_meta(cap.info[node.name].meta)
     local = [local_numel(m, pl, mesh, symbolic) for m, pl in zip((q, k, v), strategy.inputs[:3])]
+    repeats = ring_repeats(node, cap, strategy, mesh.axis_sizes)
+    local[1:] = [x / repeats if symbolic else x // repeats for x in local[1:]]
     kv = local[1] * k.itemsize + local[2] * v.itemsize
     acc = (local[1] + local[2]) * 4
 
@@ -200,15 +203,24 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
         return 0
     (axis,) = ring_axes(node, strategy, mesh.axis_sizes)
     n = mesh.axis_sizes[axis]
-    kv = {a.name for a in tensor_args(node)[1:3]}
+    args = tensor_args(node)
+    kv = {a.name for a in args[1:3]}
+    repeats = ring_repeats(node, cap, strategy, mesh.axis_sizes)
     extra = 0
     for c in charges:
         one = replace(saved, charges={node.name: (c,)})
-        if c.follows == 3:   # the kernel's copy of the mask
+        if c.follows == 3 or (repeats > 1 and c.what.split(" kept by ")[0] in kv):
+            # the kernel's copy of the mask; keys and values with repeated heads, which the ring keeps as a
+            # new tensor of one copy each (added below)
             extra = extra - node_activation_bytes(one, node.name, strategy.output, mesh.axis_sizes, symbolic)
         elif c.what.split(" kept by ")[0] in kv and strategy.output[axis] not in c.cut_by:
             whole = node_activation_bytes(one, node.name, strategy.output, mesh.axis_sizes, symbolic)
             extra = extra - (whole - (whole / n if symbolic else whole // n))
+    if repeats > 1:
+        for a, pl in zip(args[1:3], strategy.inputs[1:3]):
+            m = first_meta(cap.info[a.name].meta)
+            local = local_numel(m, pl, mesh, symbolic)
+            extra = extra + (local / repeats if symbolic else local // repeats) * m.itemsize
     root = saved.ring_masks.get(node.name)
     if root is not None:
         mask, kept = first_meta(cap.info[tensor_args(node)[3].name].meta), first_meta(cap.info[root[0]].meta)

@@ -13,8 +13,9 @@ import torch.fx as fx
 from .layout_rules import (cat_rule, diff_rule, expand_rule, getitem_rule, index_rule, pad_rule, permute_rule,
                            select_rule, slice_rule, split_rule, squeeze_rule, t_rule, transpose_rule, unsqueeze_rule,
                            view_rule)
-from .op_spec import Letters, OpSpec, Rule, elementwise, op_arg, op_name, wrap_dim
-from .placement import shard_dim
+from ..capture.repeat_kv import repeated_heads
+from .op_spec import Letters, OpSpec, Rule, elementwise, op_arg, op_name, tensor_args, wrap_dim
+from .placement import dim_factor, shard_dim
 
 SDPA = "aten.scaled_dot_product_attention.default"
 
@@ -273,6 +274,22 @@ def ring_fits(node, query_length: int, strategy, axis_sizes) -> bool:
             or any(shard_dim(p) == keys for b, p in enumerate(strategy.inputs[1]) if b != a):
         return False
     return not op_arg(node, 5, "is_causal", False) or query_length % (2 * axis_sizes[a]) == 0
+
+
+def ring_repeats(node, cap, strategy, axis_sizes) -> int:
+    """How many copies of each key/value head a ring attention's keys and values hold: GQA's repeat_kv before
+    the op (capture/repeat_kv.py), whose copies the ring leaves out of what it passes round and keeps (it
+    attends with enable_gqa instead). 1 where nothing is repeated, or where a rank's heads are not whole
+    groups of copies (a heads split that the key/value heads do not divide)."""
+    if not ring_axes(node, strategy, axis_sizes):
+        return 1
+    k, v = tensor_args(node)[1:3]
+    heads = repeated_heads(k, cap)
+    if heads is None or heads != repeated_heads(v, cap) or heads[0] != k.meta["val"].dim() - 3:
+        return 1
+    dim, groups, repeats = heads
+    split = dim_factor(strategy.inputs[1], dim, axis_sizes)
+    return repeats if groups % split == 0 and dim_factor(strategy.inputs[2], dim, axis_sizes) == split else 1
 
 
 def causal_rows_split_axes(node, strategy, axis_sizes) -> tuple:

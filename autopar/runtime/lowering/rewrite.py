@@ -25,7 +25,7 @@ from ...errors import PlanError
 from ...sharding.op_spec import op_name, tensor_args
 from ...sharding.placement import R, dim_factor, gathered_size, is_shard
 from ...sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
-from ...sharding.rules import ring_axes, vocab_split_axes
+from ...sharding.rules import ring_axes, ring_repeats, vocab_split_axes
 from ..collectives import CastAndRedistribute, Comm, Redistribute, forward_phase, scale_grad, transform
 from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
 from .recompute import outline, recompute_all_but_logging
@@ -363,7 +363,8 @@ class _Rewriter:
         elif ring_axes(node, s, self.sizes):   # attention passing keys and values round a context axis
             self._count += 1
             mod_name = f"ring_attention_{self._count}_{node.name}"
-            self.root.add_module(mod_name, ring_attention(node, s, self.comm, self.sizes))
+            self.root.add_module(mod_name, ring_attention(node, s, self.comm, self.sizes,
+                                                          ring_repeats(node, self.cap, s, self.sizes)))
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             new = self.g.call_module(mod_name, tuple(args[:3]) + ((mask,) if mask is not None else ()))
         elif vocab_split_axes(node, s, self.sizes):   # a cross-entropy over this rank's classes

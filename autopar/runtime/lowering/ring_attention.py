@@ -171,10 +171,10 @@ class RingAttention(nn.Module):
     """scaled_dot_product_attention(q, k, v) with the rows of q and of k, v split over mesh axis `axis`."""
 
     def __init__(self, comm: Comm, axis: int, causal: bool, scale: float | None, gqa: bool, label: str = "",
-                 tile_bytes: int = TILE_BYTES):
+                 tile_bytes: int = TILE_BYTES, repeats: int = 1):
         super().__init__()
         self.comm, self.axis, self.causal, self.scale, self.gqa, self.label = comm, axis, causal, scale, gqa, label
-        self.tile_bytes = tile_bytes
+        self.tile_bytes, self.repeats = tile_bytes, repeats
 
     def forward(self, q, k, v, attn_mask=None):
         ax = self.comm.axes[self.axis]
@@ -191,17 +191,23 @@ class RingAttention(nn.Module):
                 f"{self.label}: ring attention over mesh axis {self.axis} takes a mask of this rank's "
                 f"{q.shape[-2]} query rows by all {ax.size * k.shape[-2]} keys, and none with is_causal (as "
                 f"SDPA); it got {tuple(attn_mask.shape)}")
+        if self.repeats > 1:
+            # k and v hold each head `repeats` times (GQA's repeat_kv before the op): one copy of each goes
+            # round, and all of a group's gradient flows into it (repeat_kv's backward sums the copies anyway)
+            k, v = (t.unflatten(-3, (t.shape[-3] // self.repeats, self.repeats)).select(-3, 0).contiguous()
+                    for t in (k, v))
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         layout = RingLayout(ax.size, ax.coord, q.shape[-2], self.causal)
-        ring = _Ring(self.comm, self.axis, layout, scale, self.gqa, self.tile_bytes)
+        ring = _Ring(self.comm, self.axis, layout, scale, self.gqa or self.repeats > 1, self.tile_bytes)
         return _RingAttentionFn.apply(q, k, v, attn_mask, ring)
 
     def extra_repr(self) -> str:
-        return f"{self.label}, axis={self.axis}, causal={self.causal}"
+        return f"{self.label}, axis={self.axis}, causal={self.causal}, repeats={self.repeats}"
 
 
-def ring_attention(node: fx.Node, strategy, comm: Comm, sizes) -> RingAttention:
-    """The module that runs attention `node` as a ring over the one axis sharding/rules.ring_axes names."""
+def ring_attention(node: fx.Node, strategy, comm: Comm, sizes, repeats: int = 1) -> RingAttention:
+    """The module that runs attention `node` as a ring over the one axis sharding/rules.ring_axes names, its
+    keys and values repeated `repeats` times per head (sharding/rules.ring_repeats)."""
     (axis,) = ring_axes(node, strategy, sizes)
     return RingAttention(comm, axis, bool(op_arg(node, 5, "is_causal", False)), op_arg(node, 6, "scale", None),
-                         bool(op_arg(node, 7, "enable_gqa", False)), node.name)
+                         bool(op_arg(node, 7, "enable_gqa", False)), node.name, repeats=repeats)
