@@ -231,7 +231,8 @@ class ActivationModel:
     # one of these edges hands them a new tensor (terms.copied_kept_bytes)
     also_kept: Mapping = field(default_factory=dict)
     # attention with a boolean mask -> the mask's storage, for the first attention reading a storage no op keeps:
-    # a ring keeps its mask, where a kernel keeps a copy of its own (terms.ring_saved_correction)
+    # a ring keeps its mask, where a kernel keeps a copy of its own (terms.ring_saved_correction). The search
+    # ties a stack's layers (capture/blocks.py), so they all run as rings or none does and the first pays for all
     ring_masks: Mapping = field(default_factory=dict)
 
 

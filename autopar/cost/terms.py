@@ -197,7 +197,8 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
     are kept as this rank's chunk, not whole; a causal one keeps its output in its own row order too, beside
     the output it returns, and its query rows as a new tensor; a masked one keeps its boolean mask (rows split
     like the query's, one storage for all layers: ActivationModel.ring_masks) where a kernel keeps a copy in
-    its own dtype (runtime/lowering/ring_attention.py)."""
+    its own dtype; keys and values whose heads GQA's repeat_kv repeated are kept as a new tensor of one copy
+    of each (sharding/rules.ring_repeats) (runtime/lowering/ring_attention.py)."""
     charges = saved.charges.get(node.name)
     if not charges:   # it keeps nothing here: recomputed in backward (checkpointing)
         return 0
