@@ -100,6 +100,7 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
         keys = kk[-2]
         for a in ring_axes(node, strategy, sizes):   # a ring attends to every rank's keys in turn
             keys = keys * sizes[a]
+            dtype = "float32"   # in fp32 matmuls, whatever the inputs' dtype (runtime/lowering/ring_attention.py)
         flops = 2 * numel(q) * keys + 2 * numel(out_local) * keys
         if causal_rows_split_axes(node, strategy, sizes):
             # the causal kernel skips the blocks above the diagonal, about half of them; a rank's rows of a
