@@ -230,9 +230,11 @@ class ActivationModel:
     # attention's output) -> that op: the storage is kept once, so they add nothing, unless a layout change on
     # one of these edges hands them a new tensor (terms.copied_kept_bytes)
     also_kept: Mapping = field(default_factory=dict)
-    # attention with a boolean mask -> the mask's storage, for the first attention reading a storage no op keeps:
-    # a ring keeps its mask, where a kernel keeps a copy of its own (terms.ring_saved_correction). The search
-    # ties a stack's layers (capture/blocks.py), so they all run as rings or none does and the first pays for all
+    # attention with a boolean mask -> the mask's storage, for the first attention reading a storage no op keeps
+    # (a buffer's is counted with the parameters): a ring keeps its mask, where a kernel keeps a copy of its own
+    # (terms.ring_saved_correction). Exact where the attentions sharing a mask all run as rings or none does (a
+    # stack's layers, which the search ties: capture/blocks.py); where the first does not and a later one does,
+    # the prediction misses that one mask
     ring_masks: Mapping = field(default_factory=dict)
 
 
@@ -292,7 +294,8 @@ def _ring_masks(book: "_Keeping", region_of: dict) -> dict:
             continue
         mask = book.meta_of((args[3].name, None))
         root = book.owner.get((args[3].name, None), (args[3].name, None))
-        if mask is not None and mask.dtype == torch.bool and root not in seen and book.meta_of(root) is not None:
+        if mask is not None and mask.dtype == torch.bool and root not in seen and book.meta_of(root) is not None \
+                and book.cap.info[root[0]].kind not in (PARAM, BUFFER):
             seen.add(root)
             out[node.name] = root
     return out

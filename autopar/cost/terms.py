@@ -100,7 +100,9 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
         keys = kk[-2]
         for a in ring_axes(node, strategy, sizes):   # a ring attends to every rank's keys in turn
             keys = keys * sizes[a]
-            dtype = "float32"   # in fp32 matmuls, whatever the inputs' dtype (runtime/lowering/ring_attention.py)
+            # its blocks are fp32 matmuls whatever the inputs' dtype (runtime/lowering/ring_attention.py): priced
+            # at the preset's float32 rate, as every fp32 matmul is (the presets give TF32's)
+            dtype = "float32"
         flops = 2 * numel(q) * keys + 2 * numel(out_local) * keys
         if causal_rows_split_axes(node, strategy, sizes):
             # the causal kernel skips the blocks above the diagonal, about half of them; a rank's rows of a
@@ -223,12 +225,12 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
             m = first_meta(cap.info[a.name].meta)
             local = local_numel(m, pl, mesh, symbolic)
             extra = extra + (local / repeats if symbolic else local // repeats) * m.itemsize
-    root = saved.ring_masks.get(node.name)
-    if root is not None:
-        mask, kept = first_meta(cap.info[tensor_args(node)[3].name].meta), first_meta(cap.info[root[0]].meta)
-        # a mask expanded from a smaller storage keeps that one, whole (its layout is its maker's)
-        placements = strategy.inputs[3] if kept.hint == mask.hint else (R,) * len(mesh.axis_sizes)
-        extra = extra + local_numel(kept, placements, mesh, symbolic) * kept.itemsize
+    if node.name in saved.ring_masks:
+        # the mask as the ring reads it, its rows split: a view of its maker's storage where that has the mask's
+        # shape, else (a mask expanded from a smaller one) the new tensor its layout change makes -- or, where
+        # it arrives split with no change, a view of less, which this bounds
+        mask = first_meta(cap.info[args[3].name].meta)
+        extra = extra + local_numel(mask, strategy.inputs[3], mesh, symbolic) * mask.itemsize
     if op_arg(node, 5, "is_causal", False):
         extra = extra + output_bytes(node.name, cap, strategy.output, mesh, symbolic)
         q = tensor_args(node)[0].name
