@@ -52,6 +52,7 @@ class OpZoo(nn.Module):
         e = nn.functional
         outs = [y.var(-1), y.std(-1), y.clamp(-1, 1), e.elu(y), e.leaky_relu(y), e.softplus(y), e.mish(y),
                 e.hardswish(y), torch.log1p(y.abs()), y.pow(2), torch.maximum(y, y * 2), torch.where(y > 0, y, y * 3),
+                torch.where(y > 0, y, 0.0), torch.where(y > 1, 0.0, y),
                 y.masked_fill(y > 0, 0.0), y.gather(1, idx[:, None]), y.index_select(0, idx), y[idx], y.sigmoid(),
                 y.tanh(), y.exp(), y.rsqrt(), y.sqrt(), 1 / y, y.sin(), y.cos(), torch.erf(y), y.square(), y.log(),
                 y.relu(), e.softmax(y, -1), y @ y.t(), torch.bmm(y[None], y.t()[None]), y / y.sum(),

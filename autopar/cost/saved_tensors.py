@@ -101,7 +101,8 @@ SIMPLE_KEEPS: dict[str, tuple] = {
     "aten.maximum.default": (Arg(0), Arg(1)), "aten.minimum.default": (Arg(0), Arg(1)),
     "aten.std.dim": (Arg(0), Out()), "aten.std.correction": (Arg(0), Out()),
     "aten.pow.Tensor_Tensor": (Arg(0), Arg(1), Out()),
-    "aten.where.self": (Arg(0),), "aten.masked_fill.Scalar": (Arg(1),), "aten.masked_fill.Tensor": (Arg(1),),
+    "aten.where.self": (Arg(0),), "aten.where.ScalarOther": (Arg(0),), "aten.where.ScalarSelf": (Arg(0),),
+    "aten.masked_fill.Scalar": (Arg(1),), "aten.masked_fill.Tensor": (Arg(1),),
     "aten.gather.default": (Arg(0), Arg(1)), "aten.index_select.default": (Arg(1),),
     "aten.native_dropout.default": (Out(1),),              # the mask: bool on CPU and CUDA
 }
