@@ -247,7 +247,8 @@ def compare_scalar(draw):
     return Fn(f), (x,)
 
 
-@case("aten.where.self", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor")
+@case("aten.where.self", "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.masked_fill.Scalar",
+      "aten.masked_fill.Tensor")
 def where_mask(draw):
     seeded(draw)
     full = shape(draw, 1, 4)
@@ -258,7 +259,7 @@ def where_mask(draw):
 
     def f(self, x, y, mask):
         return (torch.where(mask, x, y), torch.where(mask, y, x), x.masked_fill(mask, v),
-                x.masked_fill(mask, torch.tensor(v, dtype=DT)))
+                x.masked_fill(mask, torch.tensor(v, dtype=DT)), torch.where(mask, x, v), torch.where(mask, v, y))
     return Fn(f), (x, y, mask)
 
 

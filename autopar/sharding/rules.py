@@ -337,7 +337,8 @@ RULES["aten.sub.Tensor"] = binary("add")
 RULES["aten.add.Scalar"] = binary("add")
 RULES["aten.mul.Tensor"] = binary("mul")
 RULES["aten.div.Tensor"] = binary("div")
-for name in ["where.self", "masked_fill.Scalar", "masked_fill.Tensor", "maximum.default", "minimum.default",
+for name in ["where.self", "where.ScalarOther", "where.ScalarSelf", "masked_fill.Scalar", "masked_fill.Tensor",
+             "maximum.default", "minimum.default",
              "eq.Tensor", "eq.Scalar", "ne.Scalar", "lt.Scalar", "gt.Scalar", "ge.Scalar", "le.Scalar",
              "pow.Tensor_Tensor", "le.Tensor", "lt.Tensor", "gt.Tensor", "ge.Tensor", "ne.Tensor",
              "__and__.Tensor", "__or__.Tensor", "bitwise_and.Tensor", "bitwise_or.Tensor",
