@@ -35,7 +35,8 @@ def balanced_chunks(n: int) -> list[tuple[int, int]]:
 def exchange(x: torch.Tensor, dest: int | None, src: int | None, comm: Comm, axis: int, phase: str,
              async_op: bool = False):
     """Send `x` to rank `dest` of the axis, receive its like from rank `src` (None: nothing that way) in one
-    all_to_all_single with one non-zero split each way (the threaded group has no send/recv)."""
+    all_to_all_single with one non-zero split each way (the threaded group has no send/recv). Returns
+    (the tensor received or None, the work)."""
     ax = comm.axes[axis]
     send = x.contiguous().reshape(-1) if dest is not None else x.new_empty(0)
     recv = x.new_empty(x.numel()) if src is not None else x.new_empty(0)
