@@ -124,6 +124,26 @@ class SlidingWindowAttention(nn.Module):
         return self.out(x + y.transpose(1, 2).reshape(B, T, C))
 
 
+class KeyPaddingAttention(nn.Module):
+    """Two attention layers under a padding mask made from the tokens (token 0 is padding): a (batch, 1, 1, keys)
+    mask expanded to every query row, so the mask SDPA reads is a view of a much smaller tensor."""
+
+    def __init__(self, dim=16, heads=2, vocab=32, layers=2):
+        super().__init__()
+        self.emb, self.heads = nn.Embedding(vocab, dim), heads
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim, bias=False) for _ in range(layers))
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, C = x.shape
+        mask = (idx != 0)[:, None, None, :].expand(B, 1, T, T)
+        for qkv in self.qkv:
+            q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in qkv(x).chunk(3, dim=-1))
+            x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, T, C)
+        return self.out(x)
+
+
 def _check_against_one_device(model, x, y, mesh_shape, optimizer, strategy="cp", names=None, **plan_kwargs):
     opt, lr = OPTIMIZERS[optimizer]
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=lr, optimizer=opt)
@@ -559,8 +579,9 @@ def _gpt_of(heads, dropout):
 
 @pytest.mark.parametrize("scheme, make, ranks", [
     ("ring", lambda: _gpt_of(3, 0.0), 2), ("heads", lambda: _gpt_of(4, 0.1), 2),
-    ("ring", FusedCausal, 2), ("heads", FusedCausal, 3), ("ring", SlidingWindowAttention, 3)],
-    ids=["ring", "heads", "ring-fused", "heads-fused", "ring-window"])
+    ("ring", FusedCausal, 2), ("heads", FusedCausal, 3), ("ring", SlidingWindowAttention, 3),
+    ("ring", KeyPaddingAttention, 3)],
+    ids=["ring", "heads", "ring-fused", "heads-fused", "ring-window", "ring-padding"])
 def test_what_autograd_keeps_under_cp_is_what_the_plan_predicts(scheme, make, ranks):
     """Activations autograd keeps within 1% of the prediction, bytes exact, on free links:
     - the ring (3 heads: no Ulysses on 2 ranks) keeps its keys and values as this rank's chunk, its output in
@@ -570,7 +591,9 @@ def test_what_autograd_keeps_under_cp_is_what_the_plan_predicts(scheme, make, ra
       and, as the all-to-all's new tensor, by the projection after it (5-8% under before
       terms.copied_kept_bytes);
     - a ring reading a sliding window cut from a buffer: its rows of the mask are a view of the buffer, which
-      the parameters count (once charged as activations too, whole: 32% over)."""
+      the parameters count (once charged as activations too, whole: 32% over);
+    - a ring reading a padding mask expanded from (batch, 1, 1, keys): splitting its rows makes a new tensor of
+      the mask's shape, which both layers' rings keep (once priced as the small tensor it was expanded from)."""
     from torch.distributed.device_mesh import init_device_mesh
     torch.manual_seed(0)
     model = make().train()
