@@ -15,7 +15,8 @@ then rations its effort by time: of two equally cheap plans it may return either
 load); the cache returns the first one it saw, so a plan made again is the same plan.
 
 Where: $AUTOPAR_SOLVE_CACHE_DIR, else ~/.cache/autopar/solves; AUTOPAR_SOLVE_CACHE=0 turns it off.
-Writes are atomic (a temporary file renamed into place); an unreadable entry is a miss.
+Writes are atomic (a temporary file renamed into place); an unreadable entry (empty, truncated, a bit
+flipped: whatever numpy or zlib raises on it) is a miss, and the answer HiGHS then gives replaces it.
 """
 from __future__ import annotations
 
@@ -74,7 +75,10 @@ def load(key: str):
             res = SimpleNamespace(x=x, fun=float(entry["fun"]) if x is not None else None,
                                   status=int(entry["status"]), message=str(entry["message"]),
                                   mip_gap=float(entry["mip_gap"]), mip_dual_bound=float(entry["mip_dual_bound"]))
-    except (OSError, KeyError, ValueError):
+    except FileNotFoundError:
+        return None
+    except Exception as e:   # empty, truncated, a flipped bit (EOFError, BadZipFile, zlib.error, ...): a miss,
+        log.debug("solve cache: unreadable entry %s (%s)", path, e)   # and store() writes it anew
         return None
     log.debug("solve cache: hit %s", path)
     return res
