@@ -191,13 +191,18 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO, 
     ep = _export(model, example_inputs, example_kwargs, spec)
     canonical = canonical_names(model)
     kinds = _placeholder_kinds(ep, canonical)
-    graph = _renumbered(ep.graph)
-    input_nodes = [n for n in graph.nodes if n.op == "placeholder" and kinds.get(n.name, (None,))[0] == INPUT]
+    input_nodes = _user_inputs(ep.graph, kinds)
     if len(input_nodes) != len(keys):   # export flattened the inputs otherwise than input_leaves did
         raise CaptureError(f"torch.export made {len(input_nodes)} input placeholders of the {len(keys)} inputs "
                            f"{keys}; pass each input as one tensor or one Python constant")
     dim_names = _auto_dim_names(values) if auto else _dim_names(dynamic_shapes, keys)
     rename, hints = _dim_symbols(input_nodes, values, dim_names, merge_alike=auto)
+    with trace_lock:   # it enters the export's fake mode, and mode stacks are per process
+        # HF's padding mask: a gather along the batch that is a slice, where the sizes are one symbol once
+        # merged (rename: the mask's batch and input_ids' are export's two symbols, checked equal per call)
+        rewrite_row_counts(ep.graph, rename)
+    graph = _renumbered(ep.graph)
+    input_nodes = _user_inputs(graph, kinds)
     info = _node_infos(graph, kinds, _MetaReader(rename, hints))
     symbols = {str(s): s for s in hints}
     ranges = {}
@@ -219,11 +224,15 @@ def _export(model, example_inputs: tuple, example_kwargs: dict, dynamic_shapes):
                                      dynamic_shapes=dynamic_shapes)
             # under the lock too: it enters the export's fake mode, and mode stacks are per process
             split_losses(ep.graph)   # before anything reads the graph: plans see the split form
-            rewrite_row_counts(ep.graph)   # HF's padding mask: a gather along the batch that is a slice
             rewrite_causal_masks(ep.graph)   # a causal mask built from shapes: is_causal=True (flash attention)
     except Exception as e:  # export raises many types; the user needs cause + place
         raise CaptureError(_explain_export_failure(model, e)) from e
     return ep
+
+
+def _user_inputs(graph: fx.Graph, kinds: dict) -> list:
+    """The placeholders of the user's inputs, in order."""
+    return [n for n in graph.nodes if n.op == "placeholder" and kinds.get(n.name, (None,))[0] == INPUT]
 
 
 def _placeholder_kinds(ep, canonical: dict) -> dict:
