@@ -8,11 +8,21 @@ attention and runs a slower kernel, and every layer reads an s x s mask. At a 0.
 one H200, attention ran at 209 TFLOP/s with the mask against 534 without (docs/gpu-results.md); on an
 H100 it had made autopar's step 1.06x the model's own.
 
-So at capture, every SDPA whose mask depends on no input's values (only on input sizes, through
-`sym_size`) and computes with no number but 0 and +-1 (_plain_numbers) is evaluated at two sets of small
-sizes, and where it is the causal mask both times (true on and below the diagonal, top-left aligned as
-`is_causal` means it), the mask is dropped and `is_causal=True` set. A mask that reads an input (a
-padded batch's attention_mask) is kept as it is.
+So at capture, an SDPA's mask is dropped and `is_causal=True` set only where the mask is the causal one
+(true on and below the diagonal, top-left aligned as `is_causal` means it) at every length the module can
+be called with. The evidence (`_is_causal_from_shapes`):
+- the mask depends on no input's values, only on input sizes (through `sym_size`): a padded batch's
+  attention_mask reads an input and is kept;
+- where the sequence length is dynamic, no number in the mask's subgraph can move or compare positions
+  except 0 and +-1 (`_position_numbers`): a sliding window of 4096 keys, a chunk of 8192, a `triu(-7)`,
+  `i >> 3`, a prefix of `n // 4`, a window read from `torch.full((), 8)`, a table of a static size
+  `ones(64, 64)[:n, :n]` each shows up as such a number. Numbers at a dim (unsqueeze's, a slice's) and a
+  masking fill (-inf, a dtype's min) move nothing;
+- the mask, evaluated on CPU, is causal at two small sets of sizes, at the example's sizes and past them
+  (twice the example's length and one), each symbol its own value. With the numbers above ruled out,
+  a mask causal at all of these is taken as causal at every length: what makes a mask of sizes differ
+  past some length is a number, and those are the ones refused;
+- where the length is static, export allows only that length, and the mask is evaluated at it.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .._compat import operator_name, symint_expr
+from .._compat import operator_name, symint_expr, symint_hint
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 SYM_SIZE = torch.ops.aten.sym_size.int
@@ -32,9 +42,17 @@ ASSERT_METADATA = "aten._assert_tensor_metadata.default"
 MAX_MASK_NODES = 400
 # ops whose numeric operands move or compare positions (_plain_numbers); not a fill value (where,
 # masked_fill: -inf is what a float mask holds) nor a length (arange: a graph with static sizes has them)
-_ARITHMETIC = {"add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "fmod", "lt", "le", "gt", "ge", "eq",
-               "ne", "clamp", "clamp_min", "clamp_max", "minimum", "maximum", "bitwise_and", "bitwise_or",
-               "bitwise_xor", "__and__", "__or__", "__xor__"}
+# where an op's literal numbers name dims, not positions: (positional indices, keyword names)
+_DIM_ARGS = {"unsqueeze": ((1,), ()), "squeeze": ((1,), ("dim",)), "slice": ((1,), ("dim",)),
+             "select": ((1,), ("dim",)), "sym_size": ((1,), ("dim",)), "cumsum": ((1,), ("dim",)),
+             "diff": ((2,), ("dim",)), "transpose": ((1, 2), ("dim0", "dim1")), "permute": ((1,), ("dims",)),
+             "flip": ((1,), ("dims",)), "sum": ((1,), ("dim",)), "any": ((1,), ("dim",)), "all": ((1,), ("dim",)),
+             "amax": ((1,), ("dim",)), "amin": ((1,), ("dim",)), "movedim": ((1, 2), ("source", "destination"))}
+# where a literal number is what a masked position holds (-inf, a dtype's min), not a position
+_FILL_ARGS = {"where": (1, 2), "masked_fill": (2,), "full": (1,), "new_full": (2,), "fill": (1,),
+              "scalar_tensor": (0,), "full_like": (1,)}
+# a fill is -inf or at most float16's min (-65504): no position is that far below zero
+_FILL_AT_MOST = -65504.0
 _FULL_SLICE_END = 2**63 - 1
 # the largest mask evaluated (a graph traced with static sizes evaluates at those): 16 MB as bool
 MAX_MASK_ELEMENTS = 2**24
@@ -82,7 +100,7 @@ def _ancestors(node: fx.Node) -> list | None:
 
 def _is_causal_from_shapes(mask: fx.Node, sdpa: fx.Node) -> bool:
     nodes = _ancestors(mask)
-    if nodes is None or not all(_plain_numbers(n) for n in nodes):
+    if nodes is None:
         return False
     sizes = [n for n in nodes if n.target is SYM_SIZE]
     exprs = [_size_expr(n.meta.get("val")) for n in sizes]
@@ -90,16 +108,17 @@ def _is_causal_from_shapes(mask: fx.Node, sdpa: fx.Node) -> bool:
     shape = [_size_expr(d) for d in mask.meta["val"].shape]
     if None in exprs + lengths + shape:
         return False
+    static_length = all(e.is_number for e in lengths)
+    # with a static length the module is only ever called at it, and the mask is evaluated there; with a
+    # dynamic one, a number that moves positions (a window, a chunk) can make it causal here and not there
+    if not static_length and any(not _position_numbers_plain(n) for n in nodes):
+        return False
     symbols = sorted(set().union(*(e.free_symbols for e in exprs + lengths + shape)), key=str)
-    # Two sets of small sizes, each symbol its own: the mask is a function of the sizes, so being causal at
-    # both (and not merely at the example's) is the evidence; small, because a 4096-long sequence's mask
-    # at a batch of 64 is a GB. A size baked into the graph as a number stays that number.
-    for first in (3, 6):
-        trial = {sym: first + 2 * i for i, sym in enumerate(symbols)}
+    for trial in _trial_sizes(symbols, _example_sizes(nodes, sdpa, mask), lengths):
         at = [int(e.xreplace(trial)) for e in exprs + lengths + shape]
         values, (q_len, k_len), mask_shape = dict(zip(sizes, at)), at[len(exprs):len(exprs) + 2], at[len(exprs) + 2:]
         if math.prod(mask_shape) > MAX_MASK_ELEMENTS:
-            return False   # static sizes too large to evaluate here: the mask stays
+            return False   # too large to evaluate here: the mask stays
         try:
             value = _evaluate(nodes, values)
         except Exception:   # an op that cannot run at these sizes: not provably causal
@@ -109,21 +128,61 @@ def _is_causal_from_shapes(mask: fx.Node, sdpa: fx.Node) -> bool:
     return True
 
 
-def _plain_numbers(node: fx.Node) -> bool:
-    """Whether the numbers a mask op computes with are only 0 and +-1 (a slice's bounds too, or whole).
+def _trial_sizes(symbols: list, example: dict, lengths: list) -> list[dict]:
+    """The sizes a mask is evaluated at: two small sets (3 and 6, each symbol 2 apart from the last, so no
+    two are equal by chance), the example's, and past the example's (the lengths' symbols at twice theirs
+    and one; the others, a batch, small, to keep the mask small)."""
+    length_symbols = set().union(*(e.free_symbols for e in lengths))
+    trials = [{sym: first + 2 * i for i, sym in enumerate(symbols)} for first in (3, 6)]
+    if all(sym in example for sym in symbols):
+        trials.append({sym: example[sym] for sym in symbols})
+        trials.append({sym: 2 * example[sym] + 1 if sym in length_symbols else 2 + i for i, sym in enumerate(symbols)})
+    return trials
+
+
+def _example_sizes(nodes: list, sdpa: fx.Node, mask: fx.Node) -> dict:
+    """Each size symbol's example value, read from the SymInts the graph was traced with."""
+    found = {}
+    vals = [n.meta.get("val") for n in nodes if n.target is SYM_SIZE]
+    vals += [d for x in (*sdpa.args[:2], mask) for d in x.meta["val"].shape]
+    for v in vals:
+        if isinstance(v, torch.SymInt) and isinstance(symint_expr(v), sympy.Symbol):
+            found[symint_expr(v)] = symint_hint(v)
+    return found
+
+
+def _position_numbers_plain(node: fx.Node) -> bool:
+    """Whether every number a mask op computes with is 0 or +-1, besides the dims it names and a masking fill.
 
     A mask can equal the causal one at every size tried and differ past a number in the graph: a sliding
     window of 4096 keys (Mistral, Qwen2) or a chunk of 8192 (Llama 4) is causal for any shorter sequence.
-    Such a number shows up as an operand (`q_idx - 4096`) or a slice bound; a mask with one stays a mask.
-    Other ops' numbers are dims (unsqueeze(x, 2)), which no size reaches past."""
-    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-    if name == "slice":   # bounds of 0, +-1 or whole (2**63 - 1), step 1; a dim of any number
+    Such a number is an operand (`q_idx - 4096`, `i >> 3`, `n // 4`), a diagonal (`triu(-7)`), a value
+    (`full((), 8)`), a slice's bound or a size (`ones(64, 64)`); a mask with one stays a mask. A SymInt's
+    arithmetic (`operator.floordiv`) is an fx node of its own and is held to the same rule."""
+    name = operator_name(node.target)
+    op = name.split(".")[1] if name and name.startswith("aten.") else getattr(node.target, "__name__", str(node.target))
+    if op == "slice":   # bounds of 0, +-1 or whole (2**63 - 1), step 1
         bounds = [b for b in node.args[2:4] if isinstance(b, int) and b != _FULL_SLICE_END]
         return all(b in (-1, 0, 1) for b in bounds) and (len(node.args) < 5 or node.args[4] == 1)
-    if name in _ARITHMETIC:
-        numbers = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, (int, float))]
-        return all(a in (-1, 0, 1) for a in numbers)
-    return True
+    dim_positions, dim_keywords = _DIM_ARGS.get(op, ((), ()))
+    fills = _FILL_ARGS.get(op, ())
+    numbers = []
+    for i, a in enumerate(node.args):
+        if i in dim_positions:
+            continue
+        numbers += [(x, i in fills) for x in _literals(a)]
+    for k, a in node.kwargs.items():
+        if k in dim_keywords:
+            continue
+        numbers += [(x, k in ("value", "fill_value", "other") and op in _FILL_ARGS) for x in _literals(a)]
+    return all(x in (-1, 0, 1) or (is_fill and x <= _FILL_AT_MOST) for x, is_fill in numbers)
+
+
+def _literals(arg) -> list:
+    """The numbers written into an argument (bools are 0 and 1), looking inside lists and tuples."""
+    if isinstance(arg, (list, tuple)):
+        return [x for a in arg for x in _literals(a)]
+    return [arg] if isinstance(arg, (int, float)) else []
 
 
 def _size_expr(size):
