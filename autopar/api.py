@@ -10,7 +10,8 @@ import torch
 
 from ._compat import trace_lock
 from .capture.compute_dtype import at_compute_dtype
-from .capture.export import AUTO, PARAM, Captured, capture, mode_dependent_ops, same_structure
+from .capture.export import AUTO, PARAM, Captured, capture
+from .capture.modes import mode_dependent, same_ops, without_identities
 from .capture.repeat import capture_repeated
 from .capture.shared import shared_in_run
 from .cost.precision import precision_of
@@ -200,7 +201,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
         other_mode = _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap, plan, comm)
     else:   # stages are cut from one graph; say so rather than run the other mode with the wrong one
         other_mode = (OtherMode(refused="a pipelined module runs only the graph of the mode it was parallelized in")
-                      if mode_dependent_ops(cap.graph) else None)
+                      if mode_dependent(model, cap.graph) else None)
     pm = ParallelModule(gm, gathered, cap, plan, comm, model, device_mesh=mesh, other_mode=other_mode,
                         grad_nodes=grad_nodes)
     return pm.train(model.training)
@@ -210,26 +211,32 @@ def _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap: Capt
     """The local graph for the mode the model was not captured in (eval for a training model).
 
     Dropout, random ops and batch norm are traced in the mode the model is in,
-    so pm.eval() needs a graph of its own. The same plan lays it out: its
-    nodes are the training graph's, with other arguments (dropout off). None
-    when the graph has no such op (it is then the same in both modes); an
-    OtherMode saying why where the other mode cannot run.
+    so the other mode needs a graph of its own. The same plan lays it out: its
+    nodes are the captured graph's, with other arguments (dropout off), less or
+    more ops that change no value (capture/modes.py). None when neither the graph
+    nor the model's modules show anything that acts by mode (an eval-mode graph
+    of HF attention shows no dropout: it passes dropout_p=0.0 when not training);
+    an OtherMode saying why where the other mode cannot run.
     """
-    if not mode_dependent_ops(cap.graph):
+    if not mode_dependent(model, cap.graph):
         return None
     was = model.training
+    mode = "eval" if was else "train"
     try:
         model.train(not was)
         other = _running_capture(model, plan.precision)(model, example_inputs, dynamic_shapes, example_kwargs)
     except CaptureError as e:
-        return OtherMode(refused=f"the model does not capture in {'eval' if was else 'train'} mode: {e}")
+        return OtherMode(refused=f"the model does not capture in {mode} mode: {e}")
     finally:
         model.train(was)
-    if not same_structure(cap.graph, other.graph):
-        return OtherMode(refused=f"the model's graph in {'eval' if was else 'train'} mode has other ops than in "
-                                 "the mode it was parallelized in (forward branches on self.training), so the plan "
-                                 "does not apply to it")
-    graph, gathered = rewrite(other, plan, comm, needs_grad(other))
+    if not same_ops(cap.graph, other.graph):
+        return OtherMode(refused=f"the model's graph in {mode} mode has other ops than in the mode it was "
+                                 "parallelized in (forward branches on self.training), so the plan does not apply to it")
+    other = without_identities(other)
+    try:
+        graph, gathered = rewrite(other, plan, comm, needs_grad(other))
+    except PlanError as e:   # a layout the captured mode's graph allows and the other's does not
+        return OtherMode(refused=f"the plan does not run the model's graph in {mode} mode: {e}")
     return OtherMode(graph, gathered)
 
 

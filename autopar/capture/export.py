@@ -443,10 +443,3 @@ def mode_dependent_ops(graph: fx.Graph) -> list[str]:
             if p:
                 out.append(node.name)
     return out
-
-
-def same_structure(a: fx.Graph, b: fx.Graph) -> bool:
-    """Same nodes (names and ops) in the same order: a plan made for one applies to the other."""
-    na, nb = list(a.nodes), list(b.nodes)
-    return len(na) == len(nb) and all(x.name == y.name and x.op == y.op and x.target == y.target
-                                      for x, y in zip(na, nb))

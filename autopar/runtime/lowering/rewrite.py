@@ -22,7 +22,7 @@ from ...cost.layer_groups import groupable, sums_gradient
 from ...cost.checkpointing import checkpointable_stacks
 from ...cost.precision import precision_of
 from ...errors import PlanError
-from ...sharding.op_spec import op_name, tensor_args
+from ...sharding.op_spec import op_arg, op_name, tensor_args
 from ...sharding.placement import R, dim_factor, gathered_size, is_shard
 from ...sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
 from ...sharding.rules import ring_axes, ring_repeats, vocab_split_axes
@@ -361,6 +361,10 @@ class _Rewriter:
         if name in VIEW_OPS:
             new = self.g.call_function(torch.ops.aten.reshape.default, args, kwargs)
         elif ring_axes(node, s, self.sizes):   # attention passing keys and values round a context axis
+            if draws_random(node):   # the rules plan no ring for it; another mode's graph may ask for one
+                raise PlanError(f"{node.name} runs as a ring attention over mesh axes "
+                                f"{[self.names[a] for a in ring_axes(node, s, self.sizes)]}, which applies no "
+                                f"dropout, and it has dropout_p={op_arg(node, 4, 'dropout_p', 0.0)}")
             self._count += 1
             mod_name = f"ring_attention_{self._count}_{node.name}"
             self.root.add_module(mod_name, ring_attention(node, s, self.comm, self.sizes,
