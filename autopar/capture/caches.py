@@ -11,6 +11,21 @@ called with `use_cache=False`: the same numbers, without the copies. Whatever
 cache a model returns anyway is left out of its outputs (`out.past_key_values`
 is then None, the field's default).
 
+Not quite the same numbers: HF's masking_utils looks for packed sequences
+(`position_ids` restarting per document) only when the 2D attention_mask is None
+*and* there is no cache, and then masks attention per document. A model whose
+config has use_cache=True, called as its authors call it on a packed batch
+(`position_ids`, no attention_mask), builds a cache and so attends across the
+documents; with the cache forced off it would mask them (tests/test_caches.py's
+tiny Llama: loss 4.145448 traced against 4.143707 as shipped). So where the call as shipped would
+build a cache, a Hugging Face model given position_ids and no attention_mask is
+also given an attention_mask of ones (made from the input's sizes): "no padding"
+to HF, as None is, but one that turns the packed-sequence detection off as the
+cache did. The module then follows the shipped model: plain causal attention
+(capture/causal_masks.py makes that mask `is_causal`). Called with use_cache=False
+(or under HF's gradient checkpointing, which turns the cache off), it masks per
+document, as the model itself does then.
+
 transformers is not a dependency: a cache is recognised as an instance of its
 `Cache` class only when the model's code has imported transformers already.
 """
@@ -51,14 +66,54 @@ def _takes_use_cache(model: torch.nn.Module) -> bool:
         return False
 
 
+def _is_hf_model(model: torch.nn.Module) -> bool:
+    module = sys.modules.get("transformers.modeling_utils")
+    base = getattr(module, "PreTrainedModel", None)
+    return isinstance(base, type) and isinstance(model, base)
+
+
+def _builds_cache(model: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether the model as shipped builds a cache on this call: the call's use_cache, else its config's
+    (HF's merge_with_config_defaults), off where HF's gradient checkpointing runs."""
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(getattr(model, "config", None), "use_cache", None)
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    return bool(use_cache) and not (checkpointing and model.training and torch.is_grad_enabled())
+
+
+def _packed_unmasked_tokens(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """The call's input_ids (or inputs_embeds), which size the batch and the sequence, where it gives
+    position_ids and no attention_mask to a forward that takes one; else None."""
+    try:
+        signature = inspect.signature(model.forward)
+        called = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    if "attention_mask" not in signature.parameters or called.get("attention_mask") is not None \
+            or called.get("position_ids") is None:
+        return None
+    tokens = called.get("input_ids")
+    tokens = tokens if tokens is not None else called.get("inputs_embeds")
+    return tokens if isinstance(tokens, torch.Tensor) else None
+
+
 def _no_cache(module, args, kwargs):
-    return args, {**kwargs, "use_cache": False}
+    """use_cache=False, and where that alone would turn on HF's packed-sequence mask (module docstring)
+    an attention_mask of ones, as the shipped call's cache kept it off."""
+    as_shipped = dict(kwargs, use_cache=False)
+    tokens = _packed_unmasked_tokens(module, args, kwargs)
+    if tokens is not None and _is_hf_model(module) and _builds_cache(module, kwargs):
+        # from the sizes alone (no input's values), so causal_masks.py can still make the mask is_causal
+        as_shipped["attention_mask"] = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
+    return args, as_shipped
 
 
 @contextlib.contextmanager
 def caches_left_out(model: torch.nn.Module):
-    """While open, `model` is called with use_cache=False where its forward takes it, and its outputs leave
-    out KV caches (forward hooks, which torch.export traces)."""
+    """While open, `model` is called with use_cache=False where its forward takes it (with an attention_mask
+    of ones on a packed batch that would have built a cache, as above), and its outputs leave out KV caches
+    (forward hooks, which torch.export traces)."""
     cache_types = _cache_types()
     handles = []
     if _takes_use_cache(model):
