@@ -11,6 +11,11 @@ gathered in the recompute instead of being gathered again for backward).
 A redistribution that the first block made for a tensor later blocks read as
 well (the rewriter makes one per producer and layout) is moved in front of
 the region, so it runs once and the region takes its result as an input.
+
+A region whose ops draw random numbers (dropout) must draw in its rerun what forward drew; its random
+ops draw from autopar's streams (runtime/rng.py), which the rerun replays from a snapshot. That replay is
+Python state torch.compile cannot trace, so such a region is an `EagerCheckpointRegion`: it runs eagerly,
+forward and rerun alike, even inside a compiled module.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..collectives import Comm
+from ..rng import RandomOp
 
 
 def recompute_all_but_logging():
@@ -47,8 +53,8 @@ class CheckpointRegion(torch.nn.Module):
             self.observer(inputs)
         if torch.compiler.is_dynamo_compiling():
             # the compiler's partitioner reruns the region in backward from the graph itself; the counter
-            # and the stream replay below are Python state it cannot trace (a random op is not compiled:
-            # runtime/rng.py)
+            # and the stream replay below are Python state it cannot trace, and need not: this region draws
+            # no random numbers (outline makes one that does an EagerCheckpointRegion)
             return checkpoint(self.body, *inputs, use_reentrant=False, context_fn=recompute_all_but_logging)
         calls = [0]
         streams = self.comm.random_streams
@@ -69,6 +75,25 @@ class CheckpointRegion(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return self.label
+
+
+class EagerCheckpointRegion(CheckpointRegion):
+    """A region whose ops draw random numbers: run eagerly even under torch.compile, so that its rerun
+    replays forward's draws.
+
+    Traced, the region would be a checkpoint the compiler reruns itself, without the stream replay, and
+    its random ops (not compiled: rng.RandomOp) would draw new masks in backward from streams forward had
+    advanced: gradients against masks forward never drew. The compiler could not compile the region's
+    ops in any case: the checkpoint around them is one graph or none, and each random op breaks it."""
+
+    @torch.compiler.disable
+    def forward(self, *inputs):
+        return super().forward(*inputs)
+
+
+def draws_random(body: fx.GraphModule) -> bool:
+    """Whether a region's ops draw random numbers (the rewriter runs each such op through a RandomOp)."""
+    return any(isinstance(m, RandomOp) for m in body.modules())
 
 
 def _hoist_shared(graph: fx.Graph, region: list) -> list:
@@ -114,7 +139,9 @@ def outline(gm: fx.GraphModule, regions: list, labels: list, comm: Comm) -> fx.G
             env[node] = body.node_copy(node, lambda a: env[a])
         body.output(tuple(env[n] for n in outputs))
         name = f"checkpoint_{i}"
-        gm.add_module(name, CheckpointRegion(fx.GraphModule(gm, body, class_name="Block"), label, comm))
+        block = fx.GraphModule(gm, body, class_name="Block")
+        kind = EagerCheckpointRegion if draws_random(block) else CheckpointRegion
+        gm.add_module(name, kind(block, label, comm))
         with graph.inserting_before(region[0]):
             call = graph.call_module(name, tuple(inputs))
             results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
