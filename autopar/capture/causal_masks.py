@@ -19,7 +19,8 @@ be called with. The evidence (`_is_causal_from_shapes`):
   `ones(64, 64)[:n, :n]` each shows up as such a number. Numbers at a dim (unsqueeze's, a slice's) and a
   masking fill (-inf, a dtype's min) move nothing;
 - the mask, evaluated on CPU, is causal at two small sets of sizes, at the example's sizes and past them
-  (twice the example's length and one), each symbol its own value. With the numbers above ruled out,
+  (twice the example's length and one), each symbol its own value; the last two where the mask is small
+  enough to build here (a 4096-long example's is, 8193 long is not). With the numbers above ruled out,
   a mask causal at all of these is taken as causal at every length: what makes a mask of sizes differ
   past some length is a number, and those are the ones refused;
 - where the length is static, export allows only that length, and the mask is evaluated at it.
@@ -114,11 +115,14 @@ def _is_causal_from_shapes(mask: fx.Node, sdpa: fx.Node) -> bool:
     if not static_length and any(not _position_numbers_plain(n) for n in nodes):
         return False
     symbols = sorted(set().union(*(e.free_symbols for e in exprs + lengths + shape)), key=str)
-    for trial in _trial_sizes(symbols, _example_sizes(nodes, sdpa, mask), lengths):
+    for k, trial in enumerate(_trial_sizes(symbols, _example_sizes(nodes, sdpa, mask), lengths)):
         at = [int(e.xreplace(trial)) for e in exprs + lengths + shape]
         values, (q_len, k_len), mask_shape = dict(zip(sizes, at)), at[len(exprs):len(exprs) + 2], at[len(exprs) + 2:]
         if math.prod(mask_shape) > MAX_MASK_ELEMENTS:
-            return False   # too large to evaluate here: the mask stays
+            if k < 2 or static_length:
+                return False   # too large to evaluate here: the mask stays
+            continue   # the example's length or past it, too large to build here (8192 x 8192): the small ones and
+            #            the numbers rule stand for it
         try:
             value = _evaluate(nodes, values)
         except Exception:   # an op that cannot run at these sizes: not provably causal
@@ -129,7 +133,8 @@ def _is_causal_from_shapes(mask: fx.Node, sdpa: fx.Node) -> bool:
 
 
 def _trial_sizes(symbols: list, example: dict, lengths: list) -> list[dict]:
-    """The sizes a mask is evaluated at: two small sets (3 and 6, each symbol 2 apart from the last, so no
+    """The sizes a mask is evaluated at (the first two always; the others where the mask fits in
+    MAX_MASK_ELEMENTS): two small sets (3 and 6, each symbol 2 apart from the last, so no
     two are equal by chance), the example's, and past the example's (the lengths' symbols at twice theirs
     and one; the others, a batch, small, to keep the mask small)."""
     length_symbols = set().union(*(e.free_symbols for e in lengths))
