@@ -488,7 +488,8 @@ def test_ring_attention_equals_one_device_attention(n):
         for (causal, gqa, _, q, k, v, grad), (y, dq, dk, dv, sent) in zip(cases, results):
             want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa).detach()
             for got, whole in ((y, want), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
-                torch.testing.assert_close(got, whole.chunk(n, -2)[rank], atol=2e-6, rtol=0)
+                # float32 rounding: blockwise softmax sums in another order than SDPA's (2.1e-6 seen on one CPU)
+                torch.testing.assert_close(got, whole.chunk(n, -2)[rank], atol=1e-5, rtol=0)
             kv = 2 * k.numel() // n * 4
             expected = (n - 1) * kv * 2 + n * kv            # K/V there and back again, their grads' fp32 home
             if causal and not skips_swaps(n, rank):
@@ -533,7 +534,8 @@ def test_ring_attention_with_a_boolean_mask_equals_one_device_attention(n):
             want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).detach()
             for got, whole in zip(got_all, (want, q.grad, k.grad, v.grad)):
                 assert not got.isnan().any()
-                torch.testing.assert_close(got, whole.chunk(n, -2)[rank], atol=2e-6, rtol=0)
+                # float32 rounding: blockwise softmax sums in another order than SDPA's (2.1e-6 seen on one CPU)
+                torch.testing.assert_close(got, whole.chunk(n, -2)[rank], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -717,3 +719,52 @@ def test_a_ring_is_planned_while_another_thread_traces():
     outside = plan()
     assert all(s.inputs[1] == ("S(2)",) for _, s in _sdpa_strategies(outside)) and _sdpa_strategies(outside)
     assert inside[0].node_strategies == outside.node_strategies
+
+
+def _calls_at_other_lengths(rank, model, example, calls, mesh_shape, kwargs_input):
+    """Each call in `calls` ({label: rank -> (args, kwargs)}) on a module planned with strategy cp at
+    `example`: the error it raised on this rank, or "ran"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("cp",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kwargs_input:
+            pm = autopar.parallelize(copy.deepcopy(model), mesh, (), example_kwargs=example, strategy="cp",
+                                     hardware="cpu")
+        else:
+            pm = autopar.parallelize(copy.deepcopy(model), mesh, example, strategy="cp", hardware="cpu")
+    out = {}
+    for label, call in calls.items():
+        try:
+            args, kwargs = call(pm.plan, rank)
+            pm(*args, **kwargs)
+            out[label] = "ran"
+        except autopar.InputShapeError as e:
+            out[label] = str(e)
+    return out
+
+
+def test_a_length_the_cp_axis_does_not_divide_raises_on_every_rank():
+    """Issue 51: HF Llama planned at 16 on 2 context ranks and called at 13 failed in a reshape on one rank while
+    the other waited forever; so did a sequence cut by hand (7 tokens here, 6 there). Both now raise
+    InputShapeError on every rank before any collective; a length the axis divides still runs."""
+    pytest.importorskip("transformers")
+    model = shipped_causal_lm("llama")
+    ids16, ids13, ids12 = (torch.randint(0, 64, (4, n)) for n in (16, 13, 12))
+    calls = {"13": lambda plan, r: ((), plan.local_kwargs(input_ids=ids13, labels=ids13)),
+             "cut by hand": lambda plan, r: ((), {k: ids13.chunk(2, dim=1)[r] for k in ("input_ids", "labels")}),
+             "12": lambda plan, r: ((), plan.local_kwargs(input_ids=ids12, labels=ids12))}
+    results = run_threaded(2, _calls_at_other_lengths, model, {"input_ids": ids16, "labels": ids16}, calls, (2,),
+                           True, timeout=120)
+    for out in results:
+        assert "2 does not divide 13" in out["13"], out
+        assert "is 6 on some ranks of mesh axis 'cp' and 7 on others" in out["cut by hand"], out
+        assert out["12"] == "ran"
+
+
+def test_gpt_on_three_context_ranks_refuses_a_length_three_does_not_divide():
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=32))
+    x12, x20 = torch.randint(0, 32, (2, 12)), torch.randint(0, 32, (2, 20))
+    calls = {"20": lambda plan, r: (plan.local_inputs(x20), {})}
+    for out in run_threaded(3, _calls_at_other_lengths, model, (x12,), calls, (3,), False, timeout=120):
+        assert "3 does not divide 20" in out["20"], out

@@ -23,7 +23,8 @@ from .devices import on_mesh_device
 from .reduction.grad_buckets import wire_grad_buckets
 from .reduction.layer_groups import serve_layer_groups
 from .initialization import init_shards
-from .lowering.input_shapes import check_input_shapes, input_shape_specs, ordered_inputs
+from .lowering.input_shapes import (call_sizes, check_input_shapes, check_same_sizes, check_splits_divide,
+                                    context_axes, input_shape_specs, ordered_inputs, split_requirements)
 from .lowering.regather import GatheredParams
 from .pipeline.runner import PipelineRunner
 from .reduction.zero_buckets import ZeroGradientChecks
@@ -58,6 +59,9 @@ class ParallelModule(torch.nn.Module):
         self._captured_training = model.training
         self._other_mode = other_mode
         self._input_shapes = input_shape_specs(cap, plan)
+        # the dynamic sizes the plan splits inside the graph, and the axes whose ranks must agree on them
+        self._split_requirements = split_requirements(cap, plan)
+        self._context_axes = context_axes(self._split_requirements, plan.mesh.axis_names, plan.batch_axes)
         self.output_spec = output_spec(cap.exported)
         self.coords = tuple(a.coord for a in comm.axes)
         # a meta-built model's module tree, for init_weights (held outside nn.Module's registry, so its
@@ -184,6 +188,11 @@ class ParallelModule(torch.nn.Module):
                             "or plan with pipeline_axis=None")
         local_inputs = ordered_inputs(self._input_keys, self._constant_inputs, local_inputs, local_kwargs)
         check_input_shapes(self._input_shapes, local_inputs)
+        if self._split_requirements:   # before any collective, so every rank raises alike
+            sizes = call_sizes(self._input_shapes, local_inputs)
+            check_same_sizes(sizes, self._context_axes, [(a.group, a.size, name) for a, name in
+                                                         zip(self.comm.axes, self.plan.mesh.axis_names)])
+            check_splits_divide(self._split_requirements, sizes)
         local_inputs = cast_inputs(local_inputs, self._compute_dtype)
         graph_module, gathered = self._graph_for_mode()
         if through_buckets and self.comm.log is not None:

@@ -7,7 +7,7 @@ import torch
 
 from ...capture.export import Captured
 from ...errors import InputShapeError
-from ...sharding.placement import dim_factor
+from ...sharding.placement import dim_factor, shard_dim
 
 
 def input_shape_specs(cap: Captured, plan) -> list:
@@ -51,6 +51,121 @@ def check_input_shapes(specs: list, local_inputs) -> None:
                     first = seen[expr]
                     raise InputShapeError(f"{what} is {given}, but dim {first[2]} of input {first[1]!r} is {first[0]} "
                                           f"and the model needs them equal ({expr})")
+
+
+def split_requirements(cap: Captured, plan) -> list:
+    """(expression, pieces, node name, mesh axes) for each dynamic size the plan splits inside the graph: the
+    sequence a context axis splits after the embedding, while every rank holds the whole input.
+
+    The search checked the example's sizes; a call at another size has to divide too, or one rank fails in a
+    reshape of its uneven share while the others wait in their next collective. Every rank evaluates these at
+    the same whole sizes (`check_splits_divide`), so all of them raise together."""
+    out, seen = [], set()
+    for node in cap.graph.nodes:
+        strategy = plan.node_strategies.get(node.name)
+        if strategy is None:
+            continue
+        # the output as laid out, and each tensor input as this op wants it (the order rewrite.map_args reads)
+        laid_out = [(node, strategy.output)] + list(zip(_tensor_inputs(node, cap), strategy.inputs))
+        for tensor, placements in laid_out:
+            metas = cap.info[tensor.name].meta
+            for meta in (metas if isinstance(metas, list) else [metas]):
+                for d, expr in enumerate(meta.shape if meta is not None and placements is not None else ()):
+                    f = dim_factor(placements, d, plan.mesh.axis_sizes)
+                    if f > 1 and not expr.is_number and (expr, f) not in seen:
+                        seen.add((expr, f))
+                        axes = [plan.mesh.axis_names[a] for a, p in enumerate(placements) if shard_dim(p) == d]
+                        out.append((expr, f, node.name, axes))
+    return out
+
+
+def _tensor_inputs(node, cap: Captured) -> list:
+    """`node`'s tensor inputs in the order of its strategy's `inputs`: args, then kwargs, depth first."""
+    found = []
+    def visit(a):
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+        elif hasattr(a, "name") and a.name in cap.info and _is_tensor_meta(cap.info[a.name].meta):
+            found.append(a)
+    visit(node.args)
+    visit(node.kwargs)
+    return found
+
+
+def _is_tensor_meta(meta) -> bool:
+    return meta is not None and (not isinstance(meta, list) or bool(meta))
+
+
+def call_sizes(specs: list, local_inputs) -> dict:
+    """Each dynamic size symbol's whole value in this call ({symbol: (value, where it was read)}), read from the
+    inputs as the plan lays them out (a split dim's local size times its pieces)."""
+    values = {}
+    for spec, t in zip(specs, local_inputs):
+        if spec is None or not isinstance(t, torch.Tensor) or t.dim() != len(spec[1]):
+            continue
+        name, shape, placements, sizes, _ = spec
+        for d, expr in enumerate(shape):
+            if expr.is_Symbol and expr not in values:
+                values[expr] = (t.shape[d] * dim_factor(placements, d, sizes), f"dim {d} of input {name!r}")
+    return values
+
+
+def check_splits_divide(requirements: list, values: dict) -> None:
+    """Raise InputShapeError where this call's sizes (`call_sizes`) make a split of `split_requirements` uneven."""
+    for expr, pieces, node, axes in requirements:
+        if not expr.free_symbols <= values.keys():
+            continue
+        size = int(expr.xreplace({sym: v for sym, (v, _) in values.items()}))
+        if size % pieces:
+            read = ", ".join(f"{values[sym][1]} is {values[sym][0]} ({sym})"
+                             for sym in sorted(expr.free_symbols, key=str))
+            raise InputShapeError(
+                f"{read}: the plan splits {expr}{'' if expr.is_Symbol else f' = {size}'} into {pieces} equal pieces "
+                f"over mesh axes {axes} (at node {node!r}), and {pieces} does not divide {size}. Pad the sequence to "
+                f"a multiple of {pieces}, or parallelize for this size")
+
+
+def context_axes(requirements: list, axis_names: tuple, batch_axes: tuple) -> list:
+    """The mesh axes (indices) that split a dynamic size other than the batch: their ranks must be called with
+    the same sizes (`check_same_sizes`)."""
+    return sorted({axis_names.index(a) for *_, axes in requirements for a in axes if a not in batch_axes})
+
+
+def check_same_sizes(values: dict, axes: list, axis_groups: list) -> None:
+    """Raise InputShapeError on every rank, before any collective, where the ranks of a context axis were
+    called with different sizes (a sequence cut by hand: 7 tokens on one rank, 6 on the other).
+
+    Each rank alone would pass its own checks; then they would split different lengths, and one would fail
+    in a reshape while the others wait forever in their first exchange. One small all-reduce per axis (the
+    max of each size and of its negative) gives every rank the same verdict. A plan with no such axis pays
+    nothing; on a GPU this is a host sync, once a call."""
+    import torch.distributed as dist
+    symbols = sorted(values, key=str)
+    for a in axes:
+        group, size, name = axis_groups[a]
+        if size == 1 or not symbols:
+            continue
+        mine = torch.tensor([values[sym][0] for sym in symbols], dtype=torch.int64, device=_device(group))
+        both = torch.cat([mine, -mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        longest, shortest = both[:len(symbols)].tolist(), (-both[len(symbols):]).tolist()
+        for sym, hi, lo in zip(symbols, longest, shortest):
+            if hi != lo:
+                raise InputShapeError(
+                    f"{values[sym][1]} ({sym}) is {lo} on some ranks of mesh axis {name!r} and {hi} on others (this "
+                    f"rank's: {values[sym][0]}): the ranks of an axis that splits the sequence must be called with "
+                    "the same sizes. Cut the global batch with plan.local_inputs / plan.local_kwargs")
+
+
+def _device(group) -> torch.device:
+    """Where a tensor for `group`'s collectives lives: the current CUDA device under NCCL, else the CPU."""
+    import torch.distributed as dist
+    backend = str(dist.get_backend(group)).lower()
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
 
 def ordered_inputs(keys: list, constants: dict, args: tuple, kwargs: dict) -> list:
