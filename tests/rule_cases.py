@@ -484,6 +484,14 @@ def splits(draw):
     return Fn(f), (randn(shp),)
 
 
+@case("aten.unbind.int", "_operator.getitem")
+def unbind(draw):
+    seeded(draw)
+    shp = shape(draw, 1, 4)
+    d = dim_of(draw, len(shp))
+    return Fn(lambda self, x: x.unbind(d)), (randn(shp),)
+
+
 @case("aten.cat.default")
 def cat(draw):
     seeded(draw)

@@ -146,6 +146,16 @@ def select_rule(node, ins, out):
     return OpSpec((x,), x[:d] + x[d + 1:], frozenset({x[d]}), linear=(0,))
 
 
+def unbind_rule(node, ins, out):
+    """unbind(x, dim): the slices along `dim` (a fused qkv's q, k and v), each without that dim; any other
+    dim may split."""
+    new = Letters()
+    nd = ins[0].ndim
+    x = new(nd)
+    d = wrap_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), nd)
+    return OpSpec((x,), x[:d] + x[d + 1:], frozenset({x[d]}), linear=(0,))
+
+
 def diff_rule(node, ins, out):
     """diff(x, n, dim, prepend, append): neighbours along `dim`, so that dim stays whole."""
     new = Letters()

@@ -11,8 +11,8 @@ import torch
 import torch.fx as fx
 
 from .layout_rules import (cat_rule, diff_rule, expand_rule, getitem_rule, index_rule, pad_rule, permute_rule,
-                           select_rule, slice_rule, split_rule, squeeze_rule, t_rule, transpose_rule, unsqueeze_rule,
-                           view_rule)
+                           select_rule, slice_rule, split_rule, squeeze_rule, t_rule, transpose_rule, unbind_rule,
+                           unsqueeze_rule, view_rule)
 from ..capture.repeat_kv import repeated_heads
 from .op_spec import Letters, OpSpec, Rule, elementwise, op_arg, op_name, tensor_args, wrap_dim
 from .placement import dim_factor, shard_dim
@@ -373,6 +373,7 @@ RULES["_operator.getitem"] = getitem_rule
 RULES["aten.cat.default"] = cat_rule
 RULES["aten.slice.Tensor"] = slice_rule
 RULES["aten.select.int"] = select_rule
+RULES["aten.unbind.int"] = unbind_rule
 RULES["aten.index.Tensor"] = index_rule
 RULES["aten.diff.default"] = diff_rule
 RULES["aten.cross_entropy_loss.default"] = cross_entropy_rule
