@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import autopar
 from autopar.runtime.rng import RandomOp
@@ -247,3 +251,74 @@ def test_compiled_recompute_draws_the_masks_forward_drew(uncompiled_without_chec
         assert torch.equal(out, out_c)   # forward draws from the same streams either way
         for n, g in grads.items():
             torch.testing.assert_close(grads_c[n], g, rtol=0, atol=1e-6, msg=f"{n}'s gradient")
+
+
+# ----------------------------------------------------------------------------- the hypothesis net (issue 51)
+
+class RateAttention(nn.Module):
+    """Attention written as Hugging Face writes it: SDPA's dropout_p is the module's rate in training and 0.0 in
+    eval, so a graph traced in eval mode holds no dropout at all."""
+
+    def __init__(self, hidden: int = 16, heads: int = 4, attention_dropout: float = P):
+        super().__init__()
+        self.heads, self.attention_dropout = heads, attention_dropout
+        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in self.qkv(x).split(h, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.attention_dropout if self.training else 0.0)
+        return x + self.out(y.transpose(1, 2).reshape(b, s, h))
+
+
+class RateAttentionStack(nn.Module):
+    """Two such layers: a stack the plan can checkpoint block by block."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([RateAttention(), RateAttention()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _seeded_run(rank, model, x, strategy, shape, names, built_in, backend, checkpointing):
+    """Output and gradients at seed 3 of the module parallelized in mode `built_in` and run in train mode."""
+    model = copy.deepcopy(model).train(built_in == "train")
+    pm = _parallelize(model, shape, names, x, strategy=strategy, checkpointing=checkpointing).train()
+    run = pm
+    if backend is not None:
+        torch.distributed.barrier()   # no rank traces (export) while another compiles
+        run = torch.compile(pm, backend=backend)
+    (local,) = pm.plan.local_inputs(x)
+    pm.manual_seed(3)
+    out = run(local)
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in pm.named_parameters()}
+
+
+DRAWN = 12 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 2
+
+
+@settings(max_examples=DRAWN)
+@given(layout=st.sampled_from([("ddp", (2,), ("dp",)), ("fsdp", (3,), ("dp",)), ("tp", (2,), ("tp",))]),
+       built_in=st.sampled_from(["eval", "train"]), backend=st.sampled_from([None, "eager", "aot_eager"]),
+       checkpointing=st.sampled_from(["none", "full", "selective"]))
+def test_drawn_dropout_trains_as_the_module_built_in_train_mode_uncompiled(layout, built_in, backend,
+                                                                            checkpointing):
+    """Dropout x checkpointing x compile x strategy x the mode parallelize saw: the module's train-mode output
+    and gradients at a seed equal those of the same model parallelized in train mode, uncompiled, without
+    checkpointing (its masks drawn per shard as tests above check)."""
+    strategy, shape, names = layout
+    torch.manual_seed(0)
+    model, x = RateAttentionStack(), torch.randn(6, 8, 16)
+    torch._dynamo.reset()
+    want = run_threaded(shape[0], _seeded_run, model, x, strategy, shape, names, "train", None, "none")
+    got = run_threaded(shape[0], _seeded_run, model, x, strategy, shape, names, built_in, backend, checkpointing)
+    for (out, grads), (out_got, grads_got) in zip(want, got):
+        assert torch.equal(out, out_got)
+        for n, g in grads.items():
+            torch.testing.assert_close(grads_got[n], g, rtol=0, atol=1e-6, msg=f"{n}'s gradient")

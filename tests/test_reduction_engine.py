@@ -58,7 +58,10 @@ def test_functional_collectives_train_bit_for_bit_as_the_eager_ones(strategy, me
         assert kinds_e == kinds_f and any(k in ("all_reduce", "reduce_scatter") for k, _ in kinds_e), kinds_e
         for name, p in params_e.items():
             torch.testing.assert_close(params_f[name], p, atol=0, rtol=0, msg=name)
-            torch.testing.assert_close(p, ref["params"][name], atol=1e-5, rtol=0, msg=name)
+            # AdamW divides each step by the gradient's own size, so a gradient within float32 rounding of zero
+            # moves its weight by up to a share of lr either way (2.1e-5 seen on one CPU at lr 1e-2); SGD does not
+            atol = 1e-5 if optimizer is torch.optim.SGD else 1e-2 * LR
+            torch.testing.assert_close(p, ref["params"][name], atol=atol, rtol=0, msg=name)
 
 
 def _train_with_labels(rank, model, batch, strategy, runs):
