@@ -215,3 +215,20 @@ def test_drawn_masks_give_the_model_s_numbers_at_drawn_lengths(family, k, exampl
     for length in (example, *others):
         y = torch.randn(2, length, 8)
         assert torch.allclose(cap.exported.module()(y), model(y), atol=1e-6), length
+
+
+def test_a_static_length_mask_that_reads_another_dynamic_size_is_kept():
+    """From a review: with the length static, the numbers rule was skipped, but this mask reads another input's
+    dynamic length n: causal at every n tried (n - 8 <= 0 for small n), a prefix of n - 8 keys past them."""
+    class PrefixFromAnotherInput(nn.Module):
+        def forward(self, x, p):
+            i = torch.arange(x.shape[1])
+            mask = (i[None, :] <= i[:, None]) | (i[None, :] < p.shape[0] - 8)
+            return F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], attn_mask=mask)
+
+    from torch.export import Dim
+    model, x = PrefixFromAnotherInput(), torch.randn(2, 16, 8)
+    cap = capture(model, (x, torch.zeros(4)), dynamic_shapes=({0: Dim("b")}, {0: Dim("n", min=2, max=64)}))
+    (call,) = _sdpa_calls(cap)
+    assert isinstance(_mask_and_flag(call)[0], torch.fx.Node)
+    assert torch.allclose(cap.exported.module()(x, torch.zeros(20)), model(x, torch.zeros(20)), atol=1e-6)

@@ -721,18 +721,18 @@ def test_a_ring_is_planned_while_another_thread_traces():
     assert inside[0].node_strategies == outside.node_strategies
 
 
-def _calls_at_other_lengths(rank, model, example, calls, mesh_shape, kwargs_input):
-    """Each call in `calls` ({label: rank -> (args, kwargs)}) on a module planned with strategy cp at
+def _calls_at_other_lengths(rank, model, example, calls, mesh_shape, kwargs_input, strategy="cp", names=("cp",)):
+    """Each call in `calls` ({label: rank -> (args, kwargs)}) on a module planned with `strategy` at
     `example`: the error it raised on this rank, or "ran"."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("cp",))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if kwargs_input:
-            pm = autopar.parallelize(copy.deepcopy(model), mesh, (), example_kwargs=example, strategy="cp",
+            pm = autopar.parallelize(copy.deepcopy(model), mesh, (), example_kwargs=example, strategy=strategy,
                                      hardware="cpu")
         else:
-            pm = autopar.parallelize(copy.deepcopy(model), mesh, example, strategy="cp", hardware="cpu")
+            pm = autopar.parallelize(copy.deepcopy(model), mesh, example, strategy=strategy, hardware="cpu")
     out = {}
     for label, call in calls.items():
         try:
@@ -758,8 +758,22 @@ def test_a_length_the_cp_axis_does_not_divide_raises_on_every_rank():
                            True, timeout=120)
     for out in results:
         assert "2 does not divide 13" in out["13"], out
-        assert "is 6 on some ranks of mesh axis 'cp' and 7 on others" in out["cut by hand"], out
         assert out["12"] == "ran"
+    # by hand: the rank holding 7 cannot split them; the other, holding 6, stops too rather than wait for it
+    by_hand = sorted(out["cut by hand"] for out in results)
+    assert "2 does not divide 7" in by_hand[1] and by_hand[0].startswith("another rank of the mesh"), by_hand
+
+
+def test_another_data_parallel_replica_at_a_bad_length_stops_every_rank():
+    """From a review: on dp x cp, replica 1 called at 13 raised on its two ranks while replica 0's waited forever
+    in the data-parallel gradient all-reduce; now the failure goes round every axis."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=32))
+    x12, x13 = torch.randint(0, 32, (1, 12)), torch.randint(0, 32, (1, 13))
+    calls = {"mixed": lambda plan, r: ((x12 if r < 2 else x13,), {})}   # ranks 0-1: replica 0 (dp is the first axis)
+    results = run_threaded(4, _calls_at_other_lengths, model, (torch.randint(0, 32, (2, 12)),), calls, (2, 2),
+                           False, "fsdp+cp", ("dp", "cp"), timeout=120)
+    assert all(out["mixed"] != "ran" for out in results), results
+    assert sum("2 does not divide 13" in out["mixed"] for out in results) == 2, results
 
 
 def test_gpt_on_three_context_ranks_refuses_a_length_three_does_not_divide():

@@ -105,7 +105,12 @@ def _no_cache(module, args, kwargs):
     tokens = _packed_unmasked_tokens(module, args, kwargs)
     if tokens is not None and _is_hf_model(module) and _builds_cache(module, kwargs):
         # from the sizes alone (no input's values), so causal_masks.py can still make the mask is_causal
-        as_shipped["attention_mask"] = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
+        ones = torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)
+        at = list(inspect.signature(module.forward).parameters).index("attention_mask")
+        if at < len(args):   # given positionally (as None): replaced there, not given twice
+            args = (*args[:at], ones, *args[at + 1:])
+        else:
+            as_shipped["attention_mask"] = ones
     return args, as_shipped
 
 

@@ -110,9 +110,11 @@ def _is_causal_from_shapes(mask: fx.Node, sdpa: fx.Node) -> bool:
     if None in exprs + lengths + shape:
         return False
     static_length = all(e.is_number for e in lengths)
-    # with a static length the module is only ever called at it, and the mask is evaluated there; with a
-    # dynamic one, a number that moves positions (a window, a chunk) can make it causal here and not there
-    if not static_length and any(not _position_numbers_plain(n) for n in nodes):
+    # with a static length the module is only ever called at it, and the mask is evaluated there, unless a
+    # dynamic size (a batch, another input's length) enters the mask's values; with a dynamic length, or such
+    # a size, a number that moves positions (a window, a chunk) can make it causal here and not there
+    values_fixed = static_length and all(_only_a_shape(n) for n, e in zip(sizes, exprs) if not e.is_number)
+    if not values_fixed and any(not _position_numbers_plain(n) for n in nodes):
         return False
     symbols = sorted(set().union(*(e.free_symbols for e in exprs + lengths + shape)), key=str)
     for k, trial in enumerate(_trial_sizes(symbols, _example_sizes(nodes, sdpa, mask), lengths)):
@@ -130,6 +132,23 @@ def _is_causal_from_shapes(mask: fx.Node, sdpa: fx.Node) -> bool:
         if not _causal(value, q_len, k_len):
             return False
     return True
+
+
+# ops whose size list (args[1]) a dynamic size may enter without changing any value, only the shape
+_SHAPE_OPS = {"expand", "view", "reshape", "_unsafe_view", "new_ones", "new_zeros", "ones", "zeros"}
+
+
+def _only_a_shape(size: fx.Node) -> bool:
+    """Whether a sym_size read goes only into the shape of a tensor (HF expands its mask to the batch), not
+    into a value a mask compares (`k < n - 8` for another input's length n)."""
+    def shaped_by(user):
+        name = operator_name(user.target) or ""
+        op = name.split(".")[1] if name.startswith("aten.") else ""
+        sizes_arg = user.args[1] if op in ("new_ones", "new_zeros", "expand", "view", "reshape", "_unsafe_view") \
+            else user.args[0] if op in ("ones", "zeros") and user.args else None
+        return (op in _SHAPE_OPS and isinstance(sizes_arg, (list, tuple)) and size in sizes_arg
+                and not any(a is size for a in user.args if a is not sizes_arg))
+    return all(shaped_by(u) for u in size.users)
 
 
 def _trial_sizes(symbols: list, example: dict, lengths: list) -> list[dict]:
@@ -152,7 +171,10 @@ def _example_sizes(nodes: list, sdpa: fx.Node, mask: fx.Node) -> dict:
     vals += [d for x in (*sdpa.args[:2], mask) for d in x.meta["val"].shape]
     for v in vals:
         if isinstance(v, torch.SymInt) and isinstance(symint_expr(v), sympy.Symbol):
-            found[symint_expr(v)] = symint_hint(v)
+            try:
+                found[symint_expr(v)] = symint_hint(v)
+            except TypeError:   # an unbacked size has no example value: only the small trials run
+                pass
     return found
 
 

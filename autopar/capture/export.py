@@ -200,7 +200,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO, 
     with trace_lock:   # it enters the export's fake mode, and mode stacks are per process
         # HF's padding mask: a gather along the batch that is a slice, where the sizes are one symbol once
         # merged (rename: the mask's batch and input_ids' are export's two symbols, checked equal per call)
-        rewrite_row_counts(ep.graph, rename)
+        try:
+            rewrite_row_counts(ep.graph, rename)
+        except Exception as e:   # a pattern the rewrite misreads: say where, as _export does for export's own
+            raise CaptureError(f"the padding-gather rewrite (capture/iota_index.py) failed on this model's graph: "
+                               f"{type(e).__name__}: {e}") from e
     graph = _renumbered(ep.graph)
     input_nodes = _user_inputs(graph, kinds)
     info = _node_infos(graph, kinds, _MetaReader(rename, hints))

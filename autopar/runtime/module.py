@@ -23,7 +23,7 @@ from .devices import on_mesh_device
 from .reduction.grad_buckets import wire_grad_buckets
 from .reduction.layer_groups import serve_layer_groups
 from .initialization import init_shards
-from .lowering.input_shapes import (call_sizes, check_input_shapes, check_same_sizes, check_splits_divide,
+from .lowering.input_shapes import (call_sizes, check_input_shapes, check_on_every_rank, check_splits_divide,
                                     context_axes, input_shape_specs, ordered_inputs, split_requirements)
 from .lowering.regather import GatheredParams
 from .pipeline.runner import PipelineRunner
@@ -187,12 +187,13 @@ class ParallelModule(torch.nn.Module):
                             "its stages; train with model.train_step(*local_inputs, loss_fn=..., targets=...), "
                             "or plan with pipeline_axis=None")
         local_inputs = ordered_inputs(self._input_keys, self._constant_inputs, local_inputs, local_kwargs)
-        check_input_shapes(self._input_shapes, local_inputs)
-        if self._split_requirements:   # before any collective, so every rank raises alike
-            sizes = call_sizes(self._input_shapes, local_inputs)
-            check_same_sizes(sizes, self._context_axes, [(a.group, a.size, name) for a, name in
-                                                         zip(self.comm.axes, self.plan.mesh.axis_names)])
-            check_splits_divide(self._split_requirements, sizes)
+        if self._context_axes:   # before any collective, so every rank raises alike
+            check_on_every_rank(self._input_shapes, self._split_requirements, self._context_axes,
+                                [(a.group, a.size, name) for a, name in zip(self.comm.axes, self.plan.mesh.axis_names)],
+                                local_inputs)
+        else:
+            check_input_shapes(self._input_shapes, local_inputs)
+            check_splits_divide(self._split_requirements, call_sizes(self._input_shapes, local_inputs))
         local_inputs = cast_inputs(local_inputs, self._compute_dtype)
         graph_module, gathered = self._graph_for_mode()
         if through_buckets and self.comm.log is not None:

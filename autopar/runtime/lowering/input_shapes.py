@@ -131,34 +131,58 @@ def check_splits_divide(requirements: list, values: dict) -> None:
 
 def context_axes(requirements: list, axis_names: tuple, batch_axes: tuple) -> list:
     """The mesh axes (indices) that split a dynamic size other than the batch: their ranks must be called with
-    the same sizes (`check_same_sizes`)."""
+    the same sizes (`check_on_every_rank`)."""
     return sorted({axis_names.index(a) for *_, axes in requirements for a in axes if a not in batch_axes})
 
 
-def check_same_sizes(values: dict, axes: list, axis_groups: list) -> None:
-    """Raise InputShapeError on every rank, before any collective, where the ranks of a context axis were
-    called with different sizes (a sequence cut by hand: 7 tokens on one rank, 6 on the other).
+def check_on_every_rank(specs: list, requirements: list, context_axes: list, axis_groups: list,
+                        local_inputs) -> None:
+    """The checks above for a plan with context axes (`context_axes`), raising InputShapeError on every rank of
+    the mesh when any rank's call fails them, before the graph's first collective.
 
-    Each rank alone would pass its own checks; then they would split different lengths, and one would fail
-    in a reshape while the others wait forever in their first exchange. One small all-reduce per axis (the
-    max of each size and of its negative) gives every rank the same verdict. A plan with no such axis pays
-    nothing; on a GPU this is a host sync, once a call."""
+    Each rank alone would pass or fail on its own: a rank called at a length the plan cannot split (13 on two
+    context ranks) would fail in a reshape while the others wait forever in their first exchange, and ranks of
+    one context axis handed different lengths (7 tokens here, 6 there) would each pass. So each rank checks its
+    own call, the ranks of each context axis compare their sizes (max of each size and of its negative), and a
+    flag of any failure goes round every axis, so the ranks of other groups (another data-parallel replica)
+    raise too. `axis_groups`: (process group, size, name) per mesh axis. A few small all-reduces a call; on a
+    GPU a host sync, paid only by plans with a context axis (cp, sp)."""
     import torch.distributed as dist
-    symbols = sorted(values, key=str)
-    for a in axes:
+    error = None
+    try:
+        check_input_shapes(specs, local_inputs)
+        values = call_sizes(specs, local_inputs)
+        check_splits_divide(requirements, values)
+    except InputShapeError as e:
+        error, values = str(e), {}
+    symbols = sorted({sym for spec in specs if spec is not None for sym in spec[1] if sym.is_Symbol}, key=str)
+    for a in context_axes:
         group, size, name = axis_groups[a]
         if size == 1 or not symbols:
             continue
-        mine = torch.tensor([values[sym][0] for sym in symbols], dtype=torch.int64, device=_device(group))
-        both = torch.cat([mine, -mine])
+        mine = torch.tensor([values.get(sym, (0, ""))[0] for sym in symbols], dtype=torch.int64,
+                            device=_device(group))
+        both = torch.cat([mine, -mine, torch.tensor([int(error is not None)], device=mine.device)])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        longest, shortest = both[:len(symbols)].tolist(), (-both[len(symbols):]).tolist()
-        for sym, hi, lo in zip(symbols, longest, shortest):
-            if hi != lo:
-                raise InputShapeError(
-                    f"{values[sym][1]} ({sym}) is {lo} on some ranks of mesh axis {name!r} and {hi} on others (this "
-                    f"rank's: {values[sym][0]}): the ranks of an axis that splits the sequence must be called with "
-                    "the same sizes. Cut the global batch with plan.local_inputs / plan.local_kwargs")
+        longest, shortest = both[:len(symbols)].tolist(), (-both[len(symbols):2 * len(symbols)]).tolist()
+        if error is None and not both[-1]:   # sizes of a rank that failed are not compared: it says why itself
+            for sym, hi, lo in zip(symbols, longest, shortest):
+                if hi != lo:
+                    error = (f"{values[sym][1]} ({sym}) is {lo} on some ranks of mesh axis {name!r} and {hi} on "
+                             f"others (this rank's: {values[sym][0]}): the ranks of an axis that splits the "
+                             "sequence must be called with the same sizes. Cut the global batch with "
+                             "plan.local_inputs / plan.local_kwargs")
+                    break
+    failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=_device(axis_groups[0][0]))
+    for group, size, _ in axis_groups:
+        if size > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise InputShapeError(error)
+    if failed.item():
+        raise InputShapeError("another rank of the mesh was called with sizes this plan cannot run (its own "
+                              "InputShapeError says which); every rank stops here rather than wait for it in a "
+                              "collective")
 
 
 def _device(group) -> torch.device:
