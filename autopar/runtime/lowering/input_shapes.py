@@ -7,6 +7,7 @@ import torch
 
 from ...capture.export import Captured
 from ...errors import InputShapeError
+from ...sharding.op_spec import tensor_args
 from ...sharding.placement import dim_factor, shard_dim
 
 
@@ -65,10 +66,10 @@ def split_requirements(cap: Captured, plan) -> list:
         strategy = plan.node_strategies.get(node.name)
         if strategy is None:
             continue
-        # the output as laid out, and each tensor input as this op wants it (the order rewrite.map_args reads)
-        laid_out = [(node, strategy.output)] + list(zip(_tensor_inputs(node, cap), strategy.inputs))
+        # the output as laid out, and each tensor input as this op wants it (the rules' order, op_spec.tensor_args)
+        laid_out = [(node, strategy.output)] + list(zip(tensor_args(node), strategy.inputs))
         for tensor, placements in laid_out:
-            metas = cap.info[tensor.name].meta
+            metas = cap.info[tensor.name].meta if tensor.name in cap.info else None
             for meta in (metas if isinstance(metas, list) else [metas]):
                 for d, expr in enumerate(meta.shape if meta is not None and placements is not None else ()):
                     f = dim_factor(placements, d, plan.mesh.axis_sizes)
@@ -77,27 +78,6 @@ def split_requirements(cap: Captured, plan) -> list:
                         axes = [plan.mesh.axis_names[a] for a, p in enumerate(placements) if shard_dim(p) == d]
                         out.append((expr, f, node.name, axes))
     return out
-
-
-def _tensor_inputs(node, cap: Captured) -> list:
-    """`node`'s tensor inputs in the order of its strategy's `inputs`: args, then kwargs, depth first."""
-    found = []
-    def visit(a):
-        if isinstance(a, (list, tuple)):
-            for x in a:
-                visit(x)
-        elif isinstance(a, dict):
-            for x in a.values():
-                visit(x)
-        elif hasattr(a, "name") and a.name in cap.info and _is_tensor_meta(cap.info[a.name].meta):
-            found.append(a)
-    visit(node.args)
-    visit(node.kwargs)
-    return found
-
-
-def _is_tensor_meta(meta) -> bool:
-    return meta is not None and (not isinstance(meta, list) or bool(meta))
 
 
 def call_sizes(specs: list, local_inputs) -> dict:
