@@ -61,8 +61,12 @@ def _gloo_worker(rank, world_size, port, result_dir, fn, args, environ=None):
         # A failing rank makes its peers fail too (connection closed), and
         # the parent may hear of a peer first; the time tells it the cause.
         # Written before destroy_process_group, i.e. before peers can notice.
-        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+        # written whole under another name, then renamed: the parent may list the folder while a
+        # peer is still writing, and must never read half a file
+        path = os.path.join(result_dir, f"rank{rank}.err")
+        with open(path + ".tmp", "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        os.replace(path + ".tmp", path)
         raise
     finally:
         dist.destroy_process_group()
@@ -77,7 +81,7 @@ def _first_failure(result_dir, rank, msg):
     for name in os.listdir(result_dir):
         if name.endswith(".err"):
             with open(os.path.join(result_dir, name)) as f:
-                when, tb = f.read().split("\n", 1)
+                when, _, tb = f.read().partition("\n")
             failures.append((float(when), int(name[4:-4]), tb))
     return min(failures)[1:] if failures else (rank, msg)
 
