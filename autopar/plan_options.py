@@ -18,9 +18,10 @@ from .errors import AutoparError, PlanError
 class PlanOptions:
     """What to plan for, and how hard to search.
 
-    - `hardware`: a preset ("h100", "h200", "a100", "tpu-v5p", "cpu", "cpu-gloo"), a `cost_models.Hardware`,
-      an `autopar.calibrate` result or the path of the JSON spec it wrote. None: "cpu-gloo" for a CPU
-      DeviceMesh, else "h100" (what large models train on).
+    - `hardware`: a preset ("h100", "h100-hbm2e", "h200", "a100", "tpu-v5p", "cpu", "cpu-gloo"), a
+      `cost_models.Hardware`, an `autopar.calibrate` result or the path of the JSON spec it wrote. None:
+      "cpu-gloo" for a CPU DeviceMesh, else "h100" (what large models train on). "h100-hbm2e" is the 96 GB
+      HBM2e H100 capped at 500 W of Meta's Grand Teton hosts, where torchtitan's published runs ran.
     - `memory_limit`: bytes per device, or a string like "80GB" / "70GiB". None: no limit.
     - `strategy`: "auto" (the whole search, which may mix strategies layer by layer) or a named one:
       "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp", "cp", "fsdp+cp", "fsdp+tp+cp"

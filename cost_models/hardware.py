@@ -3,6 +3,10 @@ and how fast each mesh axis talks.
 
 Which mesh axis lives inside a node matters: NVLink is ~10x faster than
 InfiniBand, so the same collective costs very differently on the two.
+
+Presets (PRESETS): "h100" (80 GB HBM3 SXM, 700 W), "h100-hbm2e" (the 96 GB HBM2e H100 capped at
+500 W of Meta's Grand Teton hosts, torchtitan's published cluster), "h200", "a100", "tpu-v5p", and
+"cpu" / "cpu-gloo" for CPU ranks. Each figure's source is the comment above it.
 """
 
 import json
@@ -120,6 +124,35 @@ PRESETS = {
         # H100's eager step of the same model, 175.5 ms (torch 2.11, 2026-11, issue 38's table), where the
         # H200's took 151: faster by less than the bandwidths' ratio, as small kernels are not bandwidth alone.
         matmul_efficiency=0.79, attention_efficiency=0.80, memory_efficiency=0.64, optimizer_efficiency=0.73,
+        compiled_memory_fraction=0.40,
+    ),
+    # The H100 of Meta's Grand Teton hosts that torchtitan's published Llama 3 runs used
+    # (/work/shared/published/torchtitan-llama3.md, and torchtitan's benchmarks/llama3_h100_202412_torchtitan.md):
+    # the 96 GB HBM2e part at 2.4 TB/s, power-capped at 500 W, 8 per host on NVLink 4, 400 Gb/s RDMA per GPU
+    # between hosts. Not the 80 GB HBM3 SXM part at 700 W ("h100" above).
+    # - Peak FLOP/s: no datasheet gives one at a 500 W cap, so it is derived. The SXM's dense 989 TF (bf16) is
+    #   the GH100's 132 SMs at its boost clock at 700 W, where large GEMMs already run at the power limit. A
+    #   GEMM's power is mostly dynamic, P ~ f V^2, and along the DVFS curve V ~ f, so P ~ f^3 and the clock a
+    #   cap allows is f ~ P^(1/3): (500/700)^(1/3) = 0.894 of it, 884 TF bf16 (442 TF TF32). Checked against a
+    #   datasheet of the same die at a lower cap: the H100 NVL (132 SMs, 400 W) lists 835 TF dense bf16, where
+    #   the same law from 700 W gives (400/700)^(1/3) x 989 = 821 TF (1.7% under it).
+    # - Memory: 6 HBM2e stacks of 16 GiB = 96 GiB (GiB-sized like the SXM's 80 GB), 2.4 TB/s as stated.
+    # - NVLink 4 inside a host: 18 links x 25 GB/s = 450 GB/s per direction, as the SXM; between hosts
+    #   400 Gb/s RDMA per GPU = 50 GB/s. Latencies as "h100" (same fabric).
+    # - Efficiencies, none fitted to a published run: matmul, attention, optimizer and compiled shares are the
+    #   H200's measured ones (same die: the share of the clock's peak its kernels reach). The memory-bound ops'
+    #   share depends on the bandwidth, as small kernels pay a fixed launch and latency cost beside their
+    #   bytes: the H200's measured eager memory-bound time (69 ms for 37.9 ms of bytes at 4.8 TB/s) and the
+    #   H100's (0.64 at 3.35 TB/s: 84.9 ms for 54.3) give 32.4 ms fixed + 0.97 x the bytes' time; at 2.4 TB/s
+    #   (75.8 ms of bytes) that is 105.6 ms, a share of 0.72.
+    "h100-hbm2e": Hardware(
+        name="h100-hbm2e",
+        peak_flops={"bfloat16": 884e12, "float16": 884e12, "float32": 442e12},
+        memory_bytes=96 * GiB,
+        memory_bandwidth=2.4e12,
+        intra_node_link=Link(bandwidth=450e9, latency=3e-6),
+        inter_node_link=Link(bandwidth=50e9, latency=10e-6),
+        matmul_efficiency=0.79, attention_efficiency=0.80, memory_efficiency=0.72, optimizer_efficiency=0.73,
         compiled_memory_fraction=0.40,
     ),
     # NVIDIA A100 80GB SXM datasheet: BF16/FP16 312 TF, TF32 156 TF (used for float32);

@@ -130,7 +130,7 @@ def test_get_hardware():
     assert cm.get_hardware(None, default="a100") is cm.PRESETS["a100"]
     custom = Hardware("mine", {"float32": 1e12}, 2**30, 1e10, Link(1e9, 1e-6), Link(1e8, 1e-5))
     assert cm.get_hardware(custom) is custom
-    with pytest.raises(CostModelError, match="a100, cpu, cpu-gloo, h100, h200, tpu-v5p"):
+    with pytest.raises(CostModelError, match="a100, cpu, cpu-gloo, h100, h100-hbm2e, h200, tpu-v5p"):
         cm.get_hardware("b200")
 
 
@@ -144,6 +144,20 @@ def test_h200_preset_figures():
     assert h200.intra_node_link == H100.intra_node_link           # NVLink 4: 450 GB/s per direction
     assert h200.inter_node_link.bandwidth == 50e9                 # 400 Gb/s InfiniBand
     assert h200.devices_per_node == 8
+
+
+def test_h100_hbm2e_preset_figures():
+    # torchtitan's cluster: the 96 GB HBM2e H100 at 2.4 TB/s, capped at 500 W; NVLink 4 in a host, 400 Gb/s RDMA
+    hbm2e = cm.PRESETS["h100-hbm2e"]
+    assert hbm2e.memory_bytes == 96 * 2**30 and hbm2e.memory_bandwidth == 2.4e12
+    # the 700 W SXM's peak at the clock a 500 W cap allows, f ~ P^(1/3)
+    assert hbm2e.flops_per_second("bfloat16") == pytest.approx(989e12 * (500 / 700) ** (1 / 3), rel=1e-3)
+    assert hbm2e.flops_per_second("float32") == pytest.approx(hbm2e.flops_per_second("bfloat16") / 2)
+    assert hbm2e.intra_node_link == H100.intra_node_link and hbm2e.inter_node_link == H100.inter_node_link
+    assert hbm2e.devices_per_node == 8
+    # the die's measured shares; the memory-bound share is higher at the lower bandwidth (a fixed cost per kernel)
+    assert hbm2e.matmul_efficiency == H100.matmul_efficiency
+    assert hbm2e.memory_efficiency > H100.memory_efficiency > cm.PRESETS["h200"].memory_efficiency
 
 
 def test_tpu_v5p_preset_figures():
