@@ -52,6 +52,7 @@ def to_json(plan) -> str:
         "bucket_bytes": plan.bucket_bytes, "regather_activations": plan.regather_activations,
         "reshard_after_forward": plan.reshard_after_forward, "input_keys": list(plan.input_keys),
         "schedule": plan.schedule.to_dict() if plan.schedule is not None else None,
+        "links": plan.links,
         "symbols": plan.symbols, "stats": {k: v for k, v in plan.stats.items() if isinstance(v, (int, float, str))},
     }
     return json.dumps(d, indent=1)
@@ -95,7 +96,8 @@ def plan_fields(text: str) -> dict:
         bucket_bytes=d.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
         regather_activations=d.get("regather_activations", False),
         reshard_after_forward=d.get("reshard_after_forward", True), input_keys=tuple(d.get("input_keys", ())),
-        schedule=Schedule.from_dict(d["schedule"]) if d.get("schedule") else None)
+        schedule=Schedule.from_dict(d["schedule"]) if d.get("schedule") else None,
+        links={axis: dict(v) for axis, v in d.get("links", {}).items()})
 
 
 class _DoublePrinter(StrPrinter):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from cost_models import describe_links
+
 from . import plan_inputs, plan_json, plan_text
 from .capture.export import PARAM
 from .cost.buckets import DEFAULT_BUCKET_BYTES
@@ -77,6 +79,10 @@ class Plan:
     # or read from JSON): ranks lie row-major over the axes. Where the plan runs, not what it is: not compared,
     # not saved
     rank_grid: tuple | None = field(default=None, compare=False, repr=False)
+    # per mesh axis, where its ranks lie and the link it is priced at (cost_models.describe_links):
+    # {axis: {"reach": "inside" | "across" | "spans", "bandwidth", "latency", "given"}}; {} for a plan saved
+    # before it was recorded
+    links: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------ inputs (plan_inputs.py)
     def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:
@@ -189,5 +195,6 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
                 optimizer={"name": searched.optimizer.name, "states_per_param": searched.optimizer.states_per_param},
                 checkpointed=sol.checkpointed, pipeline=searched.pipeline, bucket_bytes=prob.bucket_bytes,
                 regather_activations=sol.regather_activations, reshard_after_forward=sol.reshard_after_forward,
-                input_keys=tuple(cap.input_keys))
+                input_keys=tuple(cap.input_keys),
+                links=describe_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, prob.links))
     return replace(plan, schedule=schedule_of(cap, plan, prob.grad_nodes, saved=prob.saved))

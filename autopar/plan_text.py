@@ -66,6 +66,8 @@ def render(plan) -> str:
     lines += backward_lines(plan)
     if plan.schedule is not None and schedule_line(plan.schedule):
         lines.append(schedule_line(plan.schedule))
+    if plan.links:
+        lines.append(links_line(plan.links, plan.mesh))
     p = plan.predicted
     lines.append("communication per step: " + ", ".join(
         f"{a} {format_bytes(p.comm_bytes[a])} ({p.comm_time[a] * 1e3:.3f} ms, "
@@ -77,6 +79,27 @@ def render(plan) -> str:
     if "status" in plan.stats:
         lines.append(search_line(plan.stats))
     return "\n".join(lines)
+
+
+_REACH = {"inside": "inside a node", "across": "across nodes",
+          "spans": "partly across nodes, priced at the slower link"}
+
+
+def links_line(links: dict, mesh) -> str:
+    """Which mesh axes talk inside a node and which across nodes, and at what bandwidth, innermost axis first:
+    "links: tp inside a node (450 GB/s), pp and dp across nodes (50 GB/s)". A calibrated or user-given link
+    says so."""
+    groups: dict = {}   # (where, bandwidth) -> axis names, in first-seen order
+    for axis in reversed(mesh.axis_names):
+        d = links[axis]
+        where = "at the link given for it" if d["given"] else _REACH[d["reach"]]
+        groups.setdefault((where, d["bandwidth"]), []).append(axis)
+    parts = [f"{_and(axes)} {where} ({bandwidth / 1e9:.3g} GB/s)" for (where, bandwidth), axes in groups.items()]
+    return "links: " + ", ".join(parts)
+
+
+def _and(names: list) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def backward_lines(plan) -> list:

@@ -274,6 +274,41 @@ def axis_links(axes: Sequence[tuple[str, int]], hardware: Hardware,
     return {name: result[name] for name in names}  # keep mesh order
 
 
+# Where an axis's ranks lie (axis_reach): all in one node; each a node apart (every ring step crosses nodes);
+# or some steps inside a node and some across, which axis_links prices at the slower, inter-node link
+INSIDE, ACROSS, SPANS = "inside", "across", "spans"
+
+
+def axis_reach(axes: Sequence[tuple[str, int]], devices_per_node: int) -> dict[str, str]:
+    """INSIDE, ACROSS or SPANS per mesh axis, by axis_links' layout (row-major, the last axis innermost): an
+    axis is INSIDE while the product of its size and the sizes after it fits a node; past that, ACROSS where
+    the axes after it already fill whole nodes (its neighbours are a node or more apart), else SPANS."""
+    result, inner = {}, 1
+    for name, size in reversed(list(axes)):
+        span = inner * size
+        if span <= devices_per_node:
+            result[name] = INSIDE
+        else:
+            result[name] = ACROSS if inner % devices_per_node == 0 else SPANS
+        inner = span
+    return {name: result[name] for name, _ in axes}
+
+
+def describe_links(axes: Sequence[tuple[str, int]], hardware: Hardware,
+                   links: "Mapping[str, Link]") -> dict[str, dict]:
+    """{axis: {"reach", "bandwidth", "latency", "given"}}: where each axis's ranks lie and the link it is priced
+    at (`links`: axis_links' result); "given" where that link is not the hardware's own for that reach (a
+    calibrated or user-given link). What a Plan records and print(plan) shows."""
+    reach = axis_reach(axes, hardware.devices_per_node)
+    out = {}
+    for name, _ in axes:
+        own = hardware.intra_node_link if reach[name] == INSIDE else hardware.inter_node_link
+        link = links[name]
+        out[name] = {"reach": reach[name], "bandwidth": float(link.bandwidth), "latency": float(link.latency),
+                     "given": link != own}
+    return out
+
+
 # --------------------------------------------------------------------------- JSON specs
 # A spec is the Hardware's fields plus an optional per-axis-name "links" table (what
 # autopar.calibrate measured on each mesh axis) and an optional "measured" record that
