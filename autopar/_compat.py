@@ -316,3 +316,9 @@ def functional_collectives():
         return funcol.all_reduce(t, "sum", group)
 
     return all_reduce, reduce_scatter, all_gather, funcol.wait_tensor
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """A tensor's version counter (each in-place change bumps it): runtime/lowering/per_op.py checks that a
+    result it cached in forward is unchanged when backward's rerun takes it."""
+    return t._version

@@ -116,8 +116,11 @@ def backward_lines(plan) -> list:
         lines.append("activations gathered for an op that keeps them are kept as shards and gathered again "
                      "in backward (sequence parallelism as Megatron does it)")
     for path, kind in plan.checkpointed.items():
-        what = "every block" if kind == "full" else "the attention core of every block"
-        lines.append(f"activation checkpointing ({kind}): {what} of {path} is recomputed in backward")
+        what = {"full": "every block", "selective": "the attention core of every block",
+                "per-op": "every block"}.get(kind, kind)
+        but = (", but for its fused attention and every second matmul, whose results forward keeps"
+               if kind == "per-op" else "")
+        lines.append(f"activation checkpointing ({kind}): {what} of {path} is recomputed in backward{but}")
     return lines
 
 

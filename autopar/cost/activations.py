@@ -254,7 +254,7 @@ def kept_value(node: fx.Node, keep, args: list, grad: set) -> Value | None:
     return (args[keep.index].name, None)
 
 
-def activation_model(cap: Captured, hardware, regions=()) -> ActivationModel:
+def activation_model(cap: Captured, hardware, regions=(), cached=frozenset()) -> ActivationModel:
     """Which node pays for each tensor autograd keeps when `cap` trains on `hardware`.
 
     `regions`: sets of op nodes run under activation checkpointing (one set a
@@ -262,6 +262,9 @@ def activation_model(cap: Captured, hardware, regions=()) -> ActivationModel:
     inputs as they arrive (before any redistribution inside the region), so
     each is charged to its producer in the producer's output layout -- unless
     an op before the region keeps that storage already (then it is counted once).
+    `cached`: ops of regions whose results a per-op checkpoint caches: each
+    keeps its output and the tensors its kernel makes of its own (an
+    attention's logsumexp), in its output layout.
     """
     kernels = kernel_family(hardware)
     book = _Keeping(cap, requires_grad(cap), storage_owners(cap))
@@ -273,6 +276,8 @@ def activation_model(cap: Captured, hardware, regions=()) -> ActivationModel:
             if i not in entered:   # the checkpoint starts here and holds the region's inputs
                 entered.add(i)
                 book.checkpoint_holds(regions[i])
+            if node.name in cached:
+                book.caches(node, kernels)
             continue     # recomputed in backward: keeps nothing now
         if node.op == "call_function" and node.name in book.grad:   # else no grad_fn, nothing kept
             book.op_keeps(node, kernels)
@@ -359,12 +364,18 @@ class _Keeping:
             if self.cap.info[root[0]].kind in (OP, INPUT) and self.meta_of(root) is not None:
                 self.kept_by.setdefault(root, []).append((self.cap.node(value[0]), Out(value[1]), value))
 
-    def op_keeps(self, node: fx.Node, kernels: str) -> None:
-        """Charge the tensors `node`'s kernel makes for backward; note the values it keeps, by storage."""
+    def caches(self, node: fx.Node, kernels: str) -> None:
+        """A per-op checkpoint caches the results of `node`: its output, and what its kernel makes itself."""
+        own = [k for k in op_keeps(node, self.cap, kernels) if isinstance(k, New) and k.follows is None]
+        self.op_keeps(node, kernels, [Out()] + own)
+
+    def op_keeps(self, node: fx.Node, kernels: str, keeps=None) -> None:
+        """Charge the tensors `node`'s kernel makes for backward (or `keeps`); note the values it keeps, by
+        storage."""
         cap, args = self.cap, tensor_args(node)
         out = first_of(cap.info[node.name].meta)
         spec = None
-        for keep in op_keeps(node, cap, kernels):
+        for keep in op_keeps(node, cap, kernels) if keeps is None else keeps:
             if isinstance(keep, New):
                 if keep.follows is None:
                     cuts = output_cuts(out.ndim, range(keep.dims))

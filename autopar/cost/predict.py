@@ -17,7 +17,7 @@ from ..capture.export import BUFFER, INPUT, OP, PARAM
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, gathers_again, plan_steps
 from .buckets import assign_buckets, params_by_first_use, partial_gradients, zero_buckets
-from .checkpointing import recomputed_ops, stacks_of
+from .checkpointing import recomputed_ops, rerun_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import BUCKET, hidden_comm_time
 from .problem import charge_key, checkpoint_model, edge_regathers, reshards
@@ -114,7 +114,9 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     num = (lambda x: x) if symbolic else (lambda x: float(x))
     stacks = stacks_of(prob.stacks, checkpointed or {})
     saved = checkpoint_model(prob, tuple(st.key for st in stacks)) if stacks else prob.saved
+    # ops whose forward runs again, and the ops the rerun passes (a per-op checkpoint's cached ones too)
     rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
+    passed = set().union(*(rerun_ops(st, prob.saved) for st in stacks))
     params, master, grads, opt, update, colls = _state_terms(prob, choice, symbolic)
     optimizer_time = cm.optimizer_time(update, prob.hardware)
     acts, compute, memory_bound, op_times = _op_terms(prob, choice, symbolic, saved, rerun)
@@ -125,7 +127,7 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     acts = acts + sum(copied_kept_bytes(prob.cap, saved, r.producer, r.consumers, r.src, r.dst, r.grad_partial, mesh,
                                         symbolic) for r in groups)
     acts = acts + _kept_weights(prob, groups, stacks, symbolic)
-    colls = zero_bucketed(prob, choice, colls) + _redistributions(prob, groups, stacks, rerun, symbolic)
+    colls = zero_bucketed(prob, choice, colls) + _redistributions(prob, groups, stacks, passed, symbolic)
     colls = bucketed(prob, choice, colls + _op_collectives(prob, choice, rerun, symbolic))
     colls = grouped(colls, layer_members(prob, groups), prob.mesh.axis_sizes)
     transient = _transient(prob, choice, groups, stacks, symbolic, zero_bucket_hold(colls))

@@ -19,7 +19,7 @@ import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ..capture.export import PARAM
-from ..cost.checkpointing import KINDS, NONE, recomputed_ops
+from ..cost.checkpointing import KINDS, NONE, recomputed_ops, rerun_ops
 from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_recompute_time, node_time, recompute_edge_cost,
@@ -598,7 +598,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     gathered_at: dict = {}   # (first copy of) op -> {y: MiB of the weight that y gathers for it}
     by_weight: list = []     # (weight, the op it is gathered for, {y: MiB}) for every copy of a tied edge
     stacks = [st for st in prob.stacks if st.kind == kind]
-    rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
+    rerun = set().union(*(rerun_ops(st, prob.saved) for st in stacks))
     for edges in tied_edges(prob):
         gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun, memo or RoleMemo())
         if gathered:

@@ -16,6 +16,9 @@ A region whose ops draw random numbers (dropout) must draw in its rerun what for
 ops draw from autopar's streams (runtime/rng.py), which the rerun replays from a snapshot. That replay is
 Python state torch.compile cannot trace, so such a region is an `EagerCheckpointRegion`: it runs eagerly,
 forward and rerun alike, even inside a compiled module.
+
+A per-op region (the plan's "per-op" kind, torchtitan's per-op selective checkpointing) caches the
+results of the ops its SavePolicy names and recomputes the rest (per_op.py).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..collectives import Comm
 from ..rng import RandomOp
+from .per_op import per_op_compiled, per_op_eager
 
 
 def recompute_all_but_logging():
@@ -41,11 +45,12 @@ def recompute_all_but_logging():
 
 class CheckpointRegion(torch.nn.Module):
     """One block's nodes, run without keeping activations; `observer(inputs)`, if set, sees what
-    the checkpoint holds (audit counts it)."""
+    the checkpoint holds (audit counts it): the region's inputs, and a per-op region's cached results.
+    `policy`: a per-op region's SavePolicy (cost/checkpointing.py); None: every op is recomputed."""
 
-    def __init__(self, body: fx.GraphModule, label: str, comm: Comm):
+    def __init__(self, body: fx.GraphModule, label: str, comm: Comm, policy=None):
         super().__init__()
-        self.body, self.label, self.comm = body, label, comm
+        self.body, self.label, self.comm, self.policy = body, label, comm, policy
         self.observer = None
 
     def forward(self, *inputs):
@@ -55,7 +60,8 @@ class CheckpointRegion(torch.nn.Module):
             # the compiler's partitioner reruns the region in backward from the graph itself; the counter
             # and the stream replay below are Python state it cannot trace, and need not: this region draws
             # no random numbers (outline makes one that does an EagerCheckpointRegion)
-            return checkpoint(self.body, *inputs, use_reentrant=False, context_fn=recompute_all_but_logging)
+            context = recompute_all_but_logging if self.policy is None else per_op_compiled(self.policy, self.label)
+            return checkpoint(self.body, *inputs, use_reentrant=False, context_fn=context)
         calls = [0]
         streams = self.comm.random_streams
         # torch.utils.checkpoint replays the default generators, not autopar's streams (rng.py): the rerun
@@ -71,7 +77,14 @@ class CheckpointRegion(torch.nn.Module):
                 return self.body(*args)
         # every random op draws from autopar's streams, replayed above: the default generators need no saving
         # (and threaded ranks share them, so restoring them would race with another rank's draws)
-        return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=False)
+        if self.policy is None:
+            return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=False)
+        counters: list = []
+        out = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=False,
+                         context_fn=per_op_eager(self.policy, self.label, self.observer, counters))
+        for counter in counters:   # none where grad is off: checkpoint then runs the region plainly
+            counter.check()
+        return out
 
     def extra_repr(self) -> str:
         return self.label
@@ -119,10 +132,12 @@ def _hoist_shared(graph: fx.Graph, region: list) -> list:
     return kept
 
 
-def outline(gm: fx.GraphModule, regions: list, labels: list, comm: Comm) -> fx.GraphModule:
-    """Replace each region (nodes of gm.graph, contiguous, in order) with one CheckpointRegion call."""
+def outline(gm: fx.GraphModule, regions: list, labels: list, comm: Comm, policies=None) -> fx.GraphModule:
+    """Replace each region (nodes of gm.graph, contiguous, in order) with one CheckpointRegion call;
+    `policies`: per region, a per-op SavePolicy or None."""
     graph = gm.graph
-    for i, (region, label) in enumerate(zip(regions, labels)):
+    policies = policies or [None] * len(regions)
+    for i, (region, label, policy) in enumerate(zip(regions, labels, policies)):
         region = _hoist_shared(graph, region)
         if not region:
             continue
@@ -141,7 +156,7 @@ def outline(gm: fx.GraphModule, regions: list, labels: list, comm: Comm) -> fx.G
         name = f"checkpoint_{i}"
         block = fx.GraphModule(gm, body, class_name="Block")
         kind = EagerCheckpointRegion if draws_random(block) else CheckpointRegion
-        gm.add_module(name, kind(block, label, comm))
+        gm.add_module(name, kind(block, label, comm, policy))
         with graph.inserting_before(region[0]):
             call = graph.call_module(name, tuple(inputs))
             results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]

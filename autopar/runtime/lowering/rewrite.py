@@ -164,7 +164,7 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
     # which captured node each local node was made for: a pipeline cuts the local graph by it (stages.py)
     gm.meta["origin"] = _origins(gm, made_for)
     if plan.checkpointed:
-        gm = _checkpoint_blocks(gm, cap, plan.checkpointed, made_for, comm)
+        gm = _checkpoint_blocks(gm, cap, plan, made_for, comm)
     rw.gathered.needed = any(isinstance(m, RedistributeModule) and m.gathered is not None for m in gm.modules())
     # the outputs' gradient factor the graph left out, for the module's GradBuckets to apply: on the final
     # graph module (checkpointing may have made another), which the module reads it from
@@ -412,11 +412,11 @@ class _Rewriter:
         return self.g.call_function(torch.ops.aten.squeeze.dims, (args[0], dims))
 
 
-def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, checkpointed: dict, made_for: list,
-                       comm: Comm) -> fx.GraphModule:
-    """Run every block of the stacks in `checkpointed` ({path: kind}), or its attention core, under
-    activation checkpointing (recompute.py)."""
-    stacks = {st.key: st for st in checkpointable_stacks(cap)}
+def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, plan, made_for: list, comm: Comm) -> fx.GraphModule:
+    """Run every block of the stacks in `plan.checkpointed` ({path: kind}), or its attention core, under
+    activation checkpointing (recompute.py); a per-op one caching what the plan priced (its SavePolicy)."""
+    checkpointed = plan.checkpointed
+    stacks = {st.key: st for st in checkpointable_stacks(cap, plan.hardware)}
     missing = [key for key in checkpointed.items() if key not in stacks]
     if missing:
         raise PlanError(f"the plan checkpoints {dict(missing)}, which this model's capture has no checkpointable "
@@ -430,7 +430,8 @@ def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, checkpointed: dict, ma
         if origin in block_of:
             members.setdefault(block_of[origin], []).append(new)
     keys = sorted(members, key=lambda key: (paths.index(key[0]), key[1]))
-    return outline(gm, [members[key] for key in keys], [f"{p}.{i}" for p, i in keys], comm)
+    policies = [(stacks[p, checkpointed[p]].policies or (None,) * (i + 1))[i] for p, i in keys]
+    return outline(gm, [members[key] for key in keys], [f"{p}.{i}" for p, i in keys], comm, policies)
 
 
 def squeezed_dims(node: fx.Node, shape) -> list:
