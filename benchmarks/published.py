@@ -1,0 +1,257 @@
+"""torchtitan's published Llama 3 runs, planned as they ran: predicted against published tokens/s/GPU and memory.
+
+    python benchmarks/published.py                      # every bf16 row, each plan in a child process
+    python benchmarks/published.py --rows t1-8b-fsdp8,perf-405b-fsdp16-tp8
+    python benchmarks/published.py --no-auto            # skip strategy="auto" on each row's mesh and memory
+
+The rows are /work/shared/published/torchtitan-llama3.md's (copied from torchtitan's benchmark files; the
+figures are measured on 8 to 512 GPUs). Each row is planned with the settings it ran with: the Llama 3
+shape (built on the meta device, the loss in the graph as torchtitan computes it), the mesh (FSDP and TP
+sizes as named axes, tp last so it sits inside a node), the global batch (torchtitan's local batch is per
+data-parallel rank: local batch x FSDP degree sequences), the strategy, the activation checkpointing, the
+hardware ("h100-hbm2e" for torchtitan's cluster, "a100" for the A100 rows), bf16-mixed, and the device's
+memory as the limit. A compiled row is read off `predicted.compiled_step_time`. tokens/s/GPU is
+local batch x seq / (step x TP x PP x CP), torchtitan's count.
+
+A row whose settings autopar cannot say yet (a checkpointing mode not in autopar.cost.checkpointing.MODES)
+is printed with the reason instead of a figure. float8 rows are left out (issue 55). Async-TP rows are held
+against the vanilla-TP figure: autopar does not model async TP. Planning seconds are per row, capture
+included, on this machine. Nothing here is fitted to a row: see docs/published-runs.md for a reading.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+GiB = 2**30
+SOURCE = "/work/shared/published/torchtitan-llama3.md"
+LAYERS = {"8b": 32, "70b": 80, "405b": 126}
+SHAPES = {  # published Llama 3 shapes (as benchmarks/search_time.py)
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8),
+    "405b": dict(hidden_size=16384, intermediate_size=53248, num_attention_heads=128, num_key_value_heads=8),
+}
+# torchtitan's AC names -> autopar's checkpointing modes (autopar.cost.checkpointing): per-op selective keeps
+# matmul and attention outputs and recomputes the rest; layer selective checkpoints every other block
+AC_MODES = {"full": "full", "per-op": "per-op", "per-layer": "per-layer"}
+NUM_FLOAT8_ROWS = 16   # 14 in the December 2024 tables, 2 in the async-TP file
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    source: str            # which published table
+    model: str             # "8b", "70b", "405b"
+    fsdp: int
+    tp: int
+    seq: int
+    local_batch: int       # sequences per data-parallel rank
+    ac: str                # "full", "per-op", "per-layer"
+    compiled: bool
+    hardware: str
+    published_tps: float   # tokens/s/GPU
+    published_gib: float | None   # max memory over GPUs, GiB; None where not published
+    note: str = ""
+    pp: int = 1
+    cp: int = 1
+
+    @property
+    def mesh(self) -> dict:
+        """Named axes, tp last (the innermost: consecutive ranks, inside a node); size-1 axes left out."""
+        return {k: v for k, v in (("dp", self.fsdp), ("tp", self.tp)) if v > 1}
+
+    @property
+    def strategy(self) -> str:
+        return "fsdp+tp" if self.tp > 1 else "fsdp"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.fsdp * self.tp * self.pp * self.cp
+
+    def tokens_per_gpu(self, step_seconds: float) -> float:
+        return self.local_batch * self.seq / (step_seconds * self.tp * self.pp * self.cp)
+
+
+_DEC24 = "llama3_h100_202412 table"
+ROWS = (
+    Row("t1-8b-fsdp8", f"{_DEC24} 1", "8b", 8, 1, 8192, 2, "per-op", False, "h100-hbm2e", 5762, 82.4),
+    Row("t1-8b-fsdp8-compiled", f"{_DEC24} 1", "8b", 8, 1, 8192, 2, "per-op", True, "h100-hbm2e", 6667, 77.0),
+    Row("t3-8b-fsdp128", f"{_DEC24} 3", "8b", 128, 1, 8192, 2, "per-op", False, "h100-hbm2e", 5605, 67.0),
+    Row("t3-8b-fsdp128-compiled", f"{_DEC24} 3", "8b", 128, 1, 8192, 2, "per-op", True, "h100-hbm2e", 6514, 62.0),
+    Row("async-70b-fsdp32-tp8", "asyncTP_llama3_h100_2025-06", "70b", 32, 8, 8192, 16, "full", True, "h100-hbm2e",
+        597.3, None, "vanilla TP figure; async TP ran 652.4, not modelled"),
+    Row("async-8b-fsdp8-tp8", "asyncTP_llama3_h100_2025-06", "8b", 8, 8, 8192, 12, "per-op", True, "h100-hbm2e",
+        4378, None, "vanilla TP figure; async TP ran 4,809.4, not modelled"),
+    Row("perf-a100-8b-fsdp64-layer", "performance.md", "8b", 64, 1, 8192, 1, "per-layer", False, "a100", 2904, None,
+        "compile not stated: planned eager"),
+    Row("perf-a100-8b-fsdp64-op", "performance.md", "8b", 64, 1, 8192, 1, "per-op", False, "a100", 2973, None,
+        "compile not stated: planned eager"),
+    Row("perf-405b-fsdp16-tp8", "performance.md", "405b", 16, 8, 8192, 2, "full", False, "h100-hbm2e", 109, None,
+        "compile not stated: planned eager"),
+)
+BY_NAME = {r.name: r for r in ROWS}
+
+
+def not_plannable(row: Row) -> str:
+    """Why autopar cannot plan the row as it ran yet; "" when it can."""
+    from autopar.cost.checkpointing import MODES
+    mode = AC_MODES[row.ac]
+    if mode not in MODES:
+        what = {"per-op": "per-op selective AC (issue 52 item 6)",
+                "per-layer": "layer selective AC: every other block checkpointed"}[row.ac]
+        return f"checkpointing {mode!r} (torchtitan's {what}) is not an autopar mode yet (modes: {', '.join(MODES)})"
+    return ""
+
+
+def llama(model: str, batch: int, seq: int):
+    """(module, (tokens, labels)) on the meta device: Llama 3's shape with the loss in the graph, computed as
+    torchtitan does (cross-entropy of the logits cast to float32), so its logits' memory is counted."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, num_hidden_layers=LAYERS[model], max_position_embeddings=8192,
+                      rope_theta=500000.0, use_cache=False, attn_implementation="sdpa", **SHAPES[model])
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(cfg).train()
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = hf
+
+        def forward(self, input_ids, labels):
+            logits = self.model(input_ids=input_ids, use_cache=False).logits
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), device="meta")
+    return WithLoss(), (tokens, tokens.clone())
+
+
+def plan_row(row: Row, auto: bool = False, time_limit: float | None = 600.0):
+    """The Plan of `row` as it ran (auto=False) or strategy="auto" on its mesh and memory (auto=True), and the
+    seconds planning took."""
+    import autopar
+    import cost_models as cm
+    model, inputs = llama(row.model, row.local_batch * row.fsdp * row.cp, row.seq)
+    options = dict(hardware=row.hardware, precision="bf16-mixed", time_limit=time_limit,
+                   memory_limit=cm.get_hardware(row.hardware).memory_bytes)
+    options.update(strategy="auto", checkpointing="auto") if auto else \
+        options.update(strategy=row.strategy, checkpointing=AC_MODES[row.ac])
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        plan = autopar.plan(model, inputs, row.mesh, **options)
+    return plan, time.perf_counter() - start
+
+
+def figures(row: Row, plan, seconds: float) -> dict:
+    """What the table prints of one plan: step (compiled where the row ran compiled), tokens/s/GPU, memory."""
+    p = plan.predicted
+    step = float(p.compiled_step_time if row.compiled else p.step_time)
+    return {"step_s": step, "tps": row.tokens_per_gpu(step), "gib": float(p.memory.total) / GiB,
+            "seconds": seconds, "strategy": plan.strategy, "checkpointed": sorted(set(plan.checkpointed.values())),
+            "roles": plan.stats.get("axis_roles", ""),
+            # where the step and the memory go, for reading a row that is off
+            "compute_s": float(p.compute_time), "optimizer_s": float(p.optimizer_time),
+            "eager_s": float(p.step_time),
+            "comm_s": {a: [float(t), float(p.exposed_comm_time.get(a, t))] for a, t in p.comm_time.items()},
+            "memory_gib": {k: float(getattr(p.memory, k)) / GiB
+                           for k in ("params", "master", "grads", "optimizer", "activations", "transient")}}
+
+
+def one(name: str, auto: bool) -> dict:
+    """One row's figures in this process, or the error that stopped it (type and message)."""
+    row = BY_NAME[name]
+    import autopar
+    try:
+        plan, seconds = plan_row(row, auto)
+    except autopar.AutoparError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return figures(row, plan, seconds)
+
+
+def in_child(name: str, auto: bool, timeout: float) -> dict:
+    """one() in a child process of its own, so one plan's memory is not the next one's."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + (["--auto"] if auto else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"not planned within {timeout:.0f} s (stopped)"}
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ratio(predicted, published) -> str:
+    return f"{predicted / published:.2f}" if predicted is not None and published else "-"
+
+
+def table(results: list) -> list:
+    """The printed table's lines: per row, predicted against published tokens/s/GPU and memory, then auto's."""
+    head = (f"{'row':<26} {'tok/s/GPU':>9} {'publ.':>7} {'ratio':>5}  {'GiB':>6} {'publ.':>5} {'ratio':>5}  "
+            f"{'plan s':>6}  {'auto tok/s':>10} {'auto GiB':>8} {'vs row':>6}  notes")
+    lines = [head, "-" * len(head)]
+    for row, got, auto in results:
+        if "skip" in got:
+            lines.append(f"{row.name:<26} not plannable yet: {got['skip']}")
+            continue
+        if "error" in got:
+            lines.append(f"{row.name:<26} failed: {got['error']}")
+            continue
+        pub_gib = f"{row.published_gib:.1f}" if row.published_gib else "-"
+        auto_cols = (f"{auto['tps']:>10.0f} {auto['gib']:>8.1f} {ratio(auto['tps'], got['tps']):>6}"
+                     if auto and "tps" in auto else f"{'-':>10} {'-':>8} {'-':>6}")
+        notes = [row.note] if row.note else []
+        if auto and "error" in auto:
+            notes.append(f"auto: {auto['error'][:100]}")
+        lines.append(f"{row.name:<26} {got['tps']:>9.0f} {row.published_tps:>7.0f} {ratio(got['tps'], row.published_tps):>5}"
+                     f"  {got['gib']:>6.1f} {pub_gib:>5} {ratio(got['gib'], row.published_gib):>5}"
+                     f"  {got['seconds']:>6.1f}  {auto_cols}  {'; '.join(notes)}")
+    lines += ["", "where each row's predicted step and memory go (the row as it ran):"]
+    lines += [detail(row, got) for row, got, _ in results if "tps" in got]
+    lines.append("")
+    lines.append(f"{NUM_FLOAT8_ROWS} float8 rows of {SOURCE} left out: autopar prices no float8 matmuls (issue 55).")
+    lines.append("Async-TP rows are held against their vanilla-TP figure: autopar does not model async TP.")
+    return lines
+
+
+def detail(row: Row, got: dict) -> str:
+    """One row's breakdown: compute, optimizer and each axis's communication (exposed of total), and memory."""
+    comm = ", ".join(f"{a} {t:.2f} s ({e:.2f} exposed)" for a, (t, e) in got["comm_s"].items())
+    mem = ", ".join(f"{k} {v:.1f}" for k, v in got["memory_gib"].items() if v)
+    compiled = f", compiled {got['step_s']:.2f} s" if row.compiled else ""
+    return (f"  {row.name}: step {got['eager_s']:.2f} s eager{compiled} = compute {got['compute_s']:.2f} + "
+            f"optimizer {got['optimizer_s']:.2f} + exposed comm; comm {comm}; GiB: {mem}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default=",".join(BY_NAME), help="comma-separated row names")
+    p.add_argument("--no-auto", action="store_true", help="skip strategy='auto' on each row's mesh and memory")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per plan")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.auto)))
+        return
+    results = []
+    for name in args.rows.split(","):
+        row = BY_NAME[name]
+        why = not_plannable(row)
+        got = {"skip": why} if why else in_child(name, False, args.timeout)
+        auto = None if why or args.no_auto else in_child(name, True, args.timeout)
+        results.append((row, got, auto))
+        print(f"# {name}: {json.dumps({'row': got, 'auto': auto})}", flush=True)
+    print()
+    print("\n".join(table(results)))
+
+
+if __name__ == "__main__":
+    main()
