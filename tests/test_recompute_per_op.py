@@ -76,3 +76,97 @@ def test_per_op_plans_predict_what_the_run_keeps(make, strategy):
             kept[mode] = measured
     # it keeps some of what checkpointing a whole block drops
     assert kept["full"] < kept["per-op"] < kept["none"]
+
+
+def _train(rank, model, x, y, strategy, optimizers, compile_backend=None, steps=3, lr=1e-2):
+    """parallel_record's steps (compiled with `compile_backend` where given), once per optimizer class, each
+    from the same start (one parallelize serves them all: its capture is what takes the time)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), hardware="cpu", strategy=strategy,
+                             checkpointing="per-op")
+    run = pm if compile_backend is None else torch.compile(pm, backend=compile_backend)
+    (local_x,), (local_y,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+    start = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    out = {"plan": pm.plan}
+    for optimizer in optimizers:
+        pm.load_state_dict(start)
+        opt = autopar.ShardedOptimizer(pm, optimizer, lr=lr)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            gpt_loss(run(local_x), local_y).backward()
+            opt.step()
+        out[optimizer] = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
+    return out
+
+
+def _check_training(records, model, x, y, atol=1e-5):
+    for optimizer in (torch.optim.SGD, torch.optim.AdamW):
+        ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=1e-2,
+                                      optimizer=optimizer)
+        for rank, rec in enumerate(records):
+            assert rec["plan"].checkpointed == {"h": "per-op"}
+            for name, p in ref["params"].items():
+                torch.testing.assert_close(rec[optimizer][name], p, atol=atol, rtol=0,
+                                           msg=f"{optimizer.__name__} rank {rank} {name}")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_per_op_training_matches_one_device_on_gloo(strategy):
+    model, x, y = _gpt()
+    _check_training(run_gloo(2, _train, model, x, y, strategy, (torch.optim.SGD, torch.optim.AdamW)), model, x, y)
+
+
+def test_per_op_training_compiled_matches_one_device():
+    """Compiled, the partitioner runs the policy's tags (aot_eager: the partitioner without inductor's kernels)."""
+    model, x, y = _gpt()
+    records = run_threaded(2, _train, model, x, y, "fsdp", (torch.optim.SGD, torch.optim.AdamW), "aot_eager")
+    _check_training(records, model, x, y, atol=2e-5)
+
+
+def test_per_op_training_of_a_llama_matches_one_device():
+    from autopar.testing.harness import check_keyword_training
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tiny_llama(num_layers=2).model   # the Hugging Face model, called with input_ids= and labels=
+    x = torch.randint(0, 64, (4, 16))
+    batch = {"input_ids": x, "labels": x}
+    check_keyword_training(model, batch, "fsdp", {"sgd": (torch.optim.SGD, 1e-2), "adamw": (torch.optim.AdamW, 1e-3)},
+                           {"sgd": 1e-5, "adamw": 1e-5}, mesh_shape=(2,),
+                           plan_kwargs={"checkpointing": "per-op", "hardware": "cpu"})
+
+
+def test_per_op_requests_are_checked():
+    with pytest.raises(autopar.PlanError, match="checkpointing='per-op' found no stack of repeated blocks"):
+        autopar.plan(torch.nn.Linear(8, 8), (torch.randn(4, 8),), {"dp": 2}, checkpointing="per-op")
+    model, x, _ = _gpt()
+    text = str(autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing="per-op"))
+    assert "activation checkpointing (per-op): every block of h is recomputed in backward, but for its fused " \
+           "attention and every second matmul" in text
+    plan = autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing="per-op")
+    assert autopar.Plan.from_json(plan.to_json()).checkpointed == {"h": "per-op"}
+
+
+def test_a_region_that_runs_other_kernels_than_priced_raises():
+    """Caching by position in a region is only right where the region runs the kernels the plan priced."""
+    from autopar.cost.checkpointing import SavePolicy
+    from autopar.runtime.lowering.per_op import CheckpointPolicyError, per_op_eager
+    w = torch.randn(4, 4, requires_grad=True)
+    fn = lambda a: (a @ w) @ w   # noqa: E731 -- two matmuls, the plan priced one
+    ctx = per_op_eager(SavePolicy((True,), (), ()), "h.0")
+    with pytest.raises(CheckpointPolicyError, match="priced 1 matmuls"):
+        torch.utils.checkpoint.checkpoint(fn, torch.randn(2, 4), use_reentrant=False, context_fn=ctx)
+
+
+def test_auto_picks_per_op_where_it_is_the_fastest_that_fits():
+    """Per-op keeps more than recomputing whole blocks and reruns less: under a limit that its fastest layout
+    meets and that no plan recomputing less meets as fast, auto takes it over full."""
+    model, x, _ = _gpt(n_layer=4)
+    free = {mode: autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing=mode)
+            for mode in ("selective", "per-op")}
+    limit = int((free["per-op"].predicted.memory.total + free["selective"].predicted.memory.total) / 2)
+    plan = autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", memory_limit=limit)
+    assert plan.checkpointed == {"h": "per-op"} and plan.predicted.memory.total <= limit
+    assert plan.predicted.step_time == pytest.approx(free["per-op"].predicted.step_time)
+    full = autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", memory_limit=limit, checkpointing="full")
+    assert plan.predicted.step_time < full.predicted.step_time

@@ -24,10 +24,13 @@ other ops than those priced.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..._compat import dispatch_mode_class, tensor_version
+from ...cost.checkpointing import SavePolicy
 from ...errors import PlanError
 
 _MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
@@ -144,14 +147,17 @@ def per_op_eager(policy, label: str, observer=None, calls: list | None = None):
 
 def per_op_compiled(policy, label: str):
     """The context_fn for a per-op region under torch.compile: torch's SAC contexts, which tag each traced
-    op with the policy's decision for the partitioner."""
-    def context_fn():
-        counter = PositionCounter(policy, label)
+    op with the policy's decision for the partitioner. (A functools.partial of constants: the one kind of
+    context_fn besides a module-level function that dynamo takes.)"""
+    return functools.partial(_compiled_contexts, policy.matmuls, policy.attentions, label)
 
-        def decide(ctx, op, *args, **kwargs):
-            if op is torch.ops.autopar.logged_send.default:   # effectful: kept (recompute.recompute_all_but_logging)
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.MUST_SAVE if counter.cached(counter.position(op)) else \
-                CheckpointPolicy.PREFER_RECOMPUTE
-        return create_selective_checkpoint_contexts(decide)
-    return context_fn
+
+def _compiled_contexts(matmuls: tuple, attentions: tuple, label: str):
+    counter = PositionCounter(SavePolicy(matmuls, attentions, ()), label)
+
+    def decide(ctx, op, *args, **kwargs):
+        if op is torch.ops.autopar.logged_send.default:   # effectful: kept (recompute.recompute_all_but_logging)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_SAVE if counter.cached(counter.position(op)) else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(decide)
