@@ -109,6 +109,10 @@ COMMANDS: dict = {
     "bash scripts/gpu_check.sh": "needs a GPU, which CI lacks; it runs tests/test_cuda.py (in this suite, skipped "
                                  "without CUDA) and benchmarks/runtime_overhead.py on the GPUs",
     "python benchmarks/search_time.py": Run(["--layers", "1", "--batch", "1", "--seq", "256"]),
+    # one row planned (the 8B on FSDP 8, ~15 s), one that autopar cannot say yet
+    "python benchmarks/published.py": Run(["--rows", "t1-8b-fsdp8,perf-a100-8b-fsdp64-layer", "--no-auto"],
+                                          lambda out, _, err: re.search(r"^t1-8b-fsdp8 +\d+ +5762 +\d\.\d\d", out, re.M)
+                                          and "not plannable yet" in out and "float8 rows" in out),
     "python examples/plan_offline.py": Run(check=lambda out, _, err: "autopar plan" in out and "batch" in out,
                                            in_process=True),
     "python examples/plan_llama3_8b.py": Run(["--layers", "1", "--batch", "8", "--seq", "512"],
