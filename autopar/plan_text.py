@@ -107,7 +107,12 @@ def backward_lines(plan) -> list:
     or keeps instead of making again."""
     lines = []
     fsdp = any(c.kind == "all_gather" and c.phase == "forward" and c.tensor.startswith("p_") for c in plan.collectives)
-    if fsdp:
+    if fsdp and plan.pipeline is not None:
+        lines.append("FSDP weights are gathered for every microbatch and their gradients reduce-scattered every "
+                     "microbatch (reshard_after_forward=True)" if plan.reshard_after_forward else
+                     "FSDP weights are gathered once per step and held whole across the microbatches, their "
+                     "gradients summed whole and reduce-scattered once (reshard_after_forward=False)")
+    elif fsdp:
         lines.append("FSDP weights an op keeps for backward are kept as shards and gathered again in backward "
                      "(reshard_after_forward=True)" if plan.reshard_after_forward else
                      "FSDP weights an op keeps for backward stay whole from forward to backward, not gathered "

@@ -414,11 +414,11 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
         if spec.num_axes > 1 else None
     log.info("strategy %s: pipelined over %s in %d microbatches (%s)", strategy, axis, m, schedule)
     t0 = time.perf_counter()
-    if env.reshard_after_forward is False:   # ("auto" prices the stages resharded)
-        raise PipelineError("reshard_after_forward=False with a pipeline is not supported yet: a stage would keep "
-                            "every microbatch's gathered weights; leave it None or True")
     prob, policy, opt, hw = _problem(cap, env, "none")
-    # the runtime groups no FSDP layers across stages (cost/layer_groups.py); the stage costs price no kept weights
+    # the runtime groups no FSDP layers across stages (cost/layer_groups.py). Under a pipeline FSDP either gathers
+    # a weight per microbatch (resharded: priced as such) or once per step, held whole across the microbatches
+    # (reshard_after_forward=False: op_costs(held=True) prices the gathers and the weights held; the activations
+    # keep no weight per microbatch either way, so the problem prices them resharded)
     prob = replace(prob, pipelined=True, reshard_after_forward=True)
     if rest is None:
         candidates = [Roles((PIPE,), spec.axis_names, spec.axis_sizes)]
@@ -439,10 +439,8 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
     t0 = time.perf_counter()
     prob = replace(prob, regather_activations=sol.regather_activations)   # as the solution was priced
     transient = float(peak_working_set(prob, sol.choice, group_redistributions(prob, sol.choice), False))
-    costs = op_costs(prob, sol.choice)
-    pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,
-                     transient=transient)
-    pred = device_prediction(prob, costs, pipe, transient)
+    pipe, pred, held = _cut_stages(prob, sol, env.reshard_after_forward, axis, m, schedule, limit, transient)
+    sol = replace(sol, reshard_after_forward=not held)
     _, colls = predict(prob, sol.choice, symbolic=False)
     t_predict = time.perf_counter() - t0
     log.debug("pipeline over %s, %d microbatches (%s): cut and priced in %.2f s", axis, m, schedule, t_predict,
@@ -451,6 +449,28 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
     searched = Searched(prob, sol, roles, len(candidates), pred, pred, colls, policy, opt, hw,
                         {"rules_seconds": t_rules, "predict_seconds": t_predict}, pipeline=pipe)
     return make_plan(searched, env.options.strategy, env.t_capture)
+
+
+def _cut_stages(prob: Problem, sol, reshard_after_forward, axis: str, m: int, schedule: str, limit, transient):
+    """(pipeline, prediction, held) of the faster way to run FSDP under the pipeline that fits `limit`: weights
+    gathered per microbatch (resharded) or once per step and held (reshard_after_forward=False); both when the
+    request leaves it to the search (None), which raises only if neither fits."""
+    ways = {True: [False], False: [True], None: [False, True]}[reshard_after_forward]
+    best, failure = None, None
+    for held in ways:
+        costs = op_costs(prob, sol.choice, held=held)
+        try:
+            pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,
+                             transient=transient)
+        except PipelineError as e:
+            failure = failure or e
+            continue
+        pred = device_prediction(prob, costs, pipe, transient)
+        if best is None or pred.step_time < best[1].step_time:
+            best = (pipe, pred, held)
+    if best is None:
+        raise failure
+    return best
 
 
 # from this many mesh axes on, `auto` fixes each axis's role first (classics.role_assignments):

@@ -84,7 +84,9 @@ def main():
               f"checkpointed {d['checkpointed']}, regather {d['regather_activations']}, "
               f"reshard {d['reshard_after_forward']}, pipeline {bool(d['pipeline'])}")
     if args.write:
-        GOLDEN.write_text(json.dumps(out, indent=0, sort_keys=True) + "\n")
+        # --cases rewrites only the cases named; the others stay as they were
+        kept = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+        GOLDEN.write_text(json.dumps({**kept, **out}, indent=0, sort_keys=True) + "\n")
         print(f"wrote {GOLDEN}")
 
 

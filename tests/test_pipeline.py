@@ -478,10 +478,15 @@ def test_plan_text_and_json_show_the_stages():
     for s in plan.pipeline.stages:
         assert s.modules in text
     assert plan.pipeline.bubble == pytest.approx(1 / 4)
-    # the step: (m + p - 1) slots of the slowest stage, then the optimizer step of the busiest device
+    # the step: (m + p - 1) slots of the slowest stage, the gradient all-reduce once (the microbatches' gradients
+    # are summed and reduced once), then the optimizer step of the busiest device
     slowest = max(s.time for s in plan.pipeline.stages)
-    assert 0 < plan.predicted.optimizer_time < 0.5 * slowest
-    assert plan.predicted.step_time == pytest.approx((4 + 1) * slowest + plan.predicted.optimizer_time)
+    once = plan.predicted.step_time - (4 + 1) * slowest - plan.predicted.optimizer_time
+    # (the slowest device may be another than the one whose memory is shown: the bound is loose)
+    assert 0 < plan.predicted.optimizer_time and 0 < once < 2 * plan.predicted.comm_time["dp"]
+    # the dp bytes: one all-reduce of the device's weights (2 (n-1)/n = 1 of their bytes on 2 ranks), not one
+    # per microbatch
+    assert plan.predicted.comm_bytes["dp"] < 1.01 * 4 * sum(p.numel() for p in _gpt().parameters())
     assert Plan.from_json(plan.to_json()).pipeline == plan.pipeline
     # 1F1B: stage s keeps at most p - s microbatches in flight; GPipe keeps all
     assert [s.in_flight for s in plan.pipeline.stages] == [2, 1]

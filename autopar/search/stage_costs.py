@@ -5,6 +5,13 @@ op_costs charges each op its compute, its collectives and the activations it kee
 microbatch, and finds the bytes crossing every point of the graph (what a send between stages
 there would carry); stage_partition.py cuts the graph with these numbers; device_prediction
 prices the busiest device of the cut for the plan.
+
+Some collectives run once per step, not once per microbatch, and are charged apart (`OpCosts.step_parts`):
+the data-parallel gradient all-reduces (the runtime sums every microbatch's gradient and reduces the sum once:
+grad_buckets.accumulating), ZeRO's reduce-scatters and weight all-gathers (at the optimizer step), and, when
+FSDP weights are held across the microbatches (`held=True`: FSDP's reshard_after_forward=False under a
+pipeline, runtime/pipeline/), their all-gathers and gradient reduce-scatters. A held weight costs its stage
+the weight whole and its gradient whole for the step, instead of a gather per microbatch.
 """
 from __future__ import annotations
 
@@ -16,12 +23,14 @@ import torch
 import cost_models as cm
 
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
+from ..cost.buckets import partial_gradients
 from ..cost.predict import Memory, Predicted, group_redistributions, redistribution_collectives
 from ..cost.problem import regather_model
 from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, copied_kept_bytes, first_meta,
-                          node_compute_time, op_collectives, output_bytes, param_memory, regather_saving,
-                          zero_collectives)
-from ..sharding.placement import numel
+                          node_compute_time, op_collectives, output_bytes, param_memory, reduce_itemsize,
+                          regather_saving, zero_collectives)
+from ..sharding.placement import local_shape, numel
+from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective
 from .pipeline import PipelinePlan
 
 
@@ -32,14 +41,16 @@ class OpCosts:
     acts: list                # per op: bytes kept for backward
     users: dict               # param/buffer -> sorted positions of the ops that read it
     crossing: list            # per cut position k (before op k): bytes crossing, inf where no cut may fall
-    parts: list               # per op: (compute s, {axis: comm bytes}, {axis: comm s})
+    parts: list               # per op: (compute s, {axis: comm bytes}, {axis: comm s}) per microbatch
     state_parts: dict         # param/buffer -> bytes of (weight, master copy, gradient, optimizer state,
-                              # what the optimizer step moves)
+                              # what the optimizer step moves); a held weight's whole copies included
+    step_parts: list          # per op: ({axis: comm bytes}, {axis: comm s}) once per step (module docstring)
 
 
-def op_costs(prob, choice) -> OpCosts:
-    """Each op's share of a microbatch's time and memory under the chosen strategies, and what crosses
-    a cut at each point of the graph."""
+def op_costs(prob, choice, held: bool = False) -> OpCosts:
+    """Each op's share of a microbatch's time and memory under the chosen strategies, what crosses a cut at
+    each point of the graph, and the collectives each op's weights pay once per step. `held`: FSDP weights
+    are gathered once per step and held whole across the microbatches (prob prices them resharded)."""
     cap, mesh = prob.cap, prob.mesh
     order = [n.name for n in cap.graph.nodes if n.op == "call_function"]
     pos = {n: i for i, n in enumerate(order)}
@@ -48,23 +59,30 @@ def op_costs(prob, choice) -> OpCosts:
     acts = [0.0] * len(order)
     comm_bytes = [dict.fromkeys(mesh.axis_names, 0.0) for _ in order]
     comm_time = [dict.fromkeys(mesh.axis_names, 0.0) for _ in order]
+    step_bytes = [dict.fromkeys(mesh.axis_names, 0.0) for _ in order]
+    step_time = [dict.fromkeys(mesh.axis_names, 0.0) for _ in order]
 
-    def charge(i, colls):
+    def charge(i, colls, once=False):
+        by, secs = (step_bytes, step_time) if once else (comm_bytes, comm_time)
         for c in colls:
             a = mesh.axis_names[c.axis]
-            comm_bytes[i][a] += float(collectives_bytes([c], mesh)[a])
-            comm_time[i][a] += float(collectives_time([c], mesh, prob.links))
+            by[i][a] += float(collectives_bytes([c], mesh)[a])
+            secs[i][a] += float(collectives_time([c], mesh, prob.links))
 
     users = _readers(cap, pos)
+    # gradients left partial for the buckets: reduced once per step, as one all-reduce of each weight
+    deferred = partial_gradients(cap, strategy, prob.grad_nodes)
     state_parts = {}
     for name, ns in prob.strategies.items():
         info, s = cap.info[name], strategy[name]
         if info.kind == PARAM:
-            m = param_memory(first_meta(info.meta), s, mesh, prob.param_bytes[name])
+            meta = first_meta(info.meta)
+            m = param_memory(meta, s, mesh, prob.param_bytes[name])
             state_parts[name] = (float(m.params), float(m.master), float(m.grads), float(m.optimizer),
                                  float(m.update))
             if name in prob.grad_nodes and users.get(name):
-                charge(users[name][0], zero_collectives(name, first_meta(info.meta), s, mesh, prob.param_bytes[name]))
+                charge(users[name][0], zero_collectives(name, meta, s, mesh, prob.param_bytes[name]), once=True)
+                charge(users[name][0], _bucket_all_reduces(prob, name, meta, s, deferred.get(name, ())), once=True)
         elif info.kind == BUFFER and info.meta is not None:
             meta = first_meta(info.meta)
             state_parts[name] = (float(numel(meta.hint) * meta.itemsize), 0.0, 0.0, 0.0, 0.0)
@@ -77,7 +95,13 @@ def op_costs(prob, choice) -> OpCosts:
             acts[0] += float(activation_bytes(name, cap, s.output, mesh, prob.saved)) if order else 0.0
     for r in group_redistributions(prob, choice):
         first = min((pos[c] for c, _ in r.consumers if c in pos), default=len(order) - 1)
-        charge(first, redistribution_collectives(prob, r))
+        colls = [c for c in redistribution_collectives(prob, r)
+                 if not (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in deferred.get(c.tensor, ()))]
+        if held and cap.info[r.producer].kind == PARAM and any(c.kind == ALL_GATHER and c.phase == "forward" for c in colls):
+            colls = _held(colls, state_parts, r.producer)
+            charge(first, [c for c in colls if c.kind in (ALL_GATHER, REDUCE_SCATTER)], once=True)
+            colls = [c for c in colls if c.kind not in (ALL_GATHER, REDUCE_SCATTER)]
+        charge(first, colls)
         for c, i in r.consumers:   # an activation kept as its shard where it is gathered (sequence parallel)
             if c in pos:
                 acts[pos[c]] += float(regather_saving(cap, regather_model(prob), r.producer, c, i, r.src, r.dst,
@@ -88,7 +112,29 @@ def op_costs(prob, choice) -> OpCosts:
     time = [compute[i] + sum(comm_time[i].values()) for i in range(len(order))]
     parts = [(compute[i], comm_bytes[i], comm_time[i]) for i in range(len(order))]
     crossing = _crossing_bytes(cap, order, pos, strategy, mesh)
-    return OpCosts(order, time, acts, users, crossing, parts, state_parts)
+    return OpCosts(order, time, acts, users, crossing, parts, state_parts, list(zip(step_bytes, step_time)))
+
+
+def _bucket_all_reduces(prob, name: str, meta, s, axes) -> list:
+    """The all-reduce of a weight's summed gradient on each deferred axis, once per step (predict.bucketed
+    prices the same bytes in buckets; latency per weight here instead of per bucket)."""
+    itemsize = reduce_itemsize(prob.param_bytes, name) or meta.itemsize
+    nbytes = numel(local_shape(meta.hint, s.output, prob.mesh.axis_sizes)) * itemsize
+    return [Collective(ALL_REDUCE, a, nbytes, "backward", f"gradient of {name}", name) for a in axes]
+
+
+def _held(colls: list, state_parts: dict, param: str) -> list:
+    """A weight held whole for the step: one forward all-gather and one gradient reduce-scatter per step (no
+    gather again in backward), and its stage holds the weight whole and its gradient whole (summed over the
+    microbatches) besides the shard: `state_parts` grows by both. Returns the collectives it still runs."""
+    gathers = [c for c in colls if c.kind == ALL_GATHER and c.phase == "forward"]
+    # the last gather's output: the weight whole, in the dtype it is gathered in (the compute dtype); its
+    # gradient accumulates in that dtype too, as FSDP2's unsharded gradients do
+    whole = max(float(c.full_bytes) for c in gathers)
+    grad_whole = whole
+    weight, master, grad, opt, update = state_parts[param]
+    state_parts[param] = (weight + whole, master, grad + grad_whole, opt, update)
+    return [c for c in colls if not (c.kind == ALL_GATHER and c.phase == "backward")]
 
 
 def _readers(cap: Captured, pos: dict) -> dict:
@@ -149,26 +195,41 @@ def _is_shape(node) -> bool:
     return not isinstance(node.meta.get("val"), (torch.Tensor, list, tuple))
 
 
+def device_state(costs: OpCosts, idx) -> list:
+    """Bytes of (weights, master copies, gradients, optimizer state, what the optimizer step moves) of every
+    weight the ops at positions `idx` read, each once."""
+    idx = set(idx)
+    read = [name for name, rs in costs.users.items() if name in costs.state_parts and any(r in idx for r in rs)]
+    return [sum(costs.state_parts[x][k] for x in read) for k in range(5)]
+
+
+def device_memory(costs: OpCosts, pipe: PipelinePlan, coord: int, transient: float) -> float:
+    """Peak bytes on the device at `coord` of the pipeline axis: the state of every weight its stages read,
+    the activations each of its stages keeps in flight at the schedule's peak, and the working set once."""
+    pos = {n: i for i, n in enumerate(costs.order)}
+    idx = [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
+    acts = sum(pipe.stages[s].activations * pipe.stages[s].in_flight for s in pipe.stages_on(coord))
+    return sum(device_state(costs, idx)[:4]) + acts + transient
+
+
 def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float):
-    """Predicted per step for the busiest device of the pipeline: its stages' weights, the activations in
-    flight, every microbatch's collectives and sends, and the step time of the schedule."""
+    """Predicted per step for the device of the pipeline that needs the most memory: its stages' weights, the
+    activations in flight, every microbatch's collectives and sends, the collectives paid once per step, and
+    the step time of the schedule."""
     pos = {n: i for i, n in enumerate(costs.order)}
     mesh, m = prob.mesh, pipe.microbatches
     p = pipe.num_stages // pipe.stages_per_device
     link = prob.links[pipe.axis]
-    best = None
-    for coord in range(p):
-        idx = [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
-        read = {name for name, rs in costs.users.items() if any(r in set(idx) for r in rs)}
-        parts = [sum(costs.state_parts[x][k] for x in read if x in costs.state_parts) for k in range(5)]
-        acts = sum(pipe.stages[s].activations * pipe.stages[s].in_flight for s in pipe.stages_on(coord))
-        total = sum(parts[:4]) + acts + transient
-        if best is None or total > best[0]:
-            best = (total, coord, idx, parts, acts)
-    total, coord, idx, (params, master, grads, opt, update), acts = best
+    coord = max(range(p), key=lambda c: device_memory(costs, pipe, c, transient))
+    total = device_memory(costs, pipe, coord, transient)
+    idx = [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
+    params, master, grads, opt, update = device_state(costs, idx)
+    acts = sum(pipe.stages[s].activations * pipe.stages[s].in_flight for s in pipe.stages_on(coord))
     optimizer_time = float(cm.optimizer_time(update, prob.hardware))   # after the schedule, on the busiest device
-    comm_bytes = {a: m * sum(costs.parts[i][1][a] for i in idx) for a in mesh.axis_names}
-    comm_time = {a: m * sum(costs.parts[i][2][a] for i in idx) for a in mesh.axis_names}
+    comm_bytes = {a: m * sum(costs.parts[i][1][a] for i in idx) + sum(costs.step_parts[i][0][a] for i in idx)
+                  for a in mesh.axis_names}
+    comm_time = {a: m * sum(costs.parts[i][2][a] for i in idx) + sum(costs.step_parts[i][1][a] for i in idx)
+                 for a in mesh.axis_names}
     sends = [pipe.stages[s].send_bytes for s in pipe.stages_on(coord)]
     recvs = [pipe.stages[s - 1].send_bytes for s in pipe.stages_on(coord) if s > 0]
     comm_bytes[pipe.axis] += m * (sum(sends) + sum(recvs))   # activations out, gradients of the inputs back

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cost_models as cm
 
 from ..errors import PipelineError
 from .pipeline import IDLE_SHARE, STAGES_PER_DEVICE, PipelinePlan, Stage, in_flight
-from .stage_costs import OpCosts
+from .stage_costs import OpCosts, device_memory
 
 # a cut may fall where at most this many times the fewest bytes of the model's body cross: "few bytes"
 # (a transformer's residual stream between blocks, or between attention and MLP), not mid-attention
@@ -27,30 +27,60 @@ CUT_SLACK = 2.0
 
 def partition(prob, costs: OpCosts, *, axis: str, microbatches: int, schedule: str, memory_limit=None,
               transient: float = 0.0) -> PipelinePlan:
-    """The cut into stages that makes the slowest stage fastest, each stage fitting `memory_limit`.
-    `costs`: op_costs of the chosen strategies."""
+    """The cut into stages that makes the slowest stage fastest, each device fitting `memory_limit` with
+    everything it holds: under an interleaved schedule a device holds several stages, whose weights and
+    activations in flight add up. `costs`: op_costs of the chosen strategies."""
     p = prob.mesh.axis_sizes[prob.mesh.axis_index(axis)]
-    num_stages = p * STAGES_PER_DEVICE[schedule]
+    v = STAGES_PER_DEVICE[schedule]
+    num_stages = p * v
     spans = _Spans.of(costs, prob.links[axis], schedule, num_stages, microbatches, transient)
     cuts = _cut_points(costs)
     if len(cuts) - 1 < num_stages:
         raise PipelineError(f"the model has {len(cuts) - 1} place(s) where a cut passes few bytes, too few for "
                             f"{num_stages} stages on pipeline axis {axis!r}; use fewer stages")
-    bounds = _best_bounds(spans, cuts, num_stages, memory_limit)
-    if bounds is None:
-        share = spans.memory(0, spans.n, 0) / num_stages   # the whole model, stage 0's in flight, split evenly
-        raise PipelineError(f"no cut of the model into {num_stages} stages on pipeline axis {axis!r} fits "
-                            f"memory_limit={cm.format_bytes(memory_limit)} per device with {microbatches} "
-                            f"microbatches under {schedule} (an even share of the model would be about "
-                            f"{cm.format_bytes(share)}, and layers cannot be split finer than the cut points); "
-                            "raise the limit, use 1f1b (fewer microbatches in flight than gpipe), or more devices")
+    pipe = None
+    for cap in _stage_caps(memory_limit, transient, v):
+        bounds = _best_bounds(spans, cuts, num_stages, cap)
+        if bounds is None:
+            continue
+        pipe = _pipeline(prob, costs, spans, axis, p, bounds)
+        worst = max(device_memory(costs, pipe, c, transient) for c in range(p))
+        if memory_limit is None or worst <= memory_limit:
+            return pipe
+    share = (spans.memory(0, spans.n, 0) - transient) / p + transient   # the whole model over p devices, evenly
+    raise PipelineError(f"no cut of the model into {num_stages} stages on pipeline axis {axis!r} fits "
+                        f"memory_limit={cm.format_bytes(memory_limit)} per device with {microbatches} microbatches "
+                        f"under {schedule} (an even share of the model, with stage 0's microbatches in flight, "
+                        f"would be about {cm.format_bytes(share)} per device, and layers cannot be split finer "
+                        "than the cut points); raise the limit, use 1f1b (fewer microbatches in flight than gpipe "
+                        "or interleaving), checkpointing, or more devices")
+
+
+def _stage_caps(memory_limit, transient: float, v: int) -> list:
+    """The per-stage limits the cut is tried with, loosest first. With one stage per device the limit itself
+    is exact. With v stages a device holds v of them, whose sum the program cannot see: the limit, then
+    tighter caps down to a v-th of it, which always holds if any cut meets it."""
+    if memory_limit is None or v == 1:
+        return [memory_limit]
+    loose, tight = memory_limit, (memory_limit - transient) / v + transient
+    return [loose + (tight - loose) * k / 4 for k in range(5)]
+
+
+def _pipeline(prob, costs: OpCosts, spans: "_Spans", axis: str, p: int, bounds: list) -> PipelinePlan:
+    """The plan of a cut: its stages, the bubble, and the step time of the slowest device (every microbatch
+    through its stages, the collectives it pays once per step, and the bubble)."""
+    num_stages, m, schedule = spans.num_stages, spans.microbatches, spans.schedule
     stages = [_stage(prob, costs, spans, s, bounds[s], bounds[s + 1]) for s in range(num_stages)]
     v = STAGES_PER_DEVICE[schedule]
     slowest = max(st.time for st in stages)
-    per_device = max(sum(stages[s].time for s in range(c, num_stages, p)) for c in range(p))
+    per_device = max(m * sum(stages[s].time for s in range(c, num_stages, p))
+                     + sum(spans.once(bounds[s], bounds[s + 1]) for s in range(c, num_stages, p)) for c in range(p))
     idle = IDLE_SHARE[schedule]
-    return PipelinePlan(axis, num_stages, microbatches, schedule, tuple(stages), idle * (p - 1) / (v * microbatches),
-                        microbatches * per_device + idle * (p - 1) * slowest)
+    pipe = PipelinePlan(axis, num_stages, m, schedule, tuple(stages), idle * (p - 1) / (v * m),
+                        per_device + idle * (p - 1) * slowest)
+    # each stage's memory: the peak of the device that holds it, everything on it (what the limit is held to)
+    peaks = [device_memory(costs, pipe, c, spans.transient) for c in range(p)]
+    return replace(pipe, stages=tuple(replace(st, memory=peaks[st.index % p]) for st in stages))
 
 
 @dataclass
@@ -62,7 +92,8 @@ class _Spans:
     num_stages: int
     microbatches: int
     transient: float
-    t_sum: list          # prefix sums of per-op time
+    t_sum: list          # prefix sums of per-op time per microbatch
+    o_sum: list          # ... of the collectives paid once per step
     a_sum: list          # ... of activation bytes
     s_sum: list          # ... of weight state, charged to each weight's first reader
     shared: list         # (readers, bytes) of weights read in more than one place
@@ -73,14 +104,15 @@ class _Spans:
         n = len(costs.order)
         first_read, shared = [0.0] * n, []
         for name, parts in costs.state_parts.items():
-            st = sum(parts)
+            st = sum(parts[:4])   # bytes held; the fifth is what the optimizer step moves
             readers = costs.users.get(name) or []
             if readers:
                 first_read[readers[0]] += st
                 if readers[-1] != readers[0]:   # a stage holds its own copy of a weight it reads
                     shared.append((readers, st))
         reads = sorted({r for rs in costs.users.values() for r in rs})
-        return _Spans(costs, link, schedule, num_stages, microbatches, transient, _prefix(costs.time),
+        once = [sum(step_seconds.values()) for _, step_seconds in costs.step_parts]
+        return _Spans(costs, link, schedule, num_stages, microbatches, transient, _prefix(costs.time), _prefix(once),
                       _prefix(costs.acts), _prefix(first_read), shared, reads)
 
     @property
@@ -95,6 +127,10 @@ class _Spans:
 
     def time(self, i: int, j: int) -> float:
         return self.t_sum[j] - self.t_sum[i] + self.send(i) + self.send(j)
+
+    def once(self, i: int, j: int) -> float:
+        """Seconds of the collectives ops [i, j) pay once per step."""
+        return self.o_sum[j] - self.o_sum[i]
 
     def state(self, i: int, j: int) -> float:
         extra = sum(st for readers, st in self.shared if readers[0] < i and any(i <= r < j for r in readers))
