@@ -13,6 +13,7 @@ from ...capture.export import INPUT, PARAM, Captured
 from ...errors import PlanError
 from ...search.pipeline import ZERO_BUBBLE
 from ..devices import mesh_device
+from .held_weights import HELD, HeldWeights, held_gathers
 from .stages import StageModule, StepLoss, cut, make_schedule, stage_graph
 
 
@@ -24,11 +25,14 @@ class PipelineRunner:
         placeholders_of = {n.name: (cap.info[n.name].kind, cap.info[n.name].target_name)
                            for n in gm.graph.nodes if n.op == "placeholder" and cap.info[n.name].kind != INPUT}
         specs = cut(gm, cap, pipe.stage_of(), pipe.num_stages)
-        built = [stage_graph(gm, spec, placeholders_of) for spec in specs]
+        # FSDP weights gathered once per step and held whole across its microbatches (held_weights.py), or, when
+        # the plan reshards after forward, gathered by each stage in each microbatch
+        held = held_gathers(gm, placeholders_of) if _holds_weights(plan) else {}
+        built = [stage_graph(gm, spec, placeholders_of, frozenset(held)) for spec in specs]
         p = pipe.num_stages // pipe.stages_per_device
         holders: dict = {}
         for s, (_, weights) in enumerate(built):
-            for kind, fqn in weights:
+            for kind, fqn in _sources(weights, held):
                 if kind == PARAM:
                     holders.setdefault(fqn, set()).add(s % p)
         shared = sorted(f for f, devices in holders.items() if len(devices) > 1)
@@ -39,10 +43,13 @@ class PipelineRunner:
                             "(pipeline_axis=None)")
         self.pipe = pipe
         self.stage_indices = pipe.stages_on(pm.coords[plan.mesh.axis_index(pipe.axis)])
+        read = {w[1] for s in self.stage_indices for w in built[s][1] if w[0] == HELD}
+        self.held = HeldWeights([g for name, g in held.items() if name in read], gm)   # in graph order
         # the ParallelModule by weak reference: it holds the stages, which read its weights at each call
-        self.stage_modules = [StageModule(built[s][0], built[s][1], weakref.ref(pm), s == pipe.num_stages - 1)
-                              for s in self.stage_indices]
-        self.weights = {fqn for s in self.stage_indices for _, fqn in built[s][1]}   # what the stages read
+        self.stage_modules = [StageModule(built[s][0], built[s][1], weakref.ref(pm), s == pipe.num_stages - 1,
+                                          self.held) for s in self.stage_indices]
+        # what the stages read
+        self.weights = {fqn for s in self.stage_indices for _, fqn in _sources(built[s][1], held)}
         self.stages = None    # torch PipelineStages, made at the first step
         self.schedules = {}   # whether the loss takes targets -> (torch schedule, its StepLoss)
 
@@ -73,7 +80,8 @@ class PipelineRunner:
         summing = buckets.through_autograd() if pipe.schedule == ZERO_BUBBLE else buckets.accumulating()
         # the outputs are not merged: only the losses are used, and a model that returns its loss (0-dim)
         # would make torch's merge fail to concatenate the microbatches' scalars
-        with summing, step_loss.calling(loss_fn):
+        # held weights are gathered here, once, and their summed gradients reduced as the schedule ends
+        with summing, step_loss.calling(loss_fn), self.held.holding(pm):
             schedule.step(*(local_inputs if first else ()), target=targets if last else None, losses=losses,
                           return_outputs=False)
         buckets.flush()
@@ -84,3 +92,21 @@ class PipelineRunner:
         p = pipe.num_stages // pipe.stages_per_device
         dist.broadcast(loss, group=group, group_src=(pipe.num_stages - 1) % p)
         return loss
+
+
+def _holds_weights(plan) -> bool:
+    """Whether the step gathers FSDP weights once and holds them (reshard_after_forward False). A checkpointed
+    block would gather its weights inside itself, where they cannot be held: refused, not run per microbatch."""
+    if plan.reshard_after_forward:
+        return False
+    if plan.checkpointed:
+        raise PlanError(f"plan keeps weights whole (reshard_after_forward=False) and checkpoints "
+                        f"{', '.join(plan.checkpointed)} under pipeline axis {plan.pipeline.axis!r}: a checkpointed "
+                        "block gathers its weights itself, so they cannot be held through the step; plan with "
+                        "reshard_after_forward=True or checkpointing='none'")
+    return True
+
+
+def _sources(weights: list, held: dict) -> list:
+    """A stage's (kind, name) per weight placeholder, a held one as the weight it gathers."""
+    return [held[name].source if kind == HELD else (kind, name) for kind, name in weights]

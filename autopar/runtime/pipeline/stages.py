@@ -8,6 +8,9 @@ instead copied into every stage that reads it, so weights never travel
 between stages and no stage waits on another for a shape. What a stage
 needs from earlier stages comes in as its inputs; what later stages need
 (its own results, or earlier ones passing through) goes out as its outputs.
+Under a plan that keeps FSDP weights whole (reshard_after_forward False) a
+weight's gather is not copied in: the stage takes the whole weight the step
+holds (held_weights.py) as an input of its own.
 
 torch.distributed.pipelining does the rest: PipelineStage sends and
 receives those tensors and their gradients, and a schedule (GPipe, 1F1B,
@@ -24,6 +27,7 @@ from ..._compat import unflatten_outputs, view_base
 from ...capture.export import INPUT, PARAM, Captured
 from ...errors import PlanError
 from ...search.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
+from .held_weights import HELD, HeldWeights
 
 FIRST = -1   # owner of the model's inputs: they enter before stage 0
 
@@ -98,10 +102,13 @@ def cut(gm: fx.GraphModule, cap: Captured, stage_of: dict, num_stages: int) -> l
     return out
 
 
-def stage_graph(gm: fx.GraphModule, spec: dict, placeholders_of: dict) -> tuple[fx.GraphModule, list]:
+def stage_graph(gm: fx.GraphModule, spec: dict, placeholders_of: dict,
+                held: frozenset = frozenset()) -> tuple[fx.GraphModule, list]:
     """The local graph of one stage: its inputs, then the weights it reads, as placeholders.
 
-    `placeholders_of`: local placeholder name -> (kind, name) for weights, buffers and constants.
+    `placeholders_of`: local placeholder name -> (kind, name) for weights, buffers and constants. `held`: the
+    nodes gathering a weight that the step gathers once and holds (held_weights.py): the stage takes their
+    value as a placeholder, (HELD, node name), instead of gathering the weight itself.
     Returns the graph module and the (kind, name) of each weight placeholder, in order.
     """
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -113,16 +120,17 @@ def stage_graph(gm: fx.GraphModule, spec: dict, placeholders_of: dict) -> tuple[
         if node.name in needed:
             continue
         needed.add(node.name)
-        todo += [a for a in node.all_input_nodes if a.name not in spec["inputs"]]
+        if node.name not in held:   # a held weight comes whole: its shard and gather are not the stage's
+            todo += [a for a in node.all_input_nodes if a.name not in spec["inputs"]]
     g = fx.Graph()
     env = {name: g.placeholder(name) for name in spec["inputs"]}
     weights = []
     for node in gm.graph.nodes:
-        if node.name in needed and node.op == "placeholder":
+        if node.name in needed and (node.op == "placeholder" or node.name in held):
             env[node.name] = g.placeholder(node.name)
-            weights.append(placeholders_of[node.name])
+            weights.append((HELD, node.name) if node.name in held else placeholders_of[node.name])
     for node in gm.graph.nodes:
-        if node.name in needed and node.op != "placeholder":
+        if node.name in needed and node.op != "placeholder" and node.name not in held:
             env[node.name] = g.node_copy(node, lambda a: env[a.name])
     if is_last:
         g.node_copy(by_name["output"], lambda a: env[a.name])
@@ -152,25 +160,31 @@ class _ContiguousGrad(torch.autograd.Function):
 class StageModule(torch.nn.Module):
     """One pipeline stage: the crossing tensors in, the next stage's (or the model's) outputs out."""
 
-    def __init__(self, graph_module: fx.GraphModule, weights: list, owner, is_last: bool):
+    def __init__(self, graph_module: fx.GraphModule, weights: list, owner, is_last: bool, held: HeldWeights):
         super().__init__()
         self.graph_module = graph_module
         self._weights = weights   # (kind, name) per weight placeholder
         self._owner = owner       # the ParallelModule: it holds the weights and the FSDP hooks
         self._is_last = is_last
+        self._held = held         # the device's weights held whole through a step (held_weights.py)
 
     def parameters(self, recurse: bool = True):
-        """The weights this stage reads, though the ParallelModule holds them: a zero-bubble schedule
-        computes their gradients in a pass of its own, from the stage module's parameters."""
+        """The weights this stage reads, though the ParallelModule holds them (a held weight: the whole tensor
+        the step holds): a zero-bubble schedule computes their gradients in a pass of its own, from the stage
+        module's parameters."""
         table = self._owner().weight_table()
-        return iter([table[w] for w in self._weights if w[0] == PARAM])
+        return iter([self._held.tensor(w[1]) if w[0] == HELD else table[w] for w in self._weights
+                     if w[0] in (PARAM, HELD)])
 
     def forward(self, *inputs):
         pm = self._owner()
         table = pm.weight_table()
         inputs = [_ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in inputs]
-        # a weight read through the gradient buckets (grad_buckets.py) when its data-axis reduction is theirs
-        args = inputs + pm.grad_buckets.use([w[1] for w in self._weights], [table[w] for w in self._weights])
+        # a weight read through the gradient buckets (grad_buckets.py) when its data-axis reduction is theirs (a
+        # held one went through them when the step gathered it)
+        read = [w for w in self._weights if w[0] != HELD]
+        routed = iter(pm.grad_buckets.use([w[1] for w in read], [table[w] for w in read]))
+        args = inputs + [self._held.tensor(w[1]) if w[0] == HELD else next(routed) for w in self._weights]
         try:
             with pm.gathered.hooks():
                 flat = self.graph_module(*args)
