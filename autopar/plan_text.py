@@ -66,19 +66,23 @@ def render(plan) -> str:
     lines += backward_lines(plan)
     if plan.schedule is not None and schedule_line(plan.schedule):
         lines.append(schedule_line(plan.schedule))
-    if plan.links:
-        lines.append(links_line(plan.links, plan.mesh))
+    return "\n".join(lines + step_lines(plan))
+
+
+def step_lines(plan) -> list:
+    """The links each axis talks over, what it sends and how long it takes, the step time, and the search."""
+    lines = [links_line(plan.links, plan.mesh)] if plan.links else []
     p = plan.predicted
     lines.append("communication per step: " + ", ".join(
         f"{a} {format_bytes(p.comm_bytes[a])} ({p.comm_time[a] * 1e3:.3f} ms, "
-        f"{p.hidden_comm_time[a] * 1e3:.3f} ms of it hidden behind compute)" for a in names))
+        f"{p.hidden_comm_time[a] * 1e3:.3f} ms of it hidden behind compute)" for a in plan.mesh.axis_names))
     lines.append(f"compute {p.compute_time * 1e3:.3f} ms, optimizer step {p.optimizer_time * 1e3:.3f} ms, "
                  f"step {p.step_time * 1e3:.3f} ms (compute + optimizer + the communication not hidden)"
                  + (f", {p.compiled_step_time * 1e3:.3f} ms under torch.compile (memory-bound ops fused)"
                     if p.compiled_step_time != p.step_time else ""))
     if "status" in plan.stats:
         lines.append(search_line(plan.stats))
-    return "\n".join(lines)
+    return lines
 
 
 _REACH = {"inside": "inside a node", "across": "across nodes",
