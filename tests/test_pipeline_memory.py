@@ -1,0 +1,98 @@
+"""A pipelined plan is held to its memory limit with everything its devices hold (issue 52, item 1).
+
+A device of a pipeline holds the weights, gradients and optimizer state of every stage it runs (two or more
+under an interleaved schedule), the activations of the microbatches each of them keeps in flight, and the
+working set once. The summary line, each stage's row and the limit check must say the same number, and no plan
+over the limit may come back: an interleaved plan used to pass a check stage by stage and come back at twice the
+limit.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autopar
+import cost_models as cm
+from autopar.errors import InfeasiblePlanError, PipelineError
+from autopar.testing.models import GPT, GPTConfig
+
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+BATCH = 48
+
+
+def _plan(model, mesh, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        x = torch.randint(0, model.config.vocab_size, (BATCH, model.config.block_size))
+        return autopar.plan(model, (x,), mesh, hardware="h100", time_limit=None, **options)
+
+
+def _model(n_layer: int, n_embd: int):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=4, n_embd=n_embd))
+
+
+def _check_consistent(plan, limit=None):
+    """The summary, the stage table and the limit agree: the total is the busiest device's, every stage's row is
+    its device's total, and none is over the limit."""
+    pipe, total = plan.pipeline, plan.predicted.memory.total
+    p = pipe.num_stages // pipe.stages_per_device
+    per_device = {s.index % p: s.memory for s in pipe.stages}
+    for s in pipe.stages:   # the stages a device holds show one figure: that device's peak
+        assert s.memory == per_device[s.index % p]
+    assert max(per_device.values()) == pytest.approx(total, rel=1e-9)
+    m = plan.predicted.memory
+    assert m.params + m.master + m.grads + m.optimizer + m.activations + m.transient == pytest.approx(total, rel=1e-9)
+    if limit is not None:
+        assert total <= limit and all(v <= limit for v in per_device.values())
+    assert f"total {cm.format_bytes(total)}" in str(plan)   # the summary line says it
+
+
+@settings(max_examples=60 if THOROUGH else 5)
+@given(n_layer=st.integers(4, 8), n_embd=st.sampled_from([32, 48]), p=st.sampled_from([2, 3, 4]),
+       dp=st.sampled_from([1, 2]), schedule=st.sampled_from(["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"]),
+       strategy=st.sampled_from(["ddp", "fsdp", "zero1"]), reshard=st.sampled_from([True, False, "auto"]),
+       rounds=st.sampled_from([1, 2]), share=st.floats(0.3, 1.2))
+def test_every_pipelined_plan_returned_fits_its_limit(n_layer, n_embd, p, dp, schedule, strategy, reshard, rounds,
+                                                      share):
+    stages = p * (2 if schedule == "interleaved-1f1b" else 1)
+    if stages > n_layer:
+        n_layer = stages
+    model = _model(n_layer, n_embd)
+    mesh = {"pp": p, "dp": dp} if dp > 1 else {"pp": p}
+    options = dict(pipeline_axis="pp", schedule=schedule, microbatches=rounds * p,
+                   strategy=strategy if dp > 1 else "ddp", reshard_after_forward=reshard if strategy == "fsdp" else None)
+    free = _plan(model, mesh, **options)
+    _check_consistent(free)
+    limit = int(share * free.predicted.memory.total)
+    try:
+        plan = _plan(model, mesh, memory_limit=limit, **options)
+    except (PipelineError, InfeasiblePlanError) as e:
+        assert "memory_limit" in str(e)   # says which limit it could not meet
+        return
+    _check_consistent(plan, limit)
+
+
+def test_an_interleaved_device_counts_both_of_its_stages():
+    """Two stages per device under interleaved 1F1B: the device's peak is both stages' weights and activations in
+    flight together, and a limit between one stage's figure and the device's must move the cut or refuse."""
+    model = _model(8, 48)
+    options = dict(pipeline_axis="pp", schedule="interleaved-1f1b", microbatches=4, strategy="ddp")
+    plan = _plan(model, {"pp": 2}, **options)
+    _check_consistent(plan)
+    pipe = plan.pipeline
+    on_0 = [s for s in pipe.stages if s.index % 2 == 0]
+    assert len(on_0) == 2
+    own = [s.activations * s.in_flight for s in on_0]
+    # the device's figure holds both stages' activations in flight (and more: their weights, the working set)
+    assert on_0[0].memory > sum(own)
+    limit = int(0.9 * plan.predicted.memory.total)
+    try:
+        tight = _plan(model, {"pp": 2}, memory_limit=limit, **options)
+    except PipelineError as e:
+        assert "memory_limit" in str(e)
+        return
+    _check_consistent(tight, limit)
