@@ -35,11 +35,12 @@ class PlanOptions:
       torch optimizer; with `precision` it sets the bytes each parameter costs.
     - `checkpointing`: "auto" lets the search recompute stacks of repeated blocks when that is what fits
       `memory_limit` (it only costs time, so never without a limit), each block whole, only its attention
-      core, or per op, whichever is fastest; "full" recomputes every block of such stacks; "selective" only
+      core, per op or every second block, whichever is fastest; "full" recomputes every block of such stacks; "selective" only
       their attention cores (Megatron's selective recompute); "per-op" every block but the results of its
       fused attention kernels and of every second matmul (the 1st, 3rd, ... aten.mm/addmm of the block: q, v,
       gate and down of a Llama block), which forward keeps (torchtitan's per-op selective checkpointing);
-      "none" never.
+      "per-layer" every second block whole, the 2nd, 4th, ... (torchtitan's layer selective checkpointing,
+      ac_freq 2), the others keeping their activations; "none" never.
     - `links`: {axis name: cost_models.Link} overriding the hardware's link for an axis (by default the
       last mesh axis is taken to be inside a node).
     - `time_limit`: seconds HiGHS may spend on one ILP before the greedy's plan is taken instead (60: a

@@ -126,7 +126,7 @@ def backward_lines(plan) -> list:
                      "in backward (sequence parallelism as Megatron does it)")
     for path, kind in plan.checkpointed.items():
         what = {"full": "every block", "selective": "the attention core of every block",
-                "per-op": "every block"}.get(kind, kind)
+                "per-op": "every block", "per-layer": "every second block (the 2nd, 4th, ...)"}.get(kind, kind)
         but = (", but for its fused attention and every second matmul, whose results forward keeps"
                if kind == "per-op" else "")
         lines.append(f"activation checkpointing ({kind}): {what} of {path} is recomputed in backward{but}")

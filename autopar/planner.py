@@ -255,7 +255,7 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     check_context_divisibility(cap, roles)
     t0 = time.perf_counter()
     prob, policy, opt, hw = _problem(cap, env, checkpointing)
-    if checkpointing in ("full", "per-op") and not prob.stacks:
+    if checkpointing in ("full", "per-op", "per-layer") and not prob.stacks:
         raise PlanError(f"checkpointing={checkpointing!r} found no stack of repeated blocks to checkpoint (an "
                         "nn.ModuleList of 2+ layers whose ops run one layer after another); use "
                         "checkpointing='auto' or 'none'")

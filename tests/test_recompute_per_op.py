@@ -1,11 +1,12 @@
-"""Per-op selective activation checkpointing (checkpointing="per-op"), as torchtitan runs it.
+"""torchtitan's selective activation checkpointing: per op (checkpointing="per-op") and per layer ("per-layer").
 
 Each block of a stack is one checkpointed region whose fused attention kernels and every second matmul
 (the 1st, 3rd, ... aten.mm/addmm of the block) are cached in forward; every other op is recomputed in
 backward. Checked: which ops the plan caches (q, v, gate, down in a Llama block), the bytes the run
 keeps against the prediction (autopar.audit: autograd's saved tensors, what each checkpoint holds and what
 its policy caches), training against one device (SGD and AdamW, ddp and fsdp, gloo ranks, and compiled),
-and the requests that cannot be met.
+and the requests that cannot be met. Per layer (ac_freq 2): every second block of a stack (the 2nd, 4th, ...)
+is recomputed whole, the others keep their activations; checked the same way.
 """
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ def test_a_llama_block_caches_q_v_gate_and_down():
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("make", [_gpt, _llama], ids=["gpt", "llama"])
-def test_per_op_plans_predict_what_the_run_keeps(make, strategy):
+def test_plans_predict_what_the_run_keeps(make, strategy):
     model, x, _ = make()
     kept = {}
-    for mode in ("none", "per-op", "full"):
+    for mode in ("none", "per-op", "per-layer", "full"):
         for rank, (rows, plan) in enumerate(run_threaded(2, _audit, model, x, (2,), ("dp",),
                                                          {"strategy": strategy, "checkpointing": mode})):
             predicted, measured = rows["activations saved for backward"]
@@ -74,17 +75,17 @@ def test_per_op_plans_predict_what_the_run_keeps(make, strategy):
                 f"{strategy} checkpointing={mode} rank {rank}: predicted {predicted:.0f} B, kept {measured:.0f} B"
             assert rows["comm bytes on dp"][0] == rows["comm bytes on dp"][1]
             kept[mode] = measured
-    # it keeps some of what checkpointing a whole block drops
-    assert kept["full"] < kept["per-op"] < kept["none"]
+    # each keeps some of what checkpointing every whole block drops
+    assert kept["full"] < kept["per-op"] < kept["none"] and kept["full"] < kept["per-layer"] < kept["none"]
 
 
-def _train(rank, model, x, y, strategy, optimizers, compile_backend=None, steps=3, lr=1e-2):
+def _train(rank, model, x, y, strategy, optimizers, compile_backend=None, steps=3, lr=1e-2, mode="per-op"):
     """parallel_record's steps (compiled with `compile_backend` where given), once per optimizer class, each
     from the same start (one parallelize serves them all: its capture is what takes the time)."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), hardware="cpu", strategy=strategy,
-                             checkpointing="per-op")
+                             checkpointing=mode)
     run = pm if compile_backend is None else torch.compile(pm, backend=compile_backend)
     (local_x,), (local_y,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
     start = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
@@ -100,21 +101,23 @@ def _train(rank, model, x, y, strategy, optimizers, compile_backend=None, steps=
     return out
 
 
-def _check_training(records, model, x, y, atol=1e-5):
+def _check_training(records, model, x, y, atol=1e-5, mode="per-op"):
     for optimizer in (torch.optim.SGD, torch.optim.AdamW):
         ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=1e-2,
                                       optimizer=optimizer)
         for rank, rec in enumerate(records):
-            assert rec["plan"].checkpointed == {"h": "per-op"}
+            assert rec["plan"].checkpointed == {"h": mode}
             for name, p in ref["params"].items():
                 torch.testing.assert_close(rec[optimizer][name], p, atol=atol, rtol=0,
                                            msg=f"{optimizer.__name__} rank {rank} {name}")
 
 
+@pytest.mark.parametrize("mode", ["per-op", "per-layer"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_per_op_training_matches_one_device_on_gloo(strategy):
+def test_training_matches_one_device_on_gloo(strategy, mode):
     model, x, y = _gpt()
-    _check_training(run_gloo(2, _train, model, x, y, strategy, (torch.optim.SGD, torch.optim.AdamW)), model, x, y)
+    records = run_gloo(2, _train, model, x, y, strategy, (torch.optim.SGD, torch.optim.AdamW), None, 3, 1e-2, mode)
+    _check_training(records, model, x, y, mode=mode)
 
 
 def test_per_op_training_compiled_matches_one_device():
@@ -136,15 +139,32 @@ def test_per_op_training_of_a_llama_matches_one_device():
                            plan_kwargs={"checkpointing": "per-op", "hardware": "cpu"})
 
 
-def test_per_op_requests_are_checked():
-    with pytest.raises(autopar.PlanError, match="checkpointing='per-op' found no stack of repeated blocks"):
-        autopar.plan(torch.nn.Linear(8, 8), (torch.randn(4, 8),), {"dp": 2}, checkpointing="per-op")
+def test_every_second_block_is_checkpointed_per_layer():
+    """torchtitan counts blocks from 1 and checkpoints those ac_freq divides: h.1 and h.3 of 4."""
+    from autopar.capture.export import capture
+    from autopar.cost.checkpointing import PER_LAYER, checkpointable_stacks
+    model, x, _ = _gpt(n_layer=4)
+    cap = capture(model, (x,))
+    (stack,) = [st for st in checkpointable_stacks(cap, "cpu") if st.kind == PER_LAYER]
+    assert [{cap.info[n].module_path.split(".")[1] for n in block} for block in stack.blocks] == [{"1"}, {"3"}]
+    text = str(autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing="per-layer"))
+    assert "activation checkpointing (per-layer): every second block (the 2nd, 4th, ...) of h" in text
+
+
+@pytest.mark.parametrize("mode", ["per-op", "per-layer"])
+def test_requests_are_checked(mode):
+    with pytest.raises(autopar.PlanError, match=f"checkpointing='{mode}' found no stack of repeated blocks"):
+        autopar.plan(torch.nn.Linear(8, 8), (torch.randn(4, 8),), {"dp": 2}, checkpointing=mode)
+    model, x, _ = _gpt()
+    plan = autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing=mode)
+    assert autopar.Plan.from_json(plan.to_json()).checkpointed == {"h": mode}
+
+
+def test_per_op_plan_text():
     model, x, _ = _gpt()
     text = str(autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing="per-op"))
     assert "activation checkpointing (per-op): every block of h is recomputed in backward, but for its fused " \
            "attention and every second matmul" in text
-    plan = autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing="per-op")
-    assert autopar.Plan.from_json(plan.to_json()).checkpointed == {"h": "per-op"}
 
 
 def test_a_region_that_runs_other_kernels_than_priced_raises():

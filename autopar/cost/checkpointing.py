@@ -14,7 +14,11 @@ Three kinds, chosen per stack (`CheckpointStack.kind`):
   block (q, k, v, o, gate, up, down) q, v, gate and down are cached.
   torchtitan lists aten.mm only (its models have no biases); a linear with a
   bias runs as addmm, counted here alike. torchtitan also caches
-  reduce_scatter outputs; autopar's rerun runs its collectives again (priced).
+  reduce_scatter outputs; autopar's rerun runs its collectives again (priced);
+- "per-layer" (torchtitan's layer selective checkpointing, ac_freq 2): every
+  second block of a stack (the 2nd, 4th, ...: torchtitan counts blocks from 1
+  and checkpoints those the frequency divides) is recomputed whole, the
+  others keep their activations.
 
 A checkpointed block keeps nothing for backward but the tensors it reads
 from outside (the checkpoint holds them); backward runs its forward again,
@@ -43,9 +47,11 @@ from ..sharding.op_spec import op_name, tensor_args
 from .activations import ActivationModel, activation_model
 from .saved_tensors import Out, kernel_family, op_keeps
 
-NONE, SELECTIVE, FULL, PER_OP, AUTO = "none", "selective", "full", "per-op", "auto"
-MODES = (NONE, SELECTIVE, FULL, PER_OP, AUTO)
-KINDS = (SELECTIVE, FULL, PER_OP)
+NONE, SELECTIVE, FULL, PER_OP, PER_LAYER, AUTO = "none", "selective", "full", "per-op", "per-layer", "auto"
+MODES = (NONE, SELECTIVE, FULL, PER_OP, PER_LAYER, AUTO)
+KINDS = (SELECTIVE, FULL, PER_OP, PER_LAYER)
+# torchtitan's layer selective checkpointing: every AC_FREQ-th block of a stack (the 2nd, 4th, ...) is checkpointed
+AC_FREQ = 2
 # ops that multiply two activations: attention's scores and its weighted sum of values
 _PRODUCTS = {"aten.matmul.default", "aten.bmm.default", "aten.mm.default", "aten.einsum.default"}
 _FUSED_ATTENTION = {"aten.scaled_dot_product_attention.default"}
@@ -60,8 +66,9 @@ _VIEWS = {"aten.view.default", "aten.reshape.default", "aten.transpose.int", "at
 @dataclass(frozen=True)
 class CheckpointStack:
     path: str        # module path of the stack, e.g. "model.layers"
-    blocks: tuple    # per block, the op nodes of its region in graph order: one checkpointed region each
-    kind: str = FULL   # FULL, PER_OP: each region is the whole block; SELECTIVE: its attention core
+    blocks: tuple    # per checkpointed block, the op nodes of its region in graph order: one region each
+    kind: str = FULL   # FULL, PER_OP: each region is the whole block; SELECTIVE: its attention core;
+    #                    PER_LAYER: every AC_FREQ-th block whole, the others not checkpointed
     # PER_OP: per block, the SavePolicy the runtime caches by (its `cached` ops keep their results)
     policies: tuple = ()
 
@@ -80,9 +87,9 @@ class CheckpointStack:
 
 
 def checkpointable_stacks(cap: Captured, hardware) -> tuple[CheckpointStack, ...]:
-    """Stacks of 2+ blocks whose ops each form one contiguous run of the graph, whole (FULL, and PER_OP with
-    what it caches on `hardware`'s kernels) and, where every block has an attention core, that core alone
-    (SELECTIVE)."""
+    """Stacks of 2+ blocks whose ops each form one contiguous run of the graph, whole (FULL, PER_OP with
+    what it caches on `hardware`'s kernels, and every second block whole: PER_LAYER) and, where every block
+    has an attention core, that core alone (SELECTIVE)."""
     kernels = kernel_family(hardware)
     position = {n.name: i for i, n in enumerate(n for n in cap.graph.nodes if n.op == "call_function")}
     out = []
@@ -99,6 +106,7 @@ def checkpointable_stacks(cap: Captured, hardware) -> tuple[CheckpointStack, ...
                 out.append(CheckpointStack(path, tuple(regions)))
                 out.append(CheckpointStack(path, tuple(regions), PER_OP,
                                            tuple(save_policy(cap, block, kernels) for block in regions)))
+                out.append(CheckpointStack(path, tuple(regions[AC_FREQ - 1::AC_FREQ]), PER_LAYER))
                 cores = [attention_core(cap, block) for block in regions]
                 if all(cores):
                     out.append(CheckpointStack(path, tuple(cores), SELECTIVE))
@@ -204,7 +212,8 @@ def check_mode(mode: str) -> str:
         raise AutoparError(f"checkpointing={mode!r}: use 'auto' (the search decides for the stacks of repeated "
                            f"blocks), 'full' (recompute every block of each such stack), 'selective' (recompute "
                            f"only each block's attention core), 'per-op' (recompute each block but its attention "
-                           f"and every second matmul, torchtitan's per-op selective checkpointing) or 'none'")
+                           f"and every second matmul, torchtitan's per-op selective checkpointing), 'per-layer' (recompute every "
+                           f"second block whole, torchtitan's layer selective checkpointing) or 'none'")
     return mode
 
 
