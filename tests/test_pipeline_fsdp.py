@@ -8,6 +8,8 @@ and gradients equal to one device's, SGD beside AdamW (tolerances as test_pipeli
 the runtime logged in one step: held, one all-gather per FSDP weight of the device and the reduce-scatters of
 one microbatch, for any number of microbatches; resharded, those per microbatch, as before.
 """
+import gc
+import weakref
 from collections import Counter
 from dataclasses import replace
 
@@ -16,6 +18,7 @@ import torch
 
 import autopar
 from autopar import Plan
+from autopar.runtime.pipeline import held_weights
 from autopar.sharding.placement import is_shard
 from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo
 
@@ -74,12 +77,27 @@ def _fit(model, x, y) -> dict:
     return out
 
 
-def _collectives_of_a_step(pm, x, y) -> dict:
-    """{(kind, phase): launches on dp} of one train_step, from the module's log."""
+def _one_step(pm, x, y) -> tuple:
+    """One train_step: ({(kind, phase): launches on dp} from the module's log, the number of whole weights it
+    held, how many of those are still alive once it returned). The GC is off through it, so a whole weight
+    kept by a reference cycle counts as alive."""
+    refs, gather = [], held_weights._gather
+
+    def recording(module, read):
+        held = gather(module, read)
+        refs.append(weakref.ref(held.leaf))
+        return held
+    held_weights._gather = recording
     pm.comm.log.records.clear()
-    pm.train_step(x, loss_fn=gpt_loss, targets=y)
+    gc.disable()
+    try:
+        pm.train_step(x, loss_fn=gpt_loss, targets=y)
+    finally:
+        gc.enable()
+        held_weights._gather = gather
     dp = pm.plan.mesh.axis_names.index("dp")
-    return dict(Counter((kind, phase) for kind, axis, _, phase in pm.comm.log.records if axis == dp))
+    counts = dict(Counter((kind, phase) for kind, axis, _, phase in pm.comm.log.records if axis == dp))
+    return counts, len(refs), sum(1 for r in refs if r() is not None)
 
 
 def _fsdp_weights(pm) -> int:
@@ -95,7 +113,7 @@ def _train(mesh, options: dict, reshard: bool, x, y) -> dict:
     (lx,), (ly,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
     out = _fit(pm, lx, ly)
     out["plan"] = pm.plan.to_json()
-    out["collectives"] = _collectives_of_a_step(pm, lx, ly)
+    out["collectives"], out["held"], out["alive"] = _one_step(pm, lx, ly)
     out["fsdp_weights"] = _fsdp_weights(pm)
     return out
 
@@ -145,7 +163,8 @@ def _dp(four_ranks, case, rank):
 @pytest.mark.parametrize("rank", range(4))
 def test_held_weights_are_gathered_and_reduced_once_per_step(four_ranks, rank):
     """Held: one forward all-gather per FSDP weight per step, none in backward, and the reduce-scatters
-    of one microbatch of the resharded run; resharded: all of those per microbatch."""
+    of one microbatch of the resharded run; resharded: all of those per microbatch. The whole weights a
+    step held are freed when it returns."""
     resharded = {m: _dp(four_ranks, f"1f1b, {m} microbatches, resharded", rank)[0] for m in (2, 4)}
     per_microbatch = resharded[2][("reduce_scatter", "backward")] / 2
     assert per_microbatch > 0
@@ -153,11 +172,15 @@ def test_held_weights_are_gathered_and_reduced_once_per_step(four_ranks, rank):
         got, fsdp = _dp(four_ranks, case, rank)
         m = options["microbatches"]
         assert fsdp > 0, case
+        held, alive = four_ranks[case][rank]["held"], four_ranks[case][rank]["alive"]
+        assert alive == 0, (case, held, alive)
         if reshard:
+            assert held == 0, case
             assert got.get(("all_gather", "forward"), 0) == m * fsdp, (case, got)
             assert got.get(("all_gather", "backward"), 0) > 0, (case, got)   # gathered again for backward
             assert got.get(("reduce_scatter", "backward"), 0) == m * per_microbatch, (case, got)
         else:
+            assert held == fsdp, case
             assert got.get(("all_gather", "forward"), 0) == fsdp, (case, got)
             assert got.get(("all_gather", "backward"), 0) == 0, (case, got)
             assert got.get(("reduce_scatter", "backward"), 0) == per_microbatch, (case, got)

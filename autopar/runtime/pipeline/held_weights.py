@@ -3,24 +3,25 @@
 With `plan.reshard_after_forward` False on a pipelined plan, each FSDP weight
 this device's stages read is all-gathered once per train_step, before the
 schedule runs, and held whole while every microbatch runs; the stage graphs
-read the held tensor instead of gathering it themselves. The held tensor is a
-leaf of its own (`gathered.detach().requires_grad_()`), so autograd sums each
-microbatch's gradient into its `.grad`, whole; once the schedule has run,
-one backward from the gathered tensor with that sum runs the layout change's
-backward -- the reduce-scatter over the FSDP axis, with the scaling the
-per-microbatch path applies (it is linear, so reducing the sum is summing the
-reductions) -- and the held tensors are dropped.
+read the held tensor (a leaf of its own) instead of gathering it themselves.
+Each microbatch's gradient of it is summed, whole, in the reduce dtype (a
+post-accumulate hook moves it out of the leaf's .grad as autograd makes it);
+once the schedule has run, the layout change's backward steps -- the
+reduce-scatter over the FSDP axis -- run once on the sum, which then flows
+into the weight as the per-microbatch path's did (through the gradient
+buckets where they reduce it on another axis). The steps are linear, so
+reducing the sum is summing the reductions: the same gradient, scaled alike.
 
 This is what torchtitan does with torch.distributed.pipelining and FSDP2:
 `reshard_after_forward=False`, and `set_requires_gradient_sync` /
-`set_is_last_backward` only for the last microbatch. With
-reshard_after_forward True the stage graphs gather (and reduce-scatter) per
-microbatch, as stages.py cuts them.
+`set_is_last_backward` only for the last microbatch; FSDP2 too accumulates the
+unsharded gradient in its reduce dtype. With reshard_after_forward True the
+stage graphs gather (and reduce-scatter) per microbatch, as stages.py cuts them.
 
 Every rank of an FSDP (or tensor-parallel) group holds the same stages, so the
 gathers (in graph order) and the reductions (in the reverse order) come in
-the same order on each: every collective here is launched by the layout
-change's own RedistributeModule, logged as any other.
+the same order on each. Every collective here is one of the layout change's
+own steps (collectives.transform), logged as any other.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import torch.fx as fx
 from ...capture.export import PARAM
 from ...errors import PlanError
 from ...sharding.redistribute import gathers_again
+from ..collectives import transform
 from ..lowering.rewrite import RedistributeModule
 
 HELD = "held"   # the kind of a stage's input that takes a held weight: (HELD, the gathering node's name)
@@ -73,40 +75,79 @@ class HeldWeights:
     def __init__(self, gathers: list, root: torch.nn.Module):
         self.gathers = list(gathers)
         self._modules = [root.get_submodule(g.module) for g in self.gathers]
-        self._whole: dict = {}   # node -> (the gathered tensor, with its autograd graph; the leaf stages read)
+        self._held: dict = {}   # node -> _Held, while a step runs
 
     def __bool__(self) -> bool:
         return bool(self.gathers)
 
     def tensor(self, node: str) -> torch.Tensor:
         """The held whole weight a stage reads in place of gathering it (`node`: the gathering node)."""
-        if node not in self._whole:
+        if node not in self._held:
             raise PlanError(f"a pipeline stage reads the held weight of {node!r} outside a train_step: the "
                             "weights are gathered only while ParallelModule.train_step runs its schedule")
-        return self._whole[node][1]
+        return self._held[node].leaf
 
     @contextmanager
     def holding(self, pm):
-        """Gather every held weight once (through the gradient buckets where they reduce it on another axis),
-        run the body (the schedule), then reduce their summed gradients once, in the reverse order; the held
-        tensors are freed on leaving, also when the body raised (then nothing is reduced). Enter it inside
-        the buckets' accumulating() or through_autograd(): their routing is decided when a weight is read."""
+        """Gather every held weight once, run the body (the schedule), then reduce their summed gradients once,
+        in the reverse order; the held tensors are freed on leaving, also when the body raised (then nothing
+        is reduced). Enter it inside the buckets' accumulating() or through_autograd(): their routing is
+        decided when a weight is read."""
         table = pm.weight_table()
         try:
             for g, module in zip(self.gathers, self._modules):
-                (w,) = pm.grad_buckets.use([g.source[1]], [table[g.source]])
-                whole = module(w)
-                self._whole[g.node] = (whole, whole.detach().requires_grad_(whole.requires_grad))
+                (read,) = pm.grad_buckets.use([g.source[1]], [table[g.source]])
+                self._held[g.node] = _gather(module, read)
             yield
-            self._reduce()
+            for g, module in zip(reversed(self.gathers), reversed(self._modules)):
+                self._held[g.node].reduce(module)
         finally:
-            self._whole.clear()
+            for held in self._held.values():
+                held.free()
+            self._held.clear()
 
-    def _reduce(self) -> None:
-        """One backward per held weight, from the gathered tensor with its leaf's summed gradient: the
-        reduce-scatter (and whatever else the layout change's backward does) once per step."""
-        for g in reversed(self.gathers):
-            whole, leaf = self._whole[g.node]
-            if leaf.grad is not None:
-                torch.autograd.backward(whole, leaf.grad)
-            leaf.grad = None
+
+@dataclass(eq=False)
+class _Held:
+    """One held weight through a step."""
+    read: torch.Tensor           # the weight as the gather read it (a bucket's view where they reduce it)
+    leaf: torch.Tensor           # the whole weight the stages read
+    reduce_dtype: torch.dtype    # what its gradient is summed and reduced in
+    grad: torch.Tensor | None = None   # the microbatches' gradients so far, summed
+    hook: object = None          # the leaf's post-accumulate hook: it holds this, which holds the leaf
+
+    def free(self) -> None:
+        """Drop the whole weight and its gradient now (the hook's reference cycle would wait for the GC)."""
+        if self.hook is not None:
+            self.hook.remove()
+        self.leaf, self.grad, self.hook = None, None, None
+
+    def add(self, leaf: torch.Tensor) -> None:
+        """Post-accumulate hook: move the gradient autograd just accumulated into the sum."""
+        g, leaf.grad = leaf.grad.to(self.reduce_dtype), None
+        self.grad = g if self.grad is None else self.grad.add_(g)
+
+    def reduce(self, module: RedistributeModule) -> None:
+        """The layout change's backward on the summed gradient (Redistribute / CastAndRedistribute.backward:
+        each step's gradient transform, last step first), handed on to the weight; autograd would cast the
+        sum back to the compute dtype before those steps if it ran them."""
+        if self.leaf.grad is not None:   # a zero-bubble weight pass writes .grad itself, past the hook
+            self.add(self.leaf)
+        if self.grad is None:
+            return
+        g = self.grad
+        for s, whole in zip(reversed(module.steps), reversed(module.wholes)):
+            g = transform(g, s.grad_dst, s.grad_src, s.axis, module.comm, "backward", whole)
+        self.grad = None
+        torch.autograd.backward(self.read, g.to(self.read.dtype))
+
+
+def _gather(module: RedistributeModule, read: torch.Tensor) -> _Held:
+    """The weight gathered whole (no autograd graph: its backward runs once, by hand, in _Held.reduce)."""
+    with torch.no_grad():
+        whole = module(read)
+    leaf = whole.detach().requires_grad_(read.requires_grad)
+    held = _Held(read, leaf, module.cast[1] if module.cast is not None else leaf.dtype)
+    if leaf.requires_grad:
+        held.hook = leaf.register_post_accumulate_grad_hook(held.add)
+    return held
