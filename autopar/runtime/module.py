@@ -127,6 +127,13 @@ class ParallelModule(torch.nn.Module):
                     self.plan.mesh.axis_sizes, fn)
 
     # ------------------------------------------------------------ pipeline
+    @property
+    def pipeline_stages(self) -> list:
+        """This rank's pipeline stages, (stage index, its pipeline/stages.StageModule) in order; [] unpipelined.
+        runtime/observe.py hooks them to see what they send."""
+        runner = self._pipeline
+        return list(zip(runner.stage_indices, runner.stage_modules)) if runner is not None else []
+
     def weight_table(self) -> dict:
         """(kind, name) -> tensor, for the weights, buffers and constants a stage reads."""
         return {**{(PARAM, k): v for k, v in self.store.named_parameters()},
