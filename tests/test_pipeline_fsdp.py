@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import autopar
+import cost_models as cm
 from autopar import Plan
 from autopar.runtime.pipeline import held_weights
 from autopar.sharding.placement import is_shard
@@ -26,17 +27,21 @@ ATOL = 1e-5
 STEPS = 3
 OPTIMIZERS = {"AdamW": (torch.optim.AdamW, 1e-4), "SGD": (torch.optim.SGD, 0.1)}
 MESH = ((2, 2), ("pp", "dp"))
-# case -> (plan options, reshard_after_forward); every case shares one launch of 4 processes
+HELD, RESHARDED = dict(reshard_after_forward=False), dict(reshard_after_forward=True)
+# case -> plan options (with strategy="fsdp", pipeline_axis="pp"); every case shares one launch of 4 processes
 CASES = {
-    "1f1b, 2 microbatches, held": (dict(schedule="1f1b", microbatches=2), False),
-    "1f1b, 4 microbatches, held": (dict(schedule="1f1b", microbatches=4), False),
-    "gpipe, 2 microbatches, held": (dict(schedule="gpipe", microbatches=2), False),
-    "interleaved 1f1b, 4 microbatches, held": (dict(schedule="interleaved-1f1b", microbatches=4), False),
-    "zero bubble, 4 microbatches, held": (dict(schedule="zero-bubble", microbatches=4), False),
-    "1f1b, 2 microbatches, resharded": (dict(schedule="1f1b", microbatches=2), True),
-    "1f1b, 4 microbatches, resharded": (dict(schedule="1f1b", microbatches=4), True),
+    "1f1b, 2 microbatches, held": dict(schedule="1f1b", microbatches=2, **HELD),
+    "1f1b, 4 microbatches, held": dict(schedule="1f1b", microbatches=4, **HELD),
+    "gpipe, 2 microbatches, held": dict(schedule="gpipe", microbatches=2, **HELD),
+    "interleaved 1f1b, 4 microbatches, held": dict(schedule="interleaved-1f1b", microbatches=4, **HELD),
+    "zero bubble, 4 microbatches, held": dict(schedule="zero-bubble", microbatches=4, **HELD),
+    "1f1b, 2 microbatches, resharded": dict(schedule="1f1b", microbatches=2, **RESHARDED),
+    "1f1b, 4 microbatches, resharded": dict(schedule="1f1b", microbatches=4, **RESHARDED),
 }
-
+# held cases also run resharded on the held plan's stages (the planner may cut the two differently)
+TWINS = ("1f1b, 2 microbatches, held", "1f1b, 4 microbatches, held")
+# under bf16-mixed, held against its twin: the same bf16 gradients of each microbatch, summed in fp32 by both
+BF16 = dict(schedule="1f1b", microbatches=4, precision="bf16-mixed", **HELD)
 
 def _gpt():
     torch.manual_seed(0)
@@ -78,8 +83,8 @@ def _fit(model, x, y) -> dict:
 
 
 def _one_step(pm, x, y) -> tuple:
-    """One train_step: ({(kind, phase): launches on dp} from the module's log, the number of whole weights it
-    held, how many of those are still alive once it returned). The GC is off through it, so a whole weight
+    """One train_step: ({(kind, phase): launches on dp} from the module's log, the bytes they moved per device,
+    the number of whole weights it held, how many of those are still alive once it returned). The GC is off through it, so a whole weight
     kept by a reference cycle counts as alive."""
     refs, gather = [], held_weights._gather
 
@@ -95,9 +100,11 @@ def _one_step(pm, x, y) -> tuple:
     finally:
         gc.enable()
         held_weights._gather = gather
-    dp = pm.plan.mesh.axis_names.index("dp")
-    counts = dict(Counter((kind, phase) for kind, axis, _, phase in pm.comm.log.records if axis == dp))
-    return counts, len(refs), sum(1 for r in refs if r() is not None)
+    dp, n = pm.plan.mesh.axis_names.index("dp"), pm.plan.mesh.axis_sizes[pm.plan.mesh.axis_names.index("dp")]
+    on_dp = [(kind, nbytes, phase) for kind, axis, nbytes, phase in pm.comm.log.records if axis == dp]
+    counts = dict(Counter((kind, phase) for kind, _, phase in on_dp))
+    moved = sum(cm.bytes_moved(kind, nbytes, n) for kind, nbytes, _ in on_dp)
+    return counts, moved, len(refs), sum(1 for r in refs if r() is not None)
 
 
 def _fsdp_weights(pm) -> int:
@@ -106,14 +113,13 @@ def _fsdp_weights(pm) -> int:
     return sum(1 for name, _ in pm.named_parameters() if is_shard(pm.plan.param_placements[name][dp]))
 
 
-def _train(mesh, options: dict, reshard: bool, x, y) -> dict:
-    plan = autopar.plan(_gpt(), (x,), mesh, hardware="cpu", strategy="fsdp", pipeline_axis="pp", **options)
-    plan = replace(plan, reshard_after_forward=reshard)
-    pm = autopar.parallelize(_gpt(), mesh, (x,), plan=plan, record_comm=True)
+def _train(mesh, options: dict, x, y, plan=None) -> dict:
+    pm = autopar.parallelize(_gpt(), mesh, (x,), plan=plan, record_comm=True,
+                             **({} if plan else dict(hardware="cpu", strategy="fsdp", pipeline_axis="pp", **options)))
     (lx,), (ly,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
     out = _fit(pm, lx, ly)
     out["plan"] = pm.plan.to_json()
-    out["collectives"], out["held"], out["alive"] = _one_step(pm, lx, ly)
+    out["collectives"], out["dp_bytes"], out["held"], out["alive"] = _one_step(pm, lx, ly)
     out["fsdp_weights"] = _fsdp_weights(pm)
     return out
 
@@ -121,14 +127,19 @@ def _train(mesh, options: dict, reshard: bool, x, y) -> dict:
 def _all_cases(rank, x, y):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", *MESH[:1], mesh_dim_names=MESH[1])
-    return {case: _train(mesh, options, reshard, x, y) for case, (options, reshard) in CASES.items()}
+    out = {case: _train(mesh, options, x, y) for case, options in CASES.items()}
+    out["bf16"] = _train(mesh, BF16, x, y)
+    for case in TWINS + ("bf16",):   # the held plan resharded: its stages, each microbatch gathering as before
+        held = Plan.from_json(out[case]["plan"])
+        out["twin", case] = _train(mesh, {}, x, y, replace(held, reshard_after_forward=True))
+    return out
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
     """{case: [rank 0's results, ..., rank 3's]}."""
-    by_rank = run_gloo(4, _all_cases, *_batch(), timeout=900)
-    return {case: [r[case] for r in by_rank] for case in CASES}
+    by_rank = run_gloo(4, _all_cases, *_batch(), timeout=1200)
+    return {case: [r[case] for r in by_rank] for case in by_rank[0]}
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +149,10 @@ def reference():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fsdp_under_a_pipeline_trains_as_one_device(case, four_ranks, reference):
-    options, reshard = CASES[case]
+    options = CASES[case]
     plan = Plan.from_json(four_ranks[case][0]["plan"])
     assert plan.pipeline.schedule == options["schedule"] and plan.pipeline.microbatches == options["microbatches"]
-    assert plan.reshard_after_forward is reshard
+    assert plan.reshard_after_forward is options["reshard_after_forward"]
     for opt in OPTIMIZERS:
         for r in four_ranks[case]:
             got, want = r[opt], reference[opt]
@@ -162,25 +173,49 @@ def _dp(four_ranks, case, rank):
 
 @pytest.mark.parametrize("rank", range(4))
 def test_held_weights_are_gathered_and_reduced_once_per_step(four_ranks, rank):
-    """Held: one forward all-gather per FSDP weight per step, none in backward, and the reduce-scatters
-    of one microbatch of the resharded run; resharded: all of those per microbatch. The whole weights a
-    step held are freed when it returns."""
-    resharded = {m: _dp(four_ranks, f"1f1b, {m} microbatches, resharded", rank)[0] for m in (2, 4)}
-    per_microbatch = resharded[2][("reduce_scatter", "backward")] / 2
-    assert per_microbatch > 0
-    for case, (options, reshard) in CASES.items():
+    """Held: one forward all-gather per FSDP weight of the device per step, none in backward, at most one
+    reduce-scatter each; on the same stages resharded, all of those per microbatch (and gathers again in
+    backward). The whole weights a step held are freed when it returns."""
+    for case, options in CASES.items():
         got, fsdp = _dp(four_ranks, case, rank)
-        m = options["microbatches"]
-        assert fsdp > 0, case
+        m, reshard = options["microbatches"], options["reshard_after_forward"]
         held, alive = four_ranks[case][rank]["held"], four_ranks[case][rank]["alive"]
-        assert alive == 0, (case, held, alive)
+        assert fsdp > 0 and alive == 0, (case, held, alive)
         if reshard:
-            assert held == 0, case
-            assert got.get(("all_gather", "forward"), 0) == m * fsdp, (case, got)
-            assert got.get(("all_gather", "backward"), 0) > 0, (case, got)   # gathered again for backward
-            assert got.get(("reduce_scatter", "backward"), 0) == m * per_microbatch, (case, got)
-        else:
-            assert held == fsdp, case
-            assert got.get(("all_gather", "forward"), 0) == fsdp, (case, got)
-            assert got.get(("all_gather", "backward"), 0) == 0, (case, got)
-            assert got.get(("reduce_scatter", "backward"), 0) == per_microbatch, (case, got)
+            assert held == 0 and got.get(("all_gather", "forward"), 0) == m * fsdp, (case, got)
+            continue
+        assert held == fsdp, case
+        assert got.get(("all_gather", "forward"), 0) == fsdp, (case, got)
+        assert got.get(("all_gather", "backward"), 0) == 0, (case, got)
+        assert 0 < got.get(("reduce_scatter", "backward"), 0) <= fsdp, (case, got)
+        if case in TWINS:
+            twin, _ = _dp(four_ranks, ("twin", case), rank)
+            assert twin.get(("all_gather", "forward"), 0) == m * fsdp, (case, twin)
+            assert twin.get(("all_gather", "backward"), 0) > 0, (case, twin)   # gathered again for backward
+            assert twin.get(("reduce_scatter", "backward"), 0) == m * got[("reduce_scatter", "backward")], (
+                case, twin, got)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_plan_predicts_the_bytes_each_step_moves_on_dp(case, four_ranks):
+    """plan.predicted is one device's (the busiest's): its dp bytes per step, priced per microbatch or once per
+    step, are those one pipeline device's ranks measured."""
+    plan = Plan.from_json(four_ranks[case][0]["plan"])
+    measured = {r["dp_bytes"] for r in four_ranks[case]}
+    assert any(plan.predicted.comm_bytes["dp"] == pytest.approx(b, rel=1e-9) for b in measured), (case, measured)
+
+
+def test_held_weights_under_bf16_mixed_reduce_the_sums_the_resharded_run_reduces(four_ranks):
+    """Both runs compute each microbatch's bf16 gradient alike; held sums them in fp32 (the reduce dtype) before
+    the one reduce-scatter, resharded reduce-scatters each in fp32 and sums into .grad: equal to fp32 rounding.
+    A sum taken in bf16 would be off by bf16's (2**-8 relative)."""
+    held, resharded = four_ranks["bf16"], four_ranks["twin", "bf16"]
+    assert Plan.from_json(held[0]["plan"]).reshard_after_forward is False
+    for opt in OPTIMIZERS:
+        for a, b in zip(held, resharded):
+            for name, g in a[opt]["grads"].items():
+                torch.testing.assert_close(g, b[opt]["grads"][name], atol=1e-7, rtol=1e-6,
+                                           msg=lambda m: f"{opt}, grad {name}: {m}")
+            for name, p in a[opt]["params"].items():
+                torch.testing.assert_close(p, b[opt]["params"][name], atol=1e-6, rtol=0,
+                                           msg=lambda m: f"{opt}, {name}: {m}")
