@@ -141,7 +141,9 @@ def plan_row(row: Row, auto: bool = False, time_limit: float | None = 600.0):
     model, inputs = llama(row.model, row.local_batch * row.fsdp * row.cp, row.seq)
     options = dict(hardware=row.hardware, precision="bf16-mixed", time_limit=time_limit,
                    memory_limit=cm.get_hardware(row.hardware).memory_bytes)
-    options.update(strategy="auto", checkpointing="auto") if auto else \
+    if auto:
+        options.update(strategy="auto", checkpointing="auto")
+    else:
         options.update(strategy=row.strategy, checkpointing=AC_MODES[row.ac])
     start = time.perf_counter()
     with warnings.catch_warnings():
