@@ -23,7 +23,7 @@ from .cost.liveness import backward_start, live_sets
 from .cost.precision import optimizer_spec
 from .cost.precision import param_bytes as param_bytes_of
 from .cost.precision import precision_of
-from .cost.predict import group_redistributions, peak_working_set, predict
+from .cost.predict import group_redistributions, predict, transient_bytes
 from .cost.problem import Problem, build_edges
 from .cost.terms import SDPA, first_meta, needs_grad, saved_outputs
 from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
@@ -403,10 +403,7 @@ def _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkp
 def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: str) -> Plan:
     """The best plan with `axis` pipelined in `m` microbatches: the ILP lays out one microbatch on the
     other axes (the pipeline axis whole), then stage_partition.partition cuts it into stages."""
-    spec, strategy = env.spec, env.options.strategy
-    if env.options.checkpointing in ("full", "selective"):
-        raise PipelineError(f"checkpointing={env.options.checkpointing!r} with a pipeline is not supported yet: a "
-                            "pipelined plan recomputes nothing; use checkpointing='auto' or 'none'")
+    spec, strategy, checkpointing = env.spec, env.options.strategy, env.options.checkpointing
     limit = _memory_limit(env.options.memory_limit)
     a = spec.axis_index(axis)
     p = spec.axis_sizes[a]
@@ -414,7 +411,8 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
         if spec.num_axes > 1 else None
     log.info("strategy %s: pipelined over %s in %d microbatches (%s)", strategy, axis, m, schedule)
     t0 = time.perf_counter()
-    prob, policy, opt, hw = _problem(cap, env, "none")
+    prob, policy, opt, hw = _problem(cap, env, checkpointing)
+    recomputable = _stack_sets(prob, checkpointing, limit)
     # the runtime groups no FSDP layers across stages (cost/layer_groups.py). Under a pipeline FSDP either gathers
     # a weight per microbatch (resharded: priced as such) or once per step, held whole across the microbatches
     # (reshard_after_forward=False: op_costs(held=True) prices the gathers and the weights held; the activations
@@ -432,15 +430,18 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
         check_context_divisibility(cap, candidates[0])
     t_rules = time.perf_counter() - t0
     # the ILP sees the whole model on one device of each stage: p stages share p devices' memory
-    sol, roles = _best(prob, candidates, None if limit is None else limit * p, env.options.time_limit)
+    # the ILP lays out one microbatch's ops (no stacks: which blocks recompute is decided with the cut, below)
+    sol, roles = _best(replace(prob, stacks=()), candidates, None if limit is None else limit * p,
+                       env.options.time_limit)
     if not sol.choice:
-        _explain_no_plan(prob, candidates, None if limit is None else limit * p, env.options.time_limit, strategy, spec,
+        _explain_no_plan(replace(prob, stacks=()), candidates, None if limit is None else limit * p,
+                         env.options.time_limit, strategy, spec,
                          "none")
     t0 = time.perf_counter()
     prob = replace(prob, regather_activations=sol.regather_activations)   # as the solution was priced
-    transient = float(peak_working_set(prob, sol.choice, group_redistributions(prob, sol.choice), False))
-    pipe, pred, held = _cut_stages(prob, sol, env.reshard_after_forward, axis, m, schedule, limit, transient)
-    sol = replace(sol, reshard_after_forward=not held)
+    pipe, pred, held, stacks = _cut_stages(prob, sol, env.reshard_after_forward, recomputable, axis, m, schedule,
+                                           limit)
+    sol = replace(sol, reshard_after_forward=not held, checkpointed={st.path: st.kind for st in stacks})
     _, colls = predict(prob, sol.choice, symbolic=False)
     t_predict = time.perf_counter() - t0
     log.debug("pipeline over %s, %d microbatches (%s): cut and priced in %.2f s", axis, m, schedule, t_predict,
@@ -451,23 +452,53 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
     return make_plan(searched, env.options.strategy, env.t_capture)
 
 
-def _cut_stages(prob: Problem, sol, reshard_after_forward, axis: str, m: int, schedule: str, limit, transient):
-    """(pipeline, prediction, held) of the faster way to run FSDP under the pipeline that fits `limit`: weights
-    gathered per microbatch (resharded) or once per step and held (reshard_after_forward=False); both when the
-    request leaves it to the search (None), which raises only if neither fits."""
+def _stack_sets(prob: Problem, checkpointing: str, limit) -> list:
+    """The sets of stacks a pipelined plan may recompute: the one the mode names; under "auto" none first, then,
+    when there is a limit to meet, each kind alike on every stack (recomputing only costs time)."""
+    def of(kind):
+        return tuple(st for st in prob.stacks if st.kind == kind)
+    if checkpointing == "none":
+        return [()]
+    if checkpointing != "auto":
+        if not of(checkpointing):
+            raise PlanError(f"checkpointing={checkpointing!r} found no stack of repeated blocks to checkpoint that way "
+                            "(an nn.ModuleList of 2+ layers whose ops run one layer after another); use "
+                            "checkpointing='auto' or 'none'")
+        return [of(checkpointing)]
+    kinds = ("selective", "per-op", "full") if limit is not None else ()
+    return [()] + [of(k) for k in kinds if of(k)]
+
+
+def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, axis: str, m: int, schedule: str,
+                limit):
+    """(pipeline, prediction, held, stacks recomputed) of the fastest way to run the stages that fits `limit`:
+    for each set of stacks to recompute, FSDP weights gathered per microbatch (resharded) or once per step and
+    held (reshard_after_forward=False), both when the request leaves it to the search (None). Raises the first
+    failure only if nothing fits. A checkpointed block gathers its weights itself (runtime/pipeline), so weights
+    are held only where no block recomputes."""
     ways = {True: [False], False: [True], None: [False, True]}[reshard_after_forward]
+    groups = group_redistributions(prob, sol.choice)
     best, failure = None, None
-    for held in ways:
-        costs = op_costs(prob, sol.choice, held=held)
-        try:
-            pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,
-                             transient=transient)
-        except PipelineError as e:
-            failure = failure or e
-            continue
-        pred = device_prediction(prob, costs, pipe, transient)
-        if best is None or pred.step_time < best[1].step_time:
-            best = (pipe, pred, held)
+    for stacks in recomputable:
+        transient = float(transient_bytes(prob, sol.choice, groups, stacks, False))
+        for held in ways:
+            if held and stacks:
+                if reshard_after_forward is False:
+                    failure = failure or PipelineError(
+                        "reshard_after_forward=False holds FSDP weights through the step, which a checkpointed block "
+                        "cannot (it gathers its weights again when it recomputes); use reshard_after_forward=True "
+                        "or None, or checkpointing='none'")
+                continue
+            costs = op_costs(prob, sol.choice, held=held, stacks=stacks)
+            try:
+                pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,
+                                 transient=transient)
+            except PipelineError as e:
+                failure = failure or e
+                continue
+            pred = device_prediction(prob, costs, pipe, transient)
+            if best is None or pred.step_time < best[1].step_time:
+                best = (pipe, pred, held, stacks)
     if best is None:
         raise failure
     return best

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.runtime.lowering.recompute import CheckpointRegion
 import cost_models as cm
 from autopar import Plan
 from autopar.errors import MeshError, PipelineError, PlanError
@@ -110,6 +111,8 @@ def _train(mesh, plan_kwargs, x, y, config=None, plan_json=None):
     out["dp_reduces_per_step"] = num / (STEPS * len(OPTIMIZERS))
     out["num_buckets"] = pm._grad_buckets.num_buckets()
     out["num_weights"] = sum(1 for _ in pm.parameters())
+    stages = pm._pipeline.stage_modules if pm._pipeline is not None else []
+    out["regions"] = sum(isinstance(m, CheckpointRegion) for s in stages for m in s.modules())
     return out
 
 
@@ -141,7 +144,12 @@ CASES = {
         "pp2 x dp2, gpipe": dict(pipeline_axis="pp", strategy="ddp", schedule="gpipe"),
         "pp2 x dp2, interleaved 1f1b": dict(pipeline_axis="pp", strategy="ddp", microbatches=4,
                                             schedule="interleaved-1f1b"),
-        "pp2 x dp2, zero bubble": dict(pipeline_axis="pp", strategy="ddp", microbatches=4, schedule="zero-bubble")},
+        "pp2 x dp2, zero bubble": dict(pipeline_axis="pp", strategy="ddp", microbatches=4, schedule="zero-bubble"),
+        # recompute under a pipeline: each stage's blocks (or their attention cores) run as checkpointed regions
+        "pp2 x dp2, 1f1b, full recompute": dict(pipeline_axis="pp", strategy="ddp", checkpointing="full"),
+        "pp2 x dp2, interleaved 1f1b, selective recompute": dict(pipeline_axis="pp", strategy="ddp", microbatches=4,
+                                                                 schedule="interleaved-1f1b",
+                                                                 checkpointing="selective")},
     ((2, 2), ("dp", "pp")): {"dp2 x pp2 (fsdp), 1f1b": dict(pipeline_axis="pp", strategy="fsdp")},
     # context parallelism inside each stage: the stage's attention gathers K and V over cp; or, where cp's
     # all-to-alls are dear and its other collectives cheap, runs as a ring
@@ -201,6 +209,10 @@ def _check_case(case, kwargs, results, ref):
     if "microbatches" in kwargs:
         assert pipe.microbatches == kwargs["microbatches"], case
     _check(results, ref, plan, case)
+    if kwargs.get("checkpointing") in ("full", "selective"):
+        assert plan.checkpointed == {"h": kwargs["checkpointing"]}, case
+        # every block of the model recomputes on some device: 4 regions over the pipeline
+        assert all(r["regions"] >= 1 for r in results) and sum(r["regions"] for r in results) == 2 * 4, case
     if kwargs.get("strategy") == "ddp":
         # the data axis reduces each weight's gradient once per step, in buckets, not once per microbatch
         # (the position embedding's gradient too: it flows on to wpe's bucket, cost/buckets.partial_gradients)
@@ -500,7 +512,8 @@ def test_memory_limit_moves_the_cut():
     """Under a limit the first stage (two microbatches in flight under 1F1B, the last stage one)
     sheds ops to the second, though that makes the stages less even."""
     x = torch.randint(0, 64, (64, 16))   # activations outweigh the weights
-    kwargs = dict(hardware="cpu", pipeline_axis="pp", microbatches=2)
+    # no recompute: under "auto" the search may meet the limit by recomputing instead of moving the cut
+    kwargs = dict(hardware="cpu", pipeline_axis="pp", microbatches=2, checkpointing="none")
     free = autopar.plan(_gpt(), x, {"pp": 2}, **kwargs)
     limit = int(max(s.memory for s in free.pipeline.stages)) - 1   # the unlimited cut no longer fits
     tight = autopar.plan(_gpt(), x, {"pp": 2}, memory_limit=limit, **kwargs)

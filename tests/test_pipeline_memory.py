@@ -96,3 +96,23 @@ def test_an_interleaved_device_counts_both_of_its_stages():
         assert "memory_limit" in str(e)
         return
     _check_consistent(tight, limit)
+
+
+def test_recompute_under_a_pipeline_is_priced_and_auto_takes_it_only_to_fit():
+    """checkpointing='full' under a pipeline keeps each block's inputs only and pays its forward again; 'auto'
+    recomputes nothing without a limit, and recomputes where that is what fits (it used to refuse every
+    checkpointing request with a pipeline)."""
+    model = _model(4, 48)
+    options = dict(pipeline_axis="pp", microbatches=4, strategy="ddp")
+    plain = _plan(model, {"pp": 2, "dp": 2}, **options)
+    full = _plan(model, {"pp": 2, "dp": 2}, checkpointing="full", **options)
+    assert plain.checkpointed == {} and full.checkpointed == {"h": "full"}
+    assert full.predicted.memory.activations < 0.5 * plain.predicted.memory.activations
+    assert full.predicted.compute_time > plain.predicted.compute_time   # the forward again
+    _check_consistent(full)
+    limit = int((full.predicted.memory.total + plain.predicted.memory.total) / 2)
+    with pytest.raises(PipelineError, match="memory_limit"):
+        _plan(model, {"pp": 2, "dp": 2}, checkpointing="none", memory_limit=limit, **options)
+    auto = _plan(model, {"pp": 2, "dp": 2}, checkpointing="auto", memory_limit=limit, **options)
+    assert auto.checkpointed and auto.predicted.memory.total <= limit
+    assert _plan(model, {"pp": 2, "dp": 2}, checkpointing="auto", **options).checkpointed == {}

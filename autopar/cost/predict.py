@@ -130,7 +130,7 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     colls = zero_bucketed(prob, choice, colls) + _redistributions(prob, groups, stacks, passed, symbolic)
     colls = bucketed(prob, choice, colls + _op_collectives(prob, choice, rerun, symbolic))
     colls = grouped(colls, layer_members(prob, groups), prob.mesh.axis_sizes)
-    transient = _transient(prob, choice, groups, stacks, symbolic, zero_bucket_hold(colls))
+    transient = transient_bytes(prob, choice, groups, stacks, symbolic, zero_bucket_hold(colls))
     comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
     hidden = hidden_comm_time(prob, colls, op_times)
     exposed = {a: comm_time[a] - hidden[a] for a in comm_time}
@@ -346,7 +346,7 @@ def _gathered_layers(prob, groups, members: dict) -> list:
     return at
 
 
-def _transient(prob, choice, groups, stacks, symbolic: bool, zero_hold=0):
+def transient_bytes(prob, choice, groups, stacks, symbolic: bool, zero_hold=0):
     """The largest working set of any op; backward holds one recomputed block's activations at a time,
     and starts with the outputs' gradients and its first op's (backward_start_bytes), to which ZeRO-2's
     buckets add what they hold (`zero_hold`, counted as if from the start: a bound)."""

@@ -16,7 +16,7 @@ the weight whole and its gradient whole for the step, instead of a gather per mi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,7 +25,8 @@ import cost_models as cm
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
 from ..cost.buckets import partial_gradients
 from ..cost.predict import Memory, Predicted, group_redistributions, redistribution_collectives
-from ..cost.problem import regather_model
+from ..cost.checkpointing import recomputed_ops, rerun_ops
+from ..cost.problem import checkpoint_model
 from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, copied_kept_bytes, first_meta,
                           node_compute_time, op_collectives, output_bytes, param_memory, reduce_itemsize,
                           regather_saving, zero_collectives)
@@ -47,11 +48,17 @@ class OpCosts:
     step_parts: list          # per op: ({axis: comm bytes}, {axis: comm s}) once per step (module docstring)
 
 
-def op_costs(prob, choice, held: bool = False) -> OpCosts:
+def op_costs(prob, choice, held: bool = False, stacks=()) -> OpCosts:
     """Each op's share of a microbatch's time and memory under the chosen strategies, what crosses a cut at
     each point of the graph, and the collectives each op's weights pay once per step. `held`: FSDP weights
-    are gathered once per step and held whole across the microbatches (prob prices them resharded)."""
+    are gathered once per step and held whole across the microbatches (prob prices them resharded).
+    `stacks`: the CheckpointStacks whose blocks recompute: their ops keep what the checkpoint keeps, and the
+    ops backward reruns pay their forward (compute and collectives) again."""
     cap, mesh = prob.cap, prob.mesh
+    saved = checkpoint_model(prob, tuple(st.key for st in stacks)) if stacks else prob.saved
+    rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
+    passed = set().union(*(rerun_ops(st, prob.saved) for st in stacks))
+    region_of = {n: (st.path, i) for st in stacks for i, block in enumerate(st.blocks) for n in block}
     order = [n.name for n in cap.graph.nodes if n.op == "call_function"]
     pos = {n: i for i, n in enumerate(order)}
     strategy = {n: ns.strategies[choice[n]] for n, ns in prob.strategies.items()}
@@ -88,15 +95,25 @@ def op_costs(prob, choice, held: bool = False) -> OpCosts:
             state_parts[name] = (float(numel(meta.hint) * meta.itemsize), 0.0, 0.0, 0.0, 0.0)
         elif info.kind == OP and name in pos:
             i = pos[name]
-            acts[i] = float(activation_bytes(name, cap, s.output, mesh, prob.saved, strategy=s))
+            acts[i] = float(activation_bytes(name, cap, s.output, mesh, saved, strategy=s))
             compute[i] = float(node_compute_time(cap.node(name), cap, s, mesh, prob.hardware))
-            charge(i, op_collectives(cap.node(name), cap, s, mesh))
+            own = op_collectives(cap.node(name), cap, s, mesh)
+            if name in rerun:   # backward runs its forward again: a third more compute, its forward collectives
+                compute[i] += compute[i] / cm.TRAIN_FLOPS_FACTOR
+                own = own + [c for c in own if c.phase == "forward"]
+            charge(i, own)
         elif info.kind == INPUT:
-            acts[0] += float(activation_bytes(name, cap, s.output, mesh, prob.saved)) if order else 0.0
+            acts[0] += float(activation_bytes(name, cap, s.output, mesh, saved)) if order else 0.0
     for r in group_redistributions(prob, choice):
         first = min((pos[c] for c, _ in r.consumers if c in pos), default=len(order) - 1)
+        regions = {region_of.get(c) for c, _ in r.consumers}
+        inside = len(regions) == 1 and None not in regions
+        if inside:   # the recompute gathers a weight again rather than a backward re-gather (predict._redistributions)
+            r = replace(r, regather_count=0)
         colls = [c for c in redistribution_collectives(prob, r)
                  if not (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in deferred.get(c.tensor, ()))]
+        if inside and order[first] in passed:   # a rerun block runs its forward redistributions again
+            colls = colls + [c for c in colls if c.phase == "forward"]
         if held and cap.info[r.producer].kind == PARAM and any(c.kind == ALL_GATHER and c.phase == "forward" for c in colls):
             colls = _held(colls, state_parts, r.producer)
             charge(first, [c for c in colls if c.kind in (ALL_GATHER, REDUCE_SCATTER)], once=True)
@@ -104,14 +121,19 @@ def op_costs(prob, choice, held: bool = False) -> OpCosts:
         charge(first, colls)
         for c, i in r.consumers:   # an activation kept as its shard where it is gathered (sequence parallel)
             if c in pos:
-                acts[pos[c]] += float(regather_saving(cap, regather_model(prob), r.producer, c, i, r.src, r.dst,
-                                                      r.grad_partial, mesh, prob.grad_nodes))
+                acts[pos[c]] += float(regather_saving(cap, saved if prob.regather_activations else None, r.producer, c,
+                                                      i, r.src, r.dst, r.grad_partial, mesh, prob.grad_nodes))
         # a reader kept as the all-to-all's new tensor (Ulysses; terms.copied_kept_bytes)
-        acts[first] += float(copied_kept_bytes(cap, prob.saved, r.producer, r.consumers, r.src, r.dst, r.grad_partial,
+        acts[first] += float(copied_kept_bytes(cap, saved, r.producer, r.consumers, r.src, r.dst, r.grad_partial,
                                                mesh))
     time = [compute[i] + sum(comm_time[i].values()) for i in range(len(order))]
     parts = [(compute[i], comm_bytes[i], comm_time[i]) for i in range(len(order))]
     crossing = _crossing_bytes(cap, order, pos, strategy, mesh)
+    for st in stacks:   # a checkpointed block runs as one region (runtime/lowering/recompute.py): no cut inside
+        for block in st.blocks:
+            where = [pos[n] for n in block if n in pos]
+            for k in range(min(where, default=0) + 1, max(where, default=0) + 1):
+                crossing[k] = math.inf
     return OpCosts(order, time, acts, users, crossing, parts, state_parts, list(zip(step_bytes, step_time)))
 
 

@@ -28,7 +28,7 @@ from ...sharding.redistribute import NONE, UnsupportedRedistribution, gathers_ag
 from ...sharding.rules import ring_axes, ring_repeats, vocab_split_axes
 from ..collectives import CastAndRedistribute, Comm, Redistribute, forward_phase, scale_grad, transform
 from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
-from .recompute import outline, recompute_all_but_logging
+from .recompute import CheckpointRegion, outline, recompute_all_but_logging
 from .regather import GatheredParams
 from ..rng import RandomOp, draws_random, shard_key
 from .local_ops import local_call
@@ -165,6 +165,7 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
     gm.meta["origin"] = _origins(gm, made_for)
     if plan.checkpointed:
         gm = _checkpoint_blocks(gm, cap, plan, made_for, comm)
+        gm.meta["origin"] = _region_origins(gm, gm.meta["origin"])
     rw.gathered.needed = any(isinstance(m, RedistributeModule) and m.gathered is not None for m in gm.modules())
     # the outputs' gradient factor the graph left out, for the module's GradBuckets to apply: on the final
     # graph module (checkpointing may have made another), which the module reads it from
@@ -176,6 +177,20 @@ def _origins(gm: fx.GraphModule, made_for: list) -> dict:
     """{local node name: the captured node it was made for}, from rewrite's `made_for` marks."""
     starts = [k for k, _ in made_for]
     return {new.name: made_for[bisect.bisect_right(starts, k) - 1][1] for k, new in enumerate(gm.graph.nodes)}
+
+
+def _region_origins(gm: fx.GraphModule, origin: dict) -> dict:
+    """`origin` with each checkpointed region's call (and the getitems of its results) made for the captured
+    node its body's last op was made for: a pipeline cuts between blocks, never inside one, so that is the
+    stage of the whole region. The body's nodes keep the names they had in the local graph (outline)."""
+    out = dict(origin)
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), CheckpointRegion):
+            body = [n.name for n in gm.get_submodule(node.target).body.graph.nodes if n.op == "call_function"]
+            out[node.name] = origin[body[-1]]
+            for user in node.users:
+                out[user.name] = out[node.name]
+    return out
 
 
 class _Rewriter:
