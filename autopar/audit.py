@@ -32,8 +32,9 @@ activations forward and the gradients of what they received back (runtime/observ
 `plan.predicted` describes one device of the pipeline, the one that needs the most memory
 (search/stage_costs.device_prediction); the report says which (`report.device`). On its
 ranks every row compares with plan.predicted; on the other ranks only what the plan gives
-per device: the activations in flight (the sum over the device's stages of
-plan.pipeline.stages[s].activations x in_flight) and the step time (the whole pipeline's).
+per device: the activations in flight (search/pipeline.device_activations: the peak over the
+schedule of its stages' microbatches in flight times their activations) and the step time
+(the whole pipeline's).
 The pipeline axis has no exposed-time row: torch's schedule waits on its sends and
 receives, where the waits for the bubble and for the link cannot be told apart.
 """
@@ -52,6 +53,7 @@ import cost_models as cm
 from .errors import PlanError
 from .runtime.module import ParallelModule
 from .runtime.observe import observing
+from .search.pipeline import device_activations
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,7 @@ def pipeline_device(module: ParallelModule) -> PipelineDevice:
                         f"{pipe.axis!r} (stages' peaks {[cm.format_bytes(s.memory) for s in pipe.stages[:p]]}): "
                         "audit cannot tell which device the prediction describes")
     stages = tuple(pipe.stages_on(coord))
-    acts = sum(pipe.stages[s].activations * pipe.stages[s].in_flight for s in stages)
-    return PipelineDevice(pipe.axis, coord, stages, described, float(acts))
+    return PipelineDevice(pipe.axis, coord, stages, described, float(device_activations(pipe, coord)))
 
 
 def _mean_of_first(out):

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import autopar
 import cost_models as cm
 from autopar.errors import InfeasiblePlanError, PipelineError
+from autopar.search.pipeline import device_activations, interleaved_in_flight
 from autopar.testing.models import GPT, GPTConfig
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
@@ -86,9 +87,11 @@ def test_an_interleaved_device_counts_both_of_its_stages():
     pipe = plan.pipeline
     on_0 = [s for s in pipe.stages if s.index % 2 == 0]
     assert len(on_0) == 2
+    # the device's figure holds both stages' activations in flight at the schedule's peak (and their weights and
+    # the working set): more than either stage's own peak, no more than the two peaks together (they peak apart)
+    acts = device_activations(pipe, 0)
     own = [s.activations * s.in_flight for s in on_0]
-    # the device's figure holds both stages' activations in flight (and more: their weights, the working set)
-    assert on_0[0].memory > sum(own)
+    assert max(own) < acts <= sum(own) and on_0[0].memory > acts
     limit = int(0.9 * plan.predicted.memory.total)
     try:
         tight = _plan(model, {"pp": 2}, memory_limit=limit, **options)
@@ -116,3 +119,12 @@ def test_recompute_under_a_pipeline_is_priced_and_auto_takes_it_only_to_fit():
     auto = _plan(model, {"pp": 2, "dp": 2}, checkpointing="auto", memory_limit=limit, **options)
     assert auto.checkpointed and auto.predicted.memory.total <= limit
     assert _plan(model, {"pp": 2, "dp": 2}, checkpointing="auto", **options).checkpointed == {}
+
+
+def test_interleaved_in_flight_follows_torch_s_order():
+    """torch's ScheduleInterleaved1F1B runs a round of microbatches through each local stage in turn before the
+    first backward: on pp2 with 4 microbatches device 0's first stage holds all 4 (the audit measured it,
+    tests/test_audit_pipeline.py), its second 2; device 1's hold 3 and 1. On 16 devices and 32 microbatches (the
+    405B runs') device 0's first stage holds all 32."""
+    assert interleaved_in_flight(2, 2, 4, 0) == [4, 2] and interleaved_in_flight(2, 2, 4, 1) == [3, 1]
+    assert interleaved_in_flight(16, 2, 32, 0) == [32, 16] and interleaved_in_flight(16, 2, 32, 15) == [17, 1]

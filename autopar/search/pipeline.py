@@ -161,8 +161,43 @@ def in_flight(schedule: str, stage: int, num_stages: int, microbatches: int) -> 
         return microbatches
     if schedule in (ONE_F_ONE_B, ZERO_BUBBLE):
         return min(microbatches, num_stages - stage)
-    # torch's interleaved 1F1B warms device r up with (v-1)p + 2(p-1-r) chunks before its first backward
-    r = stage % p
-    return min(microbatches, math.ceil(((v - 1) * p + 2 * (p - 1 - r) + 1) / v))
+    return interleaved_in_flight(p, v, microbatches, stage % p)[stage // p]
 
 
+def interleaved_in_flight(p: int, v: int, microbatches: int, rank: int) -> list:
+    """Per local stage of device `rank`, the most microbatches it holds at once under torch's
+    ScheduleInterleaved1F1B (_interleaved_alive)."""
+    peak = [0] * v
+    for alive in _interleaved_alive(p, v, microbatches, rank):
+        peak = [max(a, b) for a, b in zip(peak, alive)]
+    return peak
+
+
+def device_activations(pipe: PipelinePlan, coord: int) -> float:
+    """Peak bytes of activations in flight on the device at `coord`: under an interleaved schedule its
+    stages peak at different times (the first local stage while the last has drained), so the peak of their
+    sum, not the sum of their peaks."""
+    stages = [pipe.stages[s] for s in pipe.stages_on(coord)]
+    if pipe.schedule != INTERLEAVED:
+        return sum(st.activations * st.in_flight for st in stages)
+    p = pipe.num_stages // pipe.stages_per_device
+    return max(sum(n * st.activations for n, st in zip(alive, stages))
+               for alive in _interleaved_alive(p, pipe.stages_per_device, pipe.microbatches, coord))
+
+
+def _interleaved_alive(p: int, v: int, microbatches: int, rank: int):
+    """The microbatches each local stage of device `rank` holds after each forward, in the order torch's
+    ScheduleInterleaved1F1B runs them: a warm-up of forwards, then one forward and one backward a step, then
+    the cool-down's backwards. Forwards go round the local stages a round of microbatches at a time, first
+    stage first, backwards the other way round, so the first local stage runs furthest ahead."""
+    rounds = max(1, microbatches // p)
+    per_round = microbatches // rounds
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), microbatches * v)
+    forwards = microbatches * v
+    alive = [0] * v
+    for op in range(forwards + warmup):
+        if op < forwards:
+            alive[(op // per_round) % v] += 1
+            yield list(alive)
+        if op >= warmup:
+            alive[v - 1 - ((op - warmup) // per_round) % v] -= 1

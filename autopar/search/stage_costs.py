@@ -32,7 +32,7 @@ from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time,
                           regather_saving, zero_collectives)
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective
-from .pipeline import PipelinePlan
+from .pipeline import PipelinePlan, device_activations
 
 
 @dataclass
@@ -230,8 +230,7 @@ def device_memory(costs: OpCosts, pipe: PipelinePlan, coord: int, transient: flo
     the activations each of its stages keeps in flight at the schedule's peak, and the working set once."""
     pos = {n: i for i, n in enumerate(costs.order)}
     idx = [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
-    acts = sum(pipe.stages[s].activations * pipe.stages[s].in_flight for s in pipe.stages_on(coord))
-    return sum(device_state(costs, idx)[:4]) + acts + transient
+    return sum(device_state(costs, idx)[:4]) + device_activations(pipe, coord) + transient
 
 
 def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float):
@@ -246,7 +245,7 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
     total = device_memory(costs, pipe, coord, transient)
     idx = [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
     params, master, grads, opt, update = device_state(costs, idx)
-    acts = sum(pipe.stages[s].activations * pipe.stages[s].in_flight for s in pipe.stages_on(coord))
+    acts = device_activations(pipe, coord)
     optimizer_time = float(cm.optimizer_time(update, prob.hardware))   # after the schedule, on the busiest device
     comm_bytes = {a: m * sum(costs.parts[i][1][a] for i in idx) + sum(costs.step_parts[i][0][a] for i in idx)
                   for a in mesh.axis_names}
