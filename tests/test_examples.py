@@ -112,7 +112,8 @@ COMMANDS: dict = {
     # one row planned (the 8B on FSDP 8, ~15 s), one that autopar cannot say yet
     "python benchmarks/published.py": Run(["--rows", "t1-8b-fsdp8,perf-a100-8b-fsdp64-layer", "--no-auto"],
                                           lambda out, _, err: re.search(r"^t1-8b-fsdp8 +\d+ +5762 +\d\.\d\d", out, re.M)
-                                          and "not plannable yet" in out and "float8 rows" in out),
+                                          and re.search(r"^perf-a100-8b-fsdp64-layer +\d+ +2904 +\d\.\d\d", out, re.M)
+                                          and "float8 rows" in out),
     "python examples/plan_offline.py": Run(check=lambda out, _, err: "autopar plan" in out and "batch" in out,
                                            in_process=True),
     "python examples/plan_llama3_8b.py": Run(["--layers", "1", "--batch", "8", "--seq", "512"],

@@ -186,7 +186,11 @@ def _region_origins(gm: fx.GraphModule, origin: dict) -> dict:
     out = dict(origin)
     for node in gm.graph.nodes:
         if node.op == "call_module" and isinstance(gm.get_submodule(node.target), CheckpointRegion):
-            body = [n.name for n in gm.get_submodule(node.target).body.graph.nodes if n.op == "call_function"]
+            # the body's last node the rewrite made (a call_function or a module call: a ring attention)
+            body = [n.name for n in gm.get_submodule(node.target).body.graph.nodes
+                    if n.op not in ("placeholder", "output") and n.name in origin]
+            if not body:
+                continue   # nothing of the captured graph in it: the pipeline cut reports it if it matters
             out[node.name] = origin[body[-1]]
             for user in node.users:
                 out[user.name] = out[node.name]
