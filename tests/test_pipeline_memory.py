@@ -126,5 +126,5 @@ def test_interleaved_in_flight_follows_torch_s_order():
     first backward: on pp2 with 4 microbatches device 0's first stage holds all 4 (the audit measured it,
     tests/test_audit_pipeline.py), its second 2; device 1's hold 3 and 1. On 16 devices and 32 microbatches (the
     405B runs') device 0's first stage holds all 32."""
-    assert interleaved_in_flight(2, 2, 4, 0) == [4, 2] and interleaved_in_flight(2, 2, 4, 1) == [3, 1]
-    assert interleaved_in_flight(16, 2, 32, 0) == [32, 16] and interleaved_in_flight(16, 2, 32, 15) == [17, 1]
+    assert interleaved_in_flight(2, 2, 4, 0) == (4, 2) and interleaved_in_flight(2, 2, 4, 1) == (3, 1)
+    assert interleaved_in_flight(16, 2, 32, 0) == (32, 16) and interleaved_in_flight(16, 2, 32, 15) == (17, 1)

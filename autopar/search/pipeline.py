@@ -26,6 +26,7 @@ runs the result.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -153,6 +154,7 @@ def microbatch_candidates(p: int, batch: int, pinned: int | None) -> list[int]:
 
 # ---------------------------------------------------------------- schedules
 
+@functools.lru_cache(maxsize=4096)   # the stage cut's search asks it per candidate span
 def in_flight(schedule: str, stage: int, num_stages: int, microbatches: int) -> int:
     """Microbatches whose activations a stage holds at the schedule's peak."""
     v = STAGES_PER_DEVICE[schedule]
@@ -164,13 +166,14 @@ def in_flight(schedule: str, stage: int, num_stages: int, microbatches: int) -> 
     return interleaved_in_flight(p, v, microbatches, stage % p)[stage // p]
 
 
+@functools.lru_cache(maxsize=1024)
 def interleaved_in_flight(p: int, v: int, microbatches: int, rank: int) -> list:
     """Per local stage of device `rank`, the most microbatches it holds at once under torch's
     ScheduleInterleaved1F1B (_interleaved_alive)."""
     peak = [0] * v
     for alive in _interleaved_alive(p, v, microbatches, rank):
         peak = [max(a, b) for a, b in zip(peak, alive)]
-    return peak
+    return tuple(peak)   # cached: immutable
 
 
 def device_activations(pipe: PipelinePlan, coord: int) -> float:
