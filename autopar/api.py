@@ -44,7 +44,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict |
     input is one tensor, or a Python constant (a flag, None) that the plan
     keeps as given. `options` are autopar.PlanOptions' fields (hardware,
     memory_limit, strategy, precision, optimizer, checkpointing, links,
-    time_limit, pipeline_axis, microbatches, schedule, bucket_bytes,
+    time_limit, pipeline_axis, microbatches, schedule, stages_per_device, bucket_bytes,
     reshard_after_forward), each documented there with its default.
     The model is traced with each stack of alike layers (an nn.ModuleList of
     one class, same parameter shapes) cut to three, the rest copied from the
@@ -56,7 +56,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict |
     opts = PlanOptions.from_keywords("autopar.plan", options)   # bad values fail before the capture (seconds)
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     check_request(mesh_spec(mesh), opts.pipeline_axis, opts.microbatches, opts.schedule,
-                  _first_batch(example_inputs, example_kwargs))
+                  _first_batch(example_inputs, example_kwargs), opts.stages_per_device)
     cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, opts.precision, dynamic_shapes,
                                          trace_every_layer)
     return plan_captured(cap, mesh, opts, t_capture=t_capture, recapture=recapture)

@@ -18,8 +18,10 @@ from .plan_schedule import Schedule
 from .search.pipeline import PipelinePlan
 from .sharding.strategies import Strategy
 
-FORMAT_VERSION = 2   # 2: the schedule (plan_schedule.py); 1 still reads, without it
-READS = (1, 2)
+# 2: the schedule (plan_schedule.py); 1 still reads, without it. 3: the pipeline's stages_per_device (v, searched
+# under interleaving); 2 still reads, its interleaved plans at v = 2
+FORMAT_VERSION = 3
+READS = (1, 2, 3)
 
 
 def to_json(plan) -> str:

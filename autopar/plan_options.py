@@ -54,6 +54,10 @@ class PlanOptions:
     - `schedule`: None or "1f1b" (it holds fewer activations than "gpipe" for the same bubble),
       "gpipe", "interleaved-1f1b", "zero-bubble" (torch's ScheduleInterleavedZeroBubble: a third of
       1F1B's bubble), or "auto" (the fastest as priced).
+    - `stages_per_device`: the virtual stages each device runs under interleaved 1F1B (torchtitan's number of
+      stages over the pipeline degree; torch's schedule takes a device's list of them). None lets the search try
+      every v from 2 while the model has a layer per stage: more cut the bubble to (p-1)/(v m), at a send per
+      stage and more microbatches in flight on a device's first stage.
     - `bucket_bytes`: the most bytes one data-parallel gradient all-reduce carries; DDP's 25 MiB: large
       enough that per-call latency is small beside the bytes, small enough that the first buckets go out
       while backward still runs.
@@ -73,6 +77,7 @@ class PlanOptions:
     pipeline_axis: str | None = None
     microbatches: int | None = None
     schedule: str | None = None
+    stages_per_device: int | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     reshard_after_forward: bool | str | None = None
 

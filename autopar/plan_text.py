@@ -160,7 +160,8 @@ _BUBBLE = {"interleaved-1f1b": "(p-1)/(vm)", "zero-bubble": "(p-1)/(3m)"}   # se
 def pipeline_lines(pipe: PipelinePlan) -> list:
     """The stages as a table: what runs where, and what the schedule predicts for each."""
     p = pipe.num_stages // pipe.stages_per_device
-    lines = ["", f"pipeline over {pipe.axis} ({p} devices, {pipe.num_stages} stages): {pipe.schedule}, "
+    per_device = f", {pipe.stages_per_device} per device" if pipe.stages_per_device > 1 else ""
+    lines = ["", f"pipeline over {pipe.axis} ({p} devices, {pipe.num_stages} stages{per_device}): {pipe.schedule}, "
                  f"{pipe.microbatches} microbatches, bubble {_BUBBLE.get(pipe.schedule, '(p-1)/m')} = "
                  f"{pipe.bubble:.3f}, step {pipe.step_time * 1e3:.3f} ms"]
     header = ("stage", "device", "modules", "time/microbatch", "memory", "in flight", "sends/microbatch")

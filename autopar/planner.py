@@ -33,8 +33,9 @@ from .plan_result import Plan, Searched, make_plan
 from .search.classics import (CONTEXT, PIPE, Roles, axis_roles, check_context_divisibility, check_promised_splits,
                               check_tensor_parallel_divisibility, role_assignments, with_pipeline)
 from .search.ilp import RoleMemo, free_search, searches_free_first, solve
-from .search.pipeline import (AUTO, STAGES_PER_DEVICE, check_depth, check_request, microbatch_candidates,
-                              num_layers, schedule_candidates, schedule_fits)
+from .search.pipeline import (AUTO, MIN_STAGES_PER_DEVICE, check_depth, check_request, least_bubble,
+                              microbatch_candidates, num_layers, schedule_candidates, schedule_fits,
+                              stages_per_device_candidates)
 from .search.solution import INFEASIBLE, Solution
 from .search.stage_costs import device_prediction, op_costs
 from .search.stage_partition import partition
@@ -97,10 +98,11 @@ def plan_captured(cap: Captured, mesh, options: PlanOptions | None = None, *, t_
     opts = options.checked() if options is not None else PlanOptions.from_keywords("plan_captured", keywords)
     spec = mesh_spec(mesh)
     strategy, pipeline_axis, microbatches, schedule = opts.strategy, opts.pipeline_axis, opts.microbatches, opts.schedule
-    check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap))
+    check_request(spec, pipeline_axis, microbatches, schedule, _batch_size(cap), opts.stages_per_device)
     env = Request(cap, spec, mesh, opts, t_capture, tie_blocks, reshard_after(strategy, opts.reshard_after_forward),
                   {} if problems is None else problems)
-    axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule) if recapture is not None else []
+    axes = _pipeline_axes(cap, spec, strategy, pipeline_axis, schedule, opts.stages_per_device) \
+        if recapture is not None else []
     if pipeline_axis not in (None, "auto") and recapture is None:
         raise PipelineError("a pipelined plan needs the model to capture it again per microbatch; "
                             "plan it with autopar.plan or autopar.parallelize")
@@ -113,12 +115,14 @@ def plan_captured(cap: Captured, mesh, options: PlanOptions | None = None, *, t_
                 raise
             failure = e
     bound = _serial_time(best, spec) if best is not None and pipeline_axis == "auto" else None
+    depth = _depth(cap)
     for axis in axes:
         p = spec.axis_sizes[spec.axis_index(axis)]
         for m in microbatch_candidates(p, _batch_size(cap) or 1, microbatches):
-            # a pipeline idles (p-1)/m of the step at least: no faster than the serial compute spread
-            # over every device, stretched by that
-            if bound is not None and best.predicted.step_time <= bound * (1 + (p - 1) / m):
+            # a pipeline idles a share of the step, (p-1)/m at most, (p-1)/(3m) under zero bubble, (p-1)/(v m)
+            # interleaved: no faster than the serial compute spread over every device, stretched by the least
+            least = least_bubble(schedule_candidates(schedule), p, m, depth, opts.stages_per_device)
+            if bound is not None and best.predicted.step_time <= bound * (1 + least):
                 continue
             captured = None
             for sched in schedule_candidates(schedule):
@@ -127,7 +131,7 @@ def plan_captured(cap: Captured, mesh, options: PlanOptions | None = None, *, t_
                     if microbatches is not None and schedule != AUTO:
                         raise PipelineError(f"microbatches={m} on axis {axis!r}: {why} (or use schedule='gpipe')")
                     continue
-                if STAGES_PER_DEVICE[sched] * p > _depth(cap):
+                if MIN_STAGES_PER_DEVICE[sched] * p > depth:
                     continue   # interleaving under "auto", on a model too shallow for it
                 try:
                     captured = captured or recapture(m)
@@ -165,18 +169,19 @@ def _batch_size(cap: Captured):
     return meta.hint[0] if meta is not None and meta.ndim > 0 else None
 
 
-def _pipeline_axes(cap: Captured, spec: MeshSpec, strategy: str, pipeline_axis, schedule) -> list:
+def _pipeline_axes(cap: Captured, spec: MeshSpec, strategy: str, pipeline_axis, schedule, stages_per_device) -> list:
     """Axes to try pipelining over: the one named, or under "auto" every axis the model has the layers for."""
     if pipeline_axis is None:
         return []
+    per_device = min(MIN_STAGES_PER_DEVICE[s] for s in schedule_candidates(schedule))
+    if stages_per_device is not None and schedule != AUTO:   # pinned, interleaved (check_request)
+        per_device = stages_per_device
     if pipeline_axis != "auto":
-        check_depth(cap, spec.axis_sizes[spec.axis_index(pipeline_axis)]
-                    * min(STAGES_PER_DEVICE[s] for s in schedule_candidates(schedule)), pipeline_axis)
+        check_depth(cap, spec.axis_sizes[spec.axis_index(pipeline_axis)] * per_device, pipeline_axis)
         return [pipeline_axis]
     if strategy != "auto":
         return []
     layers = _depth(cap)
-    per_device = min(STAGES_PER_DEVICE[s] for s in schedule_candidates(schedule))
     return [name for name, size in zip(spec.axis_names, spec.axis_sizes) if 1 < size and size * per_device <= layers]
 
 
@@ -439,8 +444,7 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
                          "none")
     t0 = time.perf_counter()
     prob = replace(prob, regather_activations=sol.regather_activations)   # as the solution was priced
-    pipe, pred, held, stacks = _cut_stages(prob, sol, env.reshard_after_forward, recomputable, axis, m, schedule,
-                                           limit)
+    pipe, pred, held, stacks = _cut_each(prob, sol, env, recomputable, axis, m, schedule, limit)
     sol = replace(sol, reshard_after_forward=not held, checkpointed={st.path: st.kind for st in stacks})
     _, colls = predict(prob, sol.choice, symbolic=False)
     t_predict = time.perf_counter() - t0
@@ -469,8 +473,26 @@ def _stack_sets(prob: Problem, checkpointing: str, limit) -> list:
     return [()] + [of(k) for k in kinds if of(k)]
 
 
+def _cut_each(prob: Problem, sol, env: Request, recomputable: list, axis: str, m: int, schedule: str, limit):
+    """_cut_stages' fastest answer over the virtual stages per device the schedule may run (one but under
+    interleaving, search/pipeline.stages_per_device_candidates); the first failure if none fits."""
+    p = env.spec.axis_sizes[env.spec.axis_index(axis)]
+    best, failure = None, None
+    for v in stages_per_device_candidates(schedule, p, _depth(prob.cap), env.options.stages_per_device):
+        try:
+            found = _cut_stages(prob, sol, env.reshard_after_forward, recomputable, axis, m, schedule, limit, v)
+        except PipelineError as e:
+            failure = failure or e
+            continue
+        if best is None or found[1].step_time < best[1].step_time:
+            best = found
+    if best is None:
+        raise failure
+    return best
+
+
 def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, axis: str, m: int, schedule: str,
-                limit):
+                limit, stages_per_device: int = 1):
     """(pipeline, prediction, held, stacks recomputed) of the fastest way to run the stages that fits `limit`:
     for each set of stacks to recompute, FSDP weights gathered per microbatch (resharded) or once per step and
     held (reshard_after_forward=False), both when the request leaves it to the search (None). Raises the first
@@ -491,7 +513,8 @@ def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, a
                 continue
             costs = op_costs(prob, sol.choice, held=held, stacks=stacks)
             try:
-                pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, memory_limit=limit,
+                pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule,
+                                 stages_per_device=stages_per_device, memory_limit=limit,
                                  transient=transient)
             except PipelineError as e:
                 failure = failure or e

@@ -145,6 +145,10 @@ CASES = {
         "pp2 x dp2, interleaved 1f1b": dict(pipeline_axis="pp", strategy="ddp", microbatches=4,
                                             schedule="interleaved-1f1b"),
         "pp2 x dp2, zero bubble": dict(pipeline_axis="pp", strategy="ddp", microbatches=4, schedule="zero-bubble"),
+        # 3 virtual stages per rank: 6 stages over 6 layers, each rank's 3 stages taking turns in torch's order
+        "pp2 x dp2, interleaved 1f1b, 3 stages per device": dict(pipeline_axis="pp", strategy="ddp", microbatches=4,
+                                                                 schedule="interleaved-1f1b", stages_per_device=3,
+                                                                 n_layer=6),
         # recompute under a pipeline: each stage's blocks (or their attention cores) run as checkpointed regions
         "pp2 x dp2, 1f1b, full recompute": dict(pipeline_axis="pp", strategy="ddp", checkpointing="full"),
         "pp2 x dp2, interleaved 1f1b, selective recompute": dict(pipeline_axis="pp", strategy="ddp", microbatches=4,
@@ -208,6 +212,9 @@ def _check_case(case, kwargs, results, ref):
     assert pipe.schedule == kwargs.get("schedule", "1f1b"), case
     if "microbatches" in kwargs:
         assert pipe.microbatches == kwargs["microbatches"], case
+    if "stages_per_device" in kwargs:
+        assert pipe.stages_per_device == kwargs["stages_per_device"], case
+        assert pipe.num_stages == 2 * kwargs["stages_per_device"] and pipe.bubble == pytest.approx(1 / (4 * 3)), case
     _check(results, ref, plan, case)
     if kwargs.get("checkpointing") in ("full", "selective"):
         assert plan.checkpointed == {"h": kwargs["checkpointing"]}, case

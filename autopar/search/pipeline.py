@@ -37,7 +37,8 @@ from ..errors import PipelineError
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
 SCHEDULES = (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZERO_BUBBLE)
 AUTO = "auto"   # schedule=: the planner tries each that fits and keeps the fastest
-STAGES_PER_DEVICE = {GPIPE: 1, ONE_F_ONE_B: 1, INTERLEAVED: 2, ZERO_BUBBLE: 1}
+# the fewest stages a device runs under each schedule; interleaving runs v >= 2, searched (stages_per_device_candidates)
+MIN_STAGES_PER_DEVICE = {GPIPE: 1, ONE_F_ONE_B: 1, INTERLEAVED: 2, ZERO_BUBBLE: 1}
 # each of the bubble's p-1 idle slots, as a share of a stage's forward + backward (F + B + W, weights'
 # gradients W apart): zero bubble's ZB-H1 idles F + B - W, a third of it where F = B = W
 IDLE_SHARE = {GPIPE: 1.0, ONE_F_ONE_B: 1.0, INTERLEAVED: 1.0, ZERO_BUBBLE: 1 / 3}
@@ -64,10 +65,7 @@ class PipelinePlan:
     stages: tuple             # Stage, in order
     bubble: float             # idle fraction of the step relative to useful work: (p-1)/m, (p-1)/(v m), (p-1)/(3m)
     step_time: float
-
-    @property
-    def stages_per_device(self) -> int:
-        return STAGES_PER_DEVICE[self.schedule]
+    stages_per_device: int    # v: 1, or interleaved's virtual stages per device
 
     def stage_of(self) -> dict:
         return {n: s.index for s in self.stages for n in s.nodes}
@@ -85,15 +83,24 @@ class PipelinePlan:
     @staticmethod
     def from_dict(d: dict) -> "PipelinePlan":
         stages = tuple(Stage(**dict(s, nodes=tuple(s["nodes"]))) for s in d["stages"])
-        return PipelinePlan(**dict(d, stages=stages))
+        # a plan saved before v was searched interleaved over 2 stages per device
+        v = d.get("stages_per_device", MIN_STAGES_PER_DEVICE[d["schedule"]])
+        return PipelinePlan(**dict(d, stages=stages, stages_per_device=v))
 
 
 # ---------------------------------------------------------------- requests
 
-def check_request(spec, pipeline_axis, microbatches, schedule, batch: int | None) -> None:
+def check_request(spec, pipeline_axis, microbatches, schedule, batch: int | None, stages_per_device=None) -> None:
     """Bad pipeline options fail before any capture or search, with what to do."""
     if schedule is not None and schedule not in SCHEDULES + (AUTO,):
         raise PipelineError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES + (AUTO,))}")
+    if stages_per_device is not None:
+        if isinstance(stages_per_device, bool) or not isinstance(stages_per_device, int) or stages_per_device < 2:
+            raise PipelineError(f"stages_per_device={stages_per_device!r}: give an integer of 2 or more (the "
+                                "virtual stages each device runs under interleaved 1F1B), or None to search it")
+        if schedule not in (INTERLEAVED, AUTO):
+            raise PipelineError(f"stages_per_device={stages_per_device} interleaves stages, which schedule="
+                                f"{schedule!r} does not; use schedule='interleaved-1f1b' (or 'auto')")
     if pipeline_axis not in (None, "auto") and pipeline_axis not in spec.axis_names:
         raise PipelineError(f"pipeline_axis={pipeline_axis!r} is not an axis of mesh {spec} (axes "
                             f"{list(spec.axis_names)}); name one of them, 'auto' to let the search choose, "
@@ -138,9 +145,28 @@ def schedule_fits(schedule: str, p: int, microbatches: int) -> str | None:
     if schedule != GPIPE and microbatches < p:
         return f"schedule {schedule!r} needs at least {p} microbatches, one in flight per stage"
     rounds = max(1, microbatches // p)
-    if schedule == ZERO_BUBBLE and microbatches % rounds:
+    if schedule in (INTERLEAVED, ZERO_BUBBLE) and microbatches % rounds:
         return f"schedule {schedule!r} needs microbatches a multiple of microbatches // {p} ({rounds})"
     return None
+
+
+def stages_per_device_candidates(schedule: str, p: int, depth: int, pinned: int | None) -> list[int]:
+    """The virtual stages per device to price: one but under interleaving; there the one pinned, else every v
+    from 2 while v p stages leave each a layer of the model's `depth` (torch's interleaved schedule takes any v:
+    its microbatch rule, rounds of m // p, does not depend on it). More v cuts the bubble to (p-1)/(v m) but
+    pays a send each way per stage and microbatch, and holds more in flight on a device's first stage."""
+    if schedule != INTERLEAVED:
+        return [MIN_STAGES_PER_DEVICE[schedule]]
+    if pinned is not None:
+        return [pinned]
+    return list(range(MIN_STAGES_PER_DEVICE[INTERLEAVED], depth // p + 1))
+
+
+def least_bubble(schedules: list, p: int, microbatches: int, depth: int, pinned: int | None) -> float:
+    """The least share of a step any of `schedules` idles with p devices and `microbatches` (PipelinePlan.bubble):
+    a floor under every pipelined plan they make, for the planner to skip pipelines that cannot win."""
+    return min(IDLE_SHARE[s] * (p - 1) / (max(stages_per_device_candidates(s, p, depth, pinned), default=1)
+                                          * microbatches) for s in schedules)
 
 
 def microbatch_candidates(p: int, batch: int, pinned: int | None) -> list[int]:
@@ -155,9 +181,9 @@ def microbatch_candidates(p: int, batch: int, pinned: int | None) -> list[int]:
 # ---------------------------------------------------------------- schedules
 
 @functools.lru_cache(maxsize=4096)   # the stage cut's search asks it per candidate span
-def in_flight(schedule: str, stage: int, num_stages: int, microbatches: int) -> int:
+def in_flight(schedule: str, stage: int, num_stages: int, microbatches: int, stages_per_device: int) -> int:
     """Microbatches whose activations a stage holds at the schedule's peak."""
-    v = STAGES_PER_DEVICE[schedule]
+    v = stages_per_device
     p = num_stages // v
     if schedule == GPIPE:
         return microbatches

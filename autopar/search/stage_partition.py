@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import cost_models as cm
 
 from ..errors import PipelineError
-from .pipeline import IDLE_SHARE, STAGES_PER_DEVICE, PipelinePlan, Stage, in_flight
+from .pipeline import IDLE_SHARE, INTERLEAVED, MIN_STAGES_PER_DEVICE, PipelinePlan, Stage, in_flight
 from .stage_costs import OpCosts, device_memory
 
 # a cut may fall where at most this many times the fewest bytes of the model's body cross: "few bytes"
@@ -25,15 +25,18 @@ from .stage_costs import OpCosts, device_memory
 CUT_SLACK = 2.0
 
 
-def partition(prob, costs: OpCosts, *, axis: str, microbatches: int, schedule: str, memory_limit=None,
-              transient: float = 0.0) -> PipelinePlan:
+def partition(prob, costs: OpCosts, *, axis: str, microbatches: int, schedule: str, stages_per_device: int = 1,
+              memory_limit=None, transient: float = 0.0) -> PipelinePlan:
     """The cut into stages that makes the slowest stage fastest, each device fitting `memory_limit` with
-    everything it holds: under an interleaved schedule a device holds several stages, whose weights and
-    activations in flight add up. `costs`: op_costs of the chosen strategies."""
+    everything it holds: under an interleaved schedule a device holds `stages_per_device` stages, whose weights
+    and activations in flight add up. `costs`: op_costs of the chosen strategies."""
     p = prob.mesh.axis_sizes[prob.mesh.axis_index(axis)]
-    v = STAGES_PER_DEVICE[schedule]
+    v = stages_per_device
+    if (v >= MIN_STAGES_PER_DEVICE[INTERLEAVED]) != (schedule == INTERLEAVED):
+        raise PipelineError(f"{v} stage(s) per device under schedule {schedule!r}: interleaved 1F1B runs 2 or more "
+                            "per device, every other schedule one")
     num_stages = p * v
-    spans = _Spans.of(costs, prob.links[axis], schedule, num_stages, microbatches, transient)
+    spans = _Spans.of(costs, prob.links[axis], schedule, num_stages, microbatches, transient, v)
     cuts = _cut_points(costs)
     if len(cuts) - 1 < num_stages:
         raise PipelineError(f"the model has {len(cuts) - 1} place(s) where a cut passes few bytes, too few for "
@@ -71,13 +74,13 @@ def _pipeline(prob, costs: OpCosts, spans: "_Spans", axis: str, p: int, bounds: 
     through its stages, the collectives it pays once per step, and the bubble)."""
     num_stages, m, schedule = spans.num_stages, spans.microbatches, spans.schedule
     stages = [_stage(prob, costs, spans, s, bounds[s], bounds[s + 1]) for s in range(num_stages)]
-    v = STAGES_PER_DEVICE[schedule]
+    v = spans.stages_per_device
     slowest = max(st.time for st in stages)
     per_device = max(m * sum(stages[s].time for s in range(c, num_stages, p))
                      + sum(spans.once(bounds[s], bounds[s + 1]) for s in range(c, num_stages, p)) for c in range(p))
     idle = IDLE_SHARE[schedule]
     pipe = PipelinePlan(axis, num_stages, m, schedule, tuple(stages), idle * (p - 1) / (v * m),
-                        per_device + idle * (p - 1) * slowest)
+                        per_device + idle * (p - 1) * slowest, v)
     # each stage's memory: the peak of the device that holds it, everything on it (what the limit is held to)
     peaks = [device_memory(costs, pipe, c, spans.transient) for c in range(p)]
     return replace(pipe, stages=tuple(replace(st, memory=peaks[st.index % p]) for st in stages))
@@ -98,9 +101,11 @@ class _Spans:
     s_sum: list          # ... of weight state, charged to each weight's first reader
     shared: list         # (readers, bytes) of weights read in more than one place
     reads: list          # sorted positions of every op that reads a weight
+    stages_per_device: int
 
     @staticmethod
-    def of(costs: OpCosts, link, schedule: str, num_stages: int, microbatches: int, transient: float) -> "_Spans":
+    def of(costs: OpCosts, link, schedule: str, num_stages: int, microbatches: int, transient: float,
+           stages_per_device: int) -> "_Spans":
         n = len(costs.order)
         first_read, shared = [0.0] * n, []
         for name, parts in costs.state_parts.items():
@@ -113,7 +118,7 @@ class _Spans:
         reads = sorted({r for rs in costs.users.values() for r in rs})
         once = [sum(step_seconds.values()) for _, step_seconds in costs.step_parts]
         return _Spans(costs, link, schedule, num_stages, microbatches, transient, _prefix(costs.time), _prefix(once),
-                      _prefix(costs.acts), _prefix(first_read), shared, reads)
+                      _prefix(costs.acts), _prefix(first_read), shared, reads, stages_per_device)
 
     @property
     def n(self) -> int:
@@ -140,7 +145,7 @@ class _Spans:
         return self.a_sum[j] - self.a_sum[i]
 
     def memory(self, i: int, j: int, stage: int) -> float:
-        kept = in_flight(self.schedule, stage, self.num_stages, self.microbatches)
+        kept = in_flight(self.schedule, stage, self.num_stages, self.microbatches, self.stages_per_device)
         return self.state(i, j) + kept * self.activations(i, j) + self.transient
 
     def holds_weights(self, i: int, j: int) -> bool:
@@ -180,7 +185,7 @@ def _stage(prob, costs: OpCosts, spans: _Spans, s: int, i: int, j: int) -> Stage
     nodes = tuple(costs.order[i:j])
     return Stage(s, nodes, compress_paths(prob.cap.info[x].module_path for x in nodes), spans.time(i, j),
                  spans.memory(i, j, s), spans.activations(i, j),
-                 in_flight(spans.schedule, s, spans.num_stages, spans.microbatches),
+                 in_flight(spans.schedule, s, spans.num_stages, spans.microbatches, spans.stages_per_device),
                  costs.crossing[j] if j < spans.n else 0.0)
 
 
