@@ -496,21 +496,14 @@ def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, a
     """(pipeline, prediction, held, stacks recomputed) of the fastest way to run the stages that fits `limit`:
     for each set of stacks to recompute, FSDP weights gathered per microbatch (resharded) or once per step and
     held (reshard_after_forward=False), both when the request leaves it to the search (None). Raises the first
-    failure only if nothing fits. A checkpointed block gathers its weights itself (runtime/pipeline), so weights
-    are held only where no block recomputes."""
+    failure only if nothing fits. Held weights combine with recompute: a checkpointed block reads the held whole
+    weight in forward and in its rerun (runtime/pipeline/held_weights.py), as torchtitan runs its 405B Llama."""
     ways = {True: [False], False: [True], None: [False, True]}[reshard_after_forward]
     groups = group_redistributions(prob, sol.choice)
     best, failure = None, None
     for stacks in recomputable:
         transient = float(transient_bytes(prob, sol.choice, groups, stacks, False))
         for held in ways:
-            if held and stacks:
-                if reshard_after_forward is False:
-                    failure = failure or PipelineError(
-                        "reshard_after_forward=False holds FSDP weights through the step, which a checkpointed block "
-                        "cannot (it gathers its weights again when it recomputes); use reshard_after_forward=True "
-                        "or None, or checkpointing='none'")
-                continue
             costs = op_costs(prob, sol.choice, held=held, stacks=stacks)
             try:
                 pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule,

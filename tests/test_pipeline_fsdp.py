@@ -3,7 +3,8 @@ stage's FSDP weights are gathered once per step and held whole across the microb
 whole and reduce-scattered once after the last microbatch (torchtitan's way); with True each microbatch gathers
 (and, in backward, gathers again and reduce-scatters) its own.
 
-On 4 gloo ranks as pp2 x dp2 with FSDP on dp, under 1F1B, GPipe, interleaved 1F1B and zero bubble: parameters
+On 4 gloo ranks as pp2 x dp2 with FSDP on dp, under 1F1B, GPipe, interleaved 1F1B and zero bubble, held also
+with full and per-op recompute (a checkpointed block reads the held weight, forward and rerun): parameters
 and gradients equal to one device's, SGD beside AdamW (tolerances as test_pipeline.py's); and the collectives
 the runtime logged in one step: held, one all-gather per FSDP weight of the device and the reduce-scatters of
 one microbatch, for any number of microbatches; resharded, those per microbatch, as before.
@@ -19,6 +20,7 @@ import torch
 import autopar
 import cost_models as cm
 from autopar import Plan
+from autopar.runtime.lowering.recompute import CheckpointRegion
 from autopar.runtime.pipeline import held_weights
 from autopar.sharding.placement import is_shard
 from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo
@@ -35,6 +37,10 @@ CASES = {
     "gpipe, 2 microbatches, held": dict(schedule="gpipe", microbatches=2, **HELD),
     "interleaved 1f1b, 4 microbatches, held": dict(schedule="interleaved-1f1b", microbatches=4, **HELD),
     "zero bubble, 4 microbatches, held": dict(schedule="zero-bubble", microbatches=4, **HELD),
+    # held with recompute (torchtitan's 405B way): a checkpointed block reads the held weight, in its rerun too
+    "1f1b, 4 microbatches, held, full recompute": dict(schedule="1f1b", microbatches=4, checkpointing="full", **HELD),
+    "interleaved 1f1b, 4 microbatches, held, per-op recompute": dict(
+        schedule="interleaved-1f1b", microbatches=4, checkpointing="per-op", **HELD),
     "1f1b, 2 microbatches, resharded": dict(schedule="1f1b", microbatches=2, **RESHARDED),
     "1f1b, 4 microbatches, resharded": dict(schedule="1f1b", microbatches=4, **RESHARDED),
 }
@@ -121,6 +127,7 @@ def _train(mesh, options: dict, x, y, plan=None) -> dict:
     out["plan"] = pm.plan.to_json()
     out["collectives"], out["dp_bytes"], out["held"], out["alive"] = _one_step(pm, lx, ly)
     out["fsdp_weights"] = _fsdp_weights(pm)
+    out["regions"] = sum(isinstance(m, CheckpointRegion) for m in pm.modules())
     return out
 
 
@@ -153,6 +160,9 @@ def test_fsdp_under_a_pipeline_trains_as_one_device(case, four_ranks, reference)
     plan = Plan.from_json(four_ranks[case][0]["plan"])
     assert plan.pipeline.schedule == options["schedule"] and plan.pipeline.microbatches == options["microbatches"]
     assert plan.reshard_after_forward is options["reshard_after_forward"]
+    if "checkpointing" in options:   # every block recomputes, and this device's stages run their blocks as regions
+        assert plan.checkpointed == {"h": options["checkpointing"]}, case
+        assert all(r["regions"] > 0 for r in four_ranks[case]), case
     for opt in OPTIMIZERS:
         for r in four_ranks[case]:
             got, want = r[opt], reference[opt]

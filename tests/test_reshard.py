@@ -9,6 +9,7 @@ for the kept weights is the memory autograd keeps, and that "auto" picks the cho
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections import Counter
 
@@ -16,7 +17,10 @@ import pytest
 import torch
 
 import autopar
-from autopar.errors import PipelineError, PlanError
+from autopar.api import _capture
+from autopar.capture.export import AUTO
+from autopar.errors import PlanError
+from autopar.planner import plan_captured
 from autopar.testing import GPT, GPTConfig, gpt_loss, parallel_record, run_threaded, single_device_reference
 
 STEPS = 3
@@ -121,11 +125,36 @@ def test_reshard_after_forward_rejects_what_it_cannot_do():
     model, x, _ = gpt(4)
     with pytest.raises(PlanError, match="reshard_after_forward must be"):
         autopar.plan(model, (x,), {"a": 2}, strategy="fsdp", reshard_after_forward="yes")
-    # with a pipeline False holds each stage's weights for the step (tests/test_pipeline_fsdp.py), which a block
-    # that recomputes cannot: asking for both is refused in words
-    with pytest.raises(PipelineError, match="reshard_after_forward=False holds FSDP weights through the step"):
-        autopar.plan(model, (x,), {"a": 2}, strategy="fsdp", reshard_after_forward=False, pipeline_axis="a",
-                     microbatches=2, checkpointing="full")
+
+
+def test_held_weights_with_recompute_under_a_pipeline_are_gathered_once_per_step():
+    """With a pipeline, reshard_after_forward=False holds each stage's weights for the step, and a checkpointed
+    block reads them (tests/test_pipeline_fsdp.py runs it): torchtitan's 405B Llama. Priced so: recompute adds
+    no gather of a held weight (the dp bytes of the same cut without recompute), and where only recompute fits
+    "auto" holds the weights, moving over ~m times fewer dp bytes than the resharded plan under that limit."""
+    model, x, _ = gpt(16)
+    m = 8
+    # captured once, and once per microbatch, for the four plans (capture is most of a plan's time here)
+    cap, _, recapture = _capture(model, (x,), {}, None, AUTO, False)
+    recapture = functools.cache(recapture)
+
+    def plan(**options):
+        return plan_captured(cap, {"pp": 2, "dp": 2}, recapture=recapture, strategy="fsdp", hardware="cpu",
+                             pipeline_axis="pp", microbatches=m, **options)
+    full = plan(reshard_after_forward=False, checkpointing="full", memory_limit=100_000)
+    plain = plan(reshard_after_forward=False, checkpointing="none", memory_limit=100_000)
+    assert full.reshard_after_forward is False and full.checkpointed == {"h": "full"}
+    assert [s.nodes for s in full.pipeline.stages] == [s.nodes for s in plain.pipeline.stages]
+    assert full.predicted.comm_bytes["dp"] == plain.predicted.comm_bytes["dp"]
+    assert full.predicted.memory.total < plain.predicted.memory.total
+    limit = int((full.predicted.memory.total + plain.predicted.memory.total) / 2)   # held fits only recomputing
+    auto = plan(reshard_after_forward="auto", checkpointing="auto", memory_limit=limit)
+    assert auto.reshard_after_forward is False and auto.checkpointed, auto
+    assert auto.predicted.memory.total <= limit
+    resharded = plan(reshard_after_forward=True, checkpointing="auto", memory_limit=limit)
+    # resharded: each microbatch gathers its weights (and its recompute gathers them again) and reduce-scatters
+    assert resharded.predicted.comm_bytes["dp"] > 0.75 * m * auto.predicted.comm_bytes["dp"]
+    assert resharded.predicted.step_time > auto.predicted.step_time
 
 
 def _train_with_labels(rank, model, x, labels):

@@ -112,9 +112,13 @@ def op_costs(prob, choice, held: bool = False, stacks=()) -> OpCosts:
             r = replace(r, regather_count=0)
         colls = [c for c in redistribution_collectives(prob, r)
                  if not (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in deferred.get(c.tensor, ()))]
-        if inside and order[first] in passed:   # a rerun block runs its forward redistributions again
-            colls = colls + [c for c in colls if c.phase == "forward"]
-        if held and cap.info[r.producer].kind == PARAM and any(c.kind == ALL_GATHER and c.phase == "forward" for c in colls):
+        # a held weight is gathered once per step, before the schedule; a checkpointed block reads it whole, in
+        # forward and in its rerun alike (runtime/pipeline/held_weights.py)
+        held_weight = held and cap.info[r.producer].kind == PARAM and any(
+            c.kind == ALL_GATHER and c.phase == "forward" for c in colls)
+        if inside and order[first] in passed and not held_weight:   # a rerun block runs its forward
+            colls = colls + [c for c in colls if c.phase == "forward"]   # redistributions again
+        if held_weight:
             colls = _held(colls, state_parts, r.producer)
             charge(first, [c for c in colls if c.kind in (ALL_GATHER, REDUCE_SCATTER)], once=True)
             colls = [c for c in colls if c.kind not in (ALL_GATHER, REDUCE_SCATTER)]

@@ -450,7 +450,35 @@ def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, plan, made_for: list, 
             members.setdefault(block_of[origin], []).append(new)
     keys = sorted(members, key=lambda key: (paths.index(key[0]), key[1]))
     policies = [(stacks[p, checkpointed[p]].policies or (None,) * (i + 1))[i] for p, i in keys]
-    return outline(gm, [members[key] for key in keys], [f"{p}.{i}" for p, i in keys], comm, policies)
+    regions = [members[key] for key in keys]
+    if plan.pipeline is not None and not plan.reshard_after_forward:
+        # the step gathers these weights once and holds them (runtime/pipeline/held_weights.py): the region reads
+        # the held whole weight as an input, in forward and in its rerun, instead of gathering it itself
+        is_param = {name for name, info in cap.info.items() if info.kind == PARAM}
+        regions = [_without_weight_gathers(gm, region, is_param) for region in regions]
+    return outline(gm, regions, [f"{p}.{i}" for p, i in keys], comm, policies)
+
+
+def weight_gather(gm: fx.GraphModule, node: fx.Node, is_param) -> RedistributeModule | None:
+    """The layout change `node` calls if it all-gathers a weight (on any axis; its other steps are casts and
+    local cuts) straight from the weight's placeholder, else None. `is_param`: the parameters' placeholder
+    names. Under a pipeline that keeps FSDP weights whole these run once per step (held_weights.py)."""
+    if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), RedistributeModule):
+        return None
+    (src,) = node.args
+    module = gm.get_submodule(node.target)
+    if src.op != "placeholder" or src.name not in is_param or not gathers_again(module.steps, is_param=True):
+        return None
+    return module
+
+
+def _without_weight_gathers(gm: fx.GraphModule, region: list, is_param) -> list:
+    """`region` less its weight gathers, each moved in front of it (it reads only its placeholder)."""
+    gathers = [n for n in region if weight_gather(gm, n, is_param) is not None]
+    kept = [n for n in region if n not in gathers]
+    for node in gathers if kept else ():   # (a region of nothing but gathers is left empty: outline skips it)
+        kept[0].prepend(node)
+    return kept
 
 
 def squeezed_dims(node: fx.Node, shape) -> list:

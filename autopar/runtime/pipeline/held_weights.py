@@ -11,6 +11,10 @@ reduce-scatter over the FSDP axis -- run once on the sum, which then flows
 into the weight as the per-microbatch path's did (through the gradient
 buckets where they reduce it on another axis). The steps are linear, so
 reducing the sum is summing the reductions: the same gradient, scaled alike.
+A checkpointed block (recompute.py) reads the held weight as one of its
+region's inputs: the rewrite moves a weight's gather out of the region, so
+forward and backward's rerun both read the held tensor (the checkpoint keeps a
+reference to it, no copy) and its gradient reaches the held leaf as any other.
 
 This is what torchtitan does with torch.distributed.pipelining and FSDP2:
 `reshard_after_forward=False`, and `set_requires_gradient_sync` /
@@ -33,9 +37,9 @@ import torch.fx as fx
 
 from ...capture.export import PARAM
 from ...errors import PlanError
-from ...sharding.redistribute import gathers_again
 from ..collectives import transform
-from ..lowering.rewrite import RedistributeModule
+from ..lowering.recompute import CheckpointRegion
+from ..lowering.rewrite import RedistributeModule, weight_gather
 
 HELD = "held"   # the kind of a stage's input that takes a held weight: (HELD, the gathering node's name)
 
@@ -51,21 +55,27 @@ class HeldGather:
 def held_gathers(gm: fx.GraphModule, placeholders_of: dict) -> dict:
     """{node name: HeldGather} for each RedistributeModule call on a parameter placeholder that all-gathers it
     (on any axis; its other steps, casts and local cuts, run with it). `placeholders_of`: local placeholder
-    name -> (kind, name)."""
+    name -> (kind, name). A checkpointed region takes such a gather's result as an input (rewrite moves it out
+    of the region), so the region reads the held weight in forward and in its rerun alike."""
+    is_param = {name for name, (kind, _) in placeholders_of.items() if kind == PARAM}
     out = {}
     for node in gm.graph.nodes:
-        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), RedistributeModule):
+        module = weight_gather(gm, node, is_param)
+        if module is None:
             continue
-        (src,) = node.args
-        source = placeholders_of.get(src.name) if src.op == "placeholder" else None
-        module = gm.get_submodule(node.target)
-        if source is None or source[0] != PARAM or not gathers_again(module.steps, is_param=True):
-            continue
+        source = placeholders_of[node.args[0].name]
         if module.gathered is not None or module.group is not None:
             raise PlanError(f"weight {source[1]!r} is gathered again in backward ({module.label}) under a plan that "
                             "keeps weights whole (reshard_after_forward=False); the local graph was rewritten for "
                             "another plan: report this")
         out[node.name] = HeldGather(node.name, node.target, source)
+    for node in gm.graph.nodes:   # a gather left in a region would run per microbatch, and again in the rerun
+        region = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(region, CheckpointRegion) and any(
+                weight_gather(region.body, n, is_param) is not None for n in region.body.graph.nodes):
+            raise PlanError(f"checkpointed block {region.label} gathers a weight inside itself under a plan that "
+                            "keeps weights whole (reshard_after_forward=False): the local graph was rewritten "
+                            "for another plan: report this")
     return out
 
 

@@ -95,16 +95,9 @@ class PipelineRunner:
 
 
 def _holds_weights(plan) -> bool:
-    """Whether the step gathers FSDP weights once and holds them (reshard_after_forward False). A checkpointed
-    block would gather its weights inside itself, where they cannot be held: refused, not run per microbatch."""
-    if plan.reshard_after_forward:
-        return False
-    if plan.checkpointed:
-        raise PlanError(f"plan keeps weights whole (reshard_after_forward=False) and checkpoints "
-                        f"{', '.join(plan.checkpointed)} under pipeline axis {plan.pipeline.axis!r}: a checkpointed "
-                        "block gathers its weights itself, so they cannot be held through the step; plan with "
-                        "reshard_after_forward=True or checkpointing='none'")
-    return True
+    """Whether the step gathers FSDP weights once and holds them (reshard_after_forward False); a checkpointed
+    block then reads the held weights too (rewrite keeps their gathers out of its region)."""
+    return not plan.reshard_after_forward
 
 
 def _sources(weights: list, held: dict) -> list:
