@@ -36,7 +36,11 @@ per device: the activations in flight (search/pipeline.device_activations: the p
 schedule of its stages' microbatches in flight times their activations) and the step time
 (the whole pipeline's).
 The pipeline axis has no exposed-time row: torch's schedule waits on its sends and
-receives, where the waits for the bubble and for the link cannot be told apart.
+receives, where the waits for the bubble and for the link cannot be told apart. On a
+device after the first, the time blocked in its once-per-step collectives counts whole,
+though the plan prices as hidden what the schedule's idle time around that device's
+microbatches absorbs (search/stage_costs.idle_window): time it would otherwise spend
+waiting for the device before it, which that row cannot tell apart either.
 """
 from __future__ import annotations
 

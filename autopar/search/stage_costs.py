@@ -32,7 +32,7 @@ from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time,
                           regather_saving, zero_collectives)
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective
-from .pipeline import PipelinePlan, device_activations
+from .pipeline import IDLE_SHARE, PipelinePlan, device_activations
 
 
 @dataclass
@@ -261,8 +261,45 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
     comm_time[pipe.axis] += m * sum(float(cm.collective_time(cm.SEND_RECV, b, 2, link)) for b in sends + recvs)
     compute = m * sum(costs.parts[i][0] for i in idx)
     mem = Memory(params, grads, opt, acts, transient, total, master)
-    # the pipeline model prices every collective as waited for, and its stages' compute as run eagerly
-    # (compiled_step_time: the same, no fusion claimed)
+    # what the device pays once per step hides in the pipeline's idle time around its own microbatches
+    # (hidden_once); every per-microbatch collective and send is priced as waited for, and the stages' compute
+    # as run eagerly (compiled_step_time: the same, no fusion claimed)
+    once = {a: sum(costs.step_parts[i][1][a] for i in idx) for a in mesh.axis_names}
+    hidden = hidden_once(once, idle_window(prob, pipe.stages, coord, pipe.schedule))
     return Predicted(mem, comm_bytes, comm_time, compute, pipe.step_time + optimizer_time,
                      {cm.SEND_RECV: m * (sum(sends) + sum(recvs))},
-                     dict(comm_time), optimizer_time, pipe.step_time + optimizer_time)
+                     {a: comm_time[a] - hidden[a] for a in mesh.axis_names}, optimizer_time,
+                     pipe.step_time + optimizer_time)
+
+
+def idle_window(prob, stages, coord: int, schedule: str) -> float:
+    """Seconds a step leaves the device at `coord` of the pipeline axis idle after its own microbatches, where
+    the collectives it pays once per step (hidden_once) run without lengthening the step.
+
+    Under 1F1B and GPipe (torch's schedules: a stage runs a microbatch once the one before has sent it), device
+    c ends its last backward as soon as it has sent microbatch m-1's gradient back, while stages c-1..0 still
+    run theirs: it idles the backwards (B, 1 - 1/TRAIN_FLOPS_FACTOR of a stage's time) of the stages before it.
+    There the runtime reduces its summed gradients anyway (runtime/pipeline/runner.py: as the schedule ends,
+    before the loss's broadcast, which may wait for device 0's: a send may wait for its receiver), so they
+    cost the step only what exceeds it; device 0 idles nothing there and waits for all of them. The forwards of the stages before it,
+    which device c idles at the step's start (where held weights are gathered), are not counted: the window is
+    one for all the device's once-per-step collectives, whose kinds op_costs does not keep apart, so the smaller
+    one. Interleaved 1F1B: the same, over the stages before c (the first of each device's stages). Zero bubble
+    fills the drain with weight-gradient passes: only its priced idle share (IDLE_SHARE) is counted. The window
+    is less than the bubble the step already counts ((p-1) x IDLE_SHARE x the slowest stage), so no idle time
+    counts twice. 0 where the hardware's collectives take the compute's cores (Hardware.comm_overlaps_compute:
+    they would slow the devices that compute meanwhile, as in cost/overlap.py). `stages`: every Stage of the
+    pipeline, in order."""
+    if not prob.hardware.comm_overlaps_compute:
+        return 0.0
+    backward = 1 - 1 / cm.TRAIN_FLOPS_FACTOR
+    return IDLE_SHARE[schedule] * backward * sum(st.time for st in stages[:coord])
+
+
+def hidden_once(once: dict, window: float) -> dict:
+    """Axis name -> seconds of the once-per-step collectives `once` (axis name -> seconds) that hide in an idle
+    `window` of that many seconds: all of them if they fit, else each axis's share of the window (they run one
+    after another, each axis as much of it as its share of their time)."""
+    total = sum(once.values())
+    share = min(1.0, window / total) if total > 0 else 0.0
+    return {a: t * share for a, t in once.items()}

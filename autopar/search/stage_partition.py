@@ -20,7 +20,7 @@ import cost_models as cm
 
 from ..errors import PipelineError
 from .pipeline import IDLE_SHARE, INTERLEAVED, MIN_STAGES_PER_DEVICE, PipelinePlan, Stage, in_flight
-from .stage_costs import OpCosts, device_memory
+from .stage_costs import OpCosts, device_memory, idle_window
 
 # a cut may fall where at most this many times the fewest bytes of the model's body cross: "few bytes"
 # (a transformer's residual stream between blocks, or between attention and MLP), not mid-attention
@@ -73,13 +73,15 @@ def _stage_caps(memory_limit, transient: float, v: int) -> list:
 
 def _pipeline(prob, costs: OpCosts, spans: "_Spans", axis: str, p: int, bounds: list) -> PipelinePlan:
     """The plan of a cut: its stages, the bubble, and the step time of the slowest device (every microbatch
-    through its stages, the collectives it pays once per step, and the bubble)."""
+    through its stages, the collectives it pays once per step beyond its idle window, and the bubble)."""
     num_stages, m, schedule = spans.num_stages, spans.microbatches, spans.schedule
     stages = [_stage(prob, costs, spans, s, bounds[s], bounds[s + 1]) for s in range(num_stages)]
     v = spans.stages_per_device
     slowest = max(st.time for st in stages)
+    # what a device pays once per step, less what hides in its idle time around its microbatches
     per_device = max(m * sum(stages[s].time for s in range(c, num_stages, p))
-                     + sum(spans.once(bounds[s], bounds[s + 1]) for s in range(c, num_stages, p)) for c in range(p))
+                     + max(0.0, sum(spans.once(bounds[s], bounds[s + 1]) for s in range(c, num_stages, p))
+                           - idle_window(prob, stages, c, schedule)) for c in range(p))
     idle = IDLE_SHARE[schedule]
     pipe = PipelinePlan(axis, num_stages, m, schedule, tuple(stages), idle * (p - 1) / (v * m),
                         per_device + idle * (p - 1) * slowest, v)

@@ -62,6 +62,7 @@ class PipelineRunner:
             self.stages = [pipeline_stage(m, s, pipe.num_stages, device, group)
                            for s, m in zip(self.stage_indices, self.stage_modules)]
         has_targets = targets is not None   # decided before the placeholder targets below replace None
+        inferring = has_targets not in self.schedules   # torch's first step runs the stages on made-up inputs too
         if has_targets not in self.schedules:
             step_loss = StepLoss(has_targets, pipe.microbatches)
             self.schedules[has_targets] = (make_schedule(self.stages, pipe.schedule, pipe.microbatches, step_loss),
@@ -75,7 +76,10 @@ class PipelineRunner:
         if not has_targets and last:   # torch's schedule splits a target per microbatch even when the loss takes none
             targets = torch.zeros(local_inputs[0].shape[0] if local_inputs else pipe.microbatches, device=device)
         losses = []
-        # every microbatch's data-axis gradient summed here, reduced once below
+        for m in self.stage_modules:   # (the first step's extra forwards would end the count early)
+            m.microbatches_left = None if inferring else pipe.microbatches
+        # every microbatch's data-axis gradient summed here, reduced once below: a bucket as soon as the last
+        # microbatch's backward through the stages that read its weights is done (GradBuckets.last_read)
         buckets = pm.grad_buckets
         summing = buckets.through_autograd() if pipe.schedule == ZERO_BUBBLE else buckets.accumulating()
         # the outputs are not merged: only the losses are used, and a model that returns its loss (0-dim)

@@ -167,6 +167,7 @@ class StageModule(torch.nn.Module):
         self._owner = owner       # the ParallelModule: it holds the weights and the FSDP hooks
         self._is_last = is_last
         self._held = held         # the device's weights held whole through a step (held_weights.py)
+        self.microbatches_left = None   # forwards with gradients this step still runs (PipelineRunner.step)
 
     def parameters(self, recurse: bool = True):
         """The weights this stage reads, though the ParallelModule holds them (a held weight: the whole tensor
@@ -184,6 +185,10 @@ class StageModule(torch.nn.Module):
         # held one went through them when the step gathered it)
         read = [w for w in self._weights if w[0] != HELD]
         routed = iter(pm.grad_buckets.use([w[1] for w in read], [table[w] for w in read]))
+        if self.microbatches_left is not None and torch.is_grad_enabled():
+            self.microbatches_left -= 1
+            if self.microbatches_left == 0:   # their summed gradients reduce once this microbatch's backward is done
+                pm.grad_buckets.last_read([w[1] for w in read])
         args = inputs + [self._held.tensor(w[1]) if w[0] == HELD else next(routed) for w in self._weights]
         try:
             with pm.gathered.hooks():

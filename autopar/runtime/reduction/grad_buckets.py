@@ -147,6 +147,7 @@ class GradBuckets:
                 bucket.numel += p.numel()
             self.buckets.append(bucket)
         self._pending: dict[int, torch.Tensor] = {}   # slot -> local gradient summed under accumulating()
+        self._last_read: set = set()   # slots read for the last time this step (last_read), under accumulating()
         self._accumulating = False
         self._through_autograd = False
         self._order = InOrder(self.buckets, lambda b: b.flat is not None and b.outstanding == 0,
@@ -205,6 +206,17 @@ class GradBuckets:
             yield
         finally:
             self._accumulating = was
+            if not was:
+                self._last_read.clear()
+
+    def last_read(self, names: list) -> None:
+        """Under accumulating(): the weights `names` will not be read again before flush() (a pipeline stage's
+        last microbatch has read them), so once their gradients have all come, a bucket of such weights only
+        reduces while the rest of the schedule runs, waited for by flush(). Only when it reduces depends on
+        this: a gradient that comes after its bucket launched is reduced again by flush(), and the sum is the
+        same."""
+        if self._accumulating:
+            self._last_read.update(i for i in map(self._slot_of.get, names) if i is not None)
 
     @contextlib.contextmanager
     def through_autograd(self):
@@ -251,6 +263,18 @@ class GradBuckets:
                 self._copy_in(i, grad)
         if not summing:
             self._order.advance()
+        elif self._last_read:
+            self._launch_summed({self.slots[i].bucket for i in slots})
+
+    def _launch_summed(self, buckets: set) -> None:
+        """Launch each of `buckets` (indices) whose weights were all read for the last time (last_read) and
+        have all their gradients: their sums are whole. Every rank of the axis runs the same stages in the
+        same order, so the launches match."""
+        for k in sorted(buckets):
+            b = self.buckets[k]
+            if b.work is None and all(i in self._last_read and self.slots[i].outstanding == 0 for i in b.slots):
+                self._take_pending(b)
+                self._launch(b)
 
     def _copy_in(self, i: int, grad: torch.Tensor) -> None:
         slot = self.slots[i]
@@ -350,8 +374,11 @@ class GradBuckets:
     def flush(self) -> None:
         """Reduce every gradient summed under accumulating() now (a pipeline's step ends with this)."""
         for b in self.buckets:
-            self._take_pending(b)
-            self._launch(b)
+            if b.work is not None and any(i in self._pending for i in b.slots):
+                self._complete(b)   # launched early (last_read), a gradient came since: reduced again
+            if b.work is None:
+                self._take_pending(b)
+                self._launch(b)
         for b in self.buckets:
             self._complete(b)
 
