@@ -9,40 +9,17 @@ moved, and 3 AdamW steps against the single-device model.
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import Counter
 
 import pytest
 import torch
 
 import autopar
-from autopar.testing import (GPT, GPTConfig, gpt_loss, parallel_record, run_gloo, run_threaded,
-                             single_device_reference, tiny_llama)
+from autopar.testing import gpt_loss, parallel_record, run_gloo, run_threaded, single_device_reference
+from autopar.testing.harness import audit_each, audit_rows
+from autopar.testing.models import seeded_gpt, seeded_llama
 
 REL = 0.03   # activations, as in test_activations: everything else must match exactly
-
-
-def _gpt(dropout=0.0, n_layer=3):
-    torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=dropout)
-    return GPT(cfg).train(), torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
-
-
-def _llama():
-    pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    return tiny_llama(num_layers=3), torch.randint(0, 64, (4, 16)), None
-
-
-def _audit(rank, model, x, mesh_shape, names, plan_kwargs):
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
-        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), hardware="cpu", **plan_kwargs)
-    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
-    report = autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt)
-    return {r.quantity: (r.predicted, r.measured) for r in report.rows}, pm.plan
 
 
 def _check_audit(rows, names, what):
@@ -54,14 +31,14 @@ def _check_audit(rows, names, what):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp", "tp+sp"])
-@pytest.mark.parametrize("make", [lambda: _gpt(dropout=0.1), _llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize("make", [lambda: seeded_gpt(dropout=0.1), seeded_llama], ids=["gpt", "llama"])
 def test_checkpointed_plans_predict_what_the_run_keeps_and_moves(make, strategy):
     model, x, _ = make()
     names = ("tp",) if strategy.startswith("tp") else ("dp",)
     kept = {}
-    for mode in ("none", "full"):
-        for rank, (rows, plan) in enumerate(run_threaded(2, _audit, model, x, (2,), names,
-                                                         {"strategy": strategy, "checkpointing": mode})):
+    requests = [{"strategy": strategy, "checkpointing": mode} for mode in ("none", "full")]
+    for rank, audits in enumerate(run_threaded(2, audit_each, model, x, (2,), names, requests)):
+        for mode, (rows, plan) in zip(("none", "full"), audits):
             assert bool(plan.checkpointed) == (mode == "full")
             _check_audit(rows, names, f"{strategy} checkpointing={mode} rank {rank}")
             kept[mode] = rows["activations saved for backward"][1]
@@ -71,7 +48,7 @@ def test_checkpointed_plans_predict_what_the_run_keeps_and_moves(make, strategy)
 @pytest.mark.parametrize("strategy, mesh_shape", [("ddp", (2,)), ("fsdp", (2,)), ("tp", (2,)), ("tp+sp", (2,)),
                                                   ("fsdp+tp", (2, 2))])
 def test_checkpointed_training_matches_one_device(strategy, mesh_shape):
-    model, x, y = _gpt()
+    model, x, y = seeded_gpt()
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=1e-3)
     names = ("a", "b")[:len(mesh_shape)]
     world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1)
@@ -97,7 +74,7 @@ def _least_memory(model, x, mesh, **kw):
 
 
 def test_auto_checkpoints_exactly_when_the_limit_needs_it():
-    model, x, _ = _gpt(n_layer=4)
+    model, x, _ = seeded_gpt(n_layer=4)
     mesh = {"dp": 2}
     free = autopar.plan(model, (x,), mesh, hardware="cpu")
     assert free.checkpointed == {}          # it only costs time: not without a limit
@@ -123,12 +100,12 @@ def test_auto_checkpoints_exactly_when_the_limit_needs_it():
 def _train_under_limit(rank, model, x, y, limit):
     rec = parallel_record(rank, model, (2,), ("dp",), x, y, gpt_loss, 3, 1e-3,
                           {"hardware": "cpu", "memory_limit": limit})
-    rows, _ = _audit(rank, model, x, (2,), ("dp",), {"memory_limit": limit})
+    rows, _ = audit_rows(rank, model, x, (2,), ("dp",), {"memory_limit": limit})
     return rec, rows
 
 
 def test_auto_chooses_checkpointing_under_a_limit_only_it_meets_and_trains_on_gloo():
-    model, x, y = _gpt(n_layer=4)
+    model, x, y = seeded_gpt(n_layer=4)
     limit = int((_least_memory(model, x, {"dp": 2}) + _least_memory(model, x, {"dp": 2}, checkpointing="none")) / 2)
     ref = single_device_reference(lambda: copy.deepcopy(model), x, y, gpt_loss, steps=3, lr=1e-3)
     for rank, (rec, rows) in enumerate(run_gloo(2, _train_under_limit, model, x, y, limit)):
@@ -140,7 +117,7 @@ def test_auto_chooses_checkpointing_under_a_limit_only_it_meets_and_trains_on_gl
 
 
 def test_checkpointing_requests_are_checked():
-    model, x, _ = _gpt()
+    model, x, _ = seeded_gpt()
     with pytest.raises(autopar.AutoparError, match="checkpointing='sometimes'"):
         autopar.plan(model, (x,), {"dp": 2}, checkpointing="sometimes")
     with pytest.raises(autopar.PlanError, match="no stack of repeated blocks"):

@@ -11,46 +11,23 @@ is recomputed whole, the others keep their activations; checked the same way.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 
 import autopar
-from autopar.testing import (GPT, GPTConfig, gpt_loss, parallel_record, run_gloo, run_threaded,
-                             single_device_reference, tiny_llama)
+from autopar.testing import gpt_loss, run_gloo, run_threaded, single_device_reference, tiny_llama
+from autopar.testing.harness import audit_each
+from autopar.testing.models import seeded_gpt, seeded_llama
 
 REL = 0.03   # activations, as in test_recompute
-
-
-def _gpt(n_layer=3):
-    torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=0.0)
-    return GPT(cfg).train(), torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
-
-
-def _llama():
-    pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    return tiny_llama(num_layers=3), torch.randint(0, 64, (4, 16)), None
-
-
-def _audit(rank, model, x, mesh_shape, names, plan_kwargs):
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
-        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), hardware="cpu", **plan_kwargs)
-    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
-    report = autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt)
-    return {r.quantity: (r.predicted, r.measured) for r in report.rows}, pm.plan
 
 
 def test_a_llama_block_caches_q_v_gate_and_down():
     """torchtitan's policy on a Llama block: of q, k, v, o, gate, up, down, the 1st, 3rd, 5th and 7th."""
     from autopar.capture.export import capture
     from autopar.cost.checkpointing import PER_OP, checkpointable_stacks
-    model, x, _ = _llama()
+    model, x, _ = seeded_llama()
     cap = capture(model, (x,))
     (stack,) = [st for st in checkpointable_stacks(cap, "cpu") if st.kind == PER_OP]
     for i, policy in enumerate(stack.policies):
@@ -63,13 +40,14 @@ def test_a_llama_block_caches_q_v_gate_and_down():
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("make", [_gpt, _llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize("make", [seeded_gpt, seeded_llama], ids=["gpt", "llama"])
 def test_plans_predict_what_the_run_keeps(make, strategy):
     model, x, _ = make()
+    modes = ("none", "per-op", "per-layer", "full")
     kept = {}
-    for mode in ("none", "per-op", "per-layer", "full"):
-        for rank, (rows, plan) in enumerate(run_threaded(2, _audit, model, x, (2,), ("dp",),
-                                                         {"strategy": strategy, "checkpointing": mode})):
+    requests = [{"strategy": strategy, "checkpointing": mode} for mode in modes]
+    for rank, audits in enumerate(run_threaded(2, audit_each, model, x, (2,), ("dp",), requests)):
+        for mode, (rows, plan) in zip(modes, audits):
             predicted, measured = rows["activations saved for backward"]
             assert measured == pytest.approx(predicted, rel=REL), \
                 f"{strategy} checkpointing={mode} rank {rank}: predicted {predicted:.0f} B, kept {measured:.0f} B"
@@ -112,18 +90,32 @@ def _check_training(records, model, x, y, atol=1e-5, mode="per-op"):
                                            msg=f"{optimizer.__name__} rank {rank} {name}")
 
 
-@pytest.mark.parametrize("mode", ["per-op", "per-layer"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_training_matches_one_device_on_gloo(strategy, mode):
-    model, x, y = _gpt()
-    records = run_gloo(2, _train, model, x, y, strategy, (torch.optim.SGD, torch.optim.AdamW), None, 3, 1e-2, mode)
-    _check_training(records, model, x, y, mode=mode)
+GLOO_CASES = [(strategy, mode) for strategy in ("ddp", "fsdp") for mode in ("per-op", "per-layer")]
+
+
+def _train_cases(rank, model, x, y, cases):
+    """_train for every (strategy, mode) of `cases` in one gloo launch: each process traces the model once."""
+    return {(strategy, mode): _train(rank, model, x, y, strategy, (torch.optim.SGD, torch.optim.AdamW), None, 3,
+                                     1e-2, mode) for strategy, mode in cases}
+
+
+@pytest.fixture(scope="module")
+def gloo_trained():
+    model, x, y = seeded_gpt()
+    return model, x, y, run_gloo(2, _train_cases, model, x, y, GLOO_CASES)
+
+
+@pytest.mark.parametrize("strategy, mode", GLOO_CASES, ids=[f"{s}-{m}" for s, m in GLOO_CASES])
+def test_training_matches_one_device_on_gloo(gloo_trained, strategy, mode):
+    model, x, y, per_rank = gloo_trained
+    _check_training([r[(strategy, mode)] for r in per_rank], model, x, y, mode=mode)
 
 
 def test_per_op_training_compiled_matches_one_device():
     """Compiled, the partitioner runs the policy's tags (aot_eager: the partitioner without inductor's kernels)."""
-    model, x, y = _gpt()
-    records = run_threaded(2, _train, model, x, y, "fsdp", (torch.optim.SGD, torch.optim.AdamW), "aot_eager")
+    model, x, y = seeded_gpt()
+    records = run_threaded(2, _train, model, x, y, "fsdp", (torch.optim.SGD, torch.optim.AdamW), "aot_eager",
+                           timeout=300)
     _check_training(records, model, x, y, atol=2e-5)
 
 
@@ -143,7 +135,7 @@ def test_every_second_block_is_checkpointed_per_layer():
     """torchtitan counts blocks from 1 and checkpoints those ac_freq divides: h.1 and h.3 of 4."""
     from autopar.capture.export import capture
     from autopar.cost.checkpointing import PER_LAYER, checkpointable_stacks
-    model, x, _ = _gpt(n_layer=4)
+    model, x, _ = seeded_gpt(n_layer=4)
     cap = capture(model, (x,))
     (stack,) = [st for st in checkpointable_stacks(cap, "cpu") if st.kind == PER_LAYER]
     assert [{cap.info[n].module_path.split(".")[1] for n in block} for block in stack.blocks] == [{"1"}, {"3"}]
@@ -155,13 +147,13 @@ def test_every_second_block_is_checkpointed_per_layer():
 def test_requests_are_checked(mode):
     with pytest.raises(autopar.PlanError, match=f"checkpointing='{mode}' found no stack of repeated blocks"):
         autopar.plan(torch.nn.Linear(8, 8), (torch.randn(4, 8),), {"dp": 2}, checkpointing=mode)
-    model, x, _ = _gpt()
+    model, x, _ = seeded_gpt()
     plan = autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing=mode)
     assert autopar.Plan.from_json(plan.to_json()).checkpointed == {"h": mode}
 
 
 def test_per_op_plan_text():
-    model, x, _ = _gpt()
+    model, x, _ = seeded_gpt()
     text = str(autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing="per-op"))
     assert "activation checkpointing (per-op): every block of h is recomputed in backward, but for its fused " \
            "attention and every second matmul" in text
@@ -181,7 +173,7 @@ def test_a_region_that_runs_other_kernels_than_priced_raises():
 def test_auto_picks_per_op_where_it_is_the_fastest_that_fits():
     """Per-op keeps more than recomputing whole blocks and reruns less: under a limit that its fastest layout
     meets and that no faster kind meets, auto takes it over full."""
-    model, x, _ = _gpt(n_layer=4)
+    model, x, _ = seeded_gpt(n_layer=4)
     free = {mode: autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", checkpointing=mode).predicted
             for mode in ("none", "selective", "per-op", "per-layer")}
     faster = [p.memory.total for mode, p in free.items() if p.step_time < free["per-op"].step_time]

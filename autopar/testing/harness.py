@@ -28,7 +28,8 @@ from torch.nn import functional as F
 from .._compat import exit_without_teardown
 from .threaded import RankError
 
-__all__ = ["run_gloo", "gpt_loss", "single_device_reference", "parallel_record"]
+__all__ = ["run_gloo", "gpt_loss", "single_device_reference", "parallel_record", "parallel_records",
+           "audit_rows", "audit_each"]
 
 
 # -----------------------------------------------------------------------------
@@ -220,6 +221,17 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
     Records this rank's outputs of step 1, the whole gradients of step 1, the whole parameters after
     all steps, the local losses, the plan and the collectives logged during step 1.
     """
+    runs = {"run": (optimizer or torch.optim.AdamW, lr)}
+    return parallel_records(rank, model, mesh_shape, axis_names, inputs, targets, loss_fn, runs, steps,
+                            plan_kwargs, device)["run"]
+
+
+def parallel_records(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: tuple, inputs, targets,
+                     loss_fn, runs: dict, steps: int = 3, plan_kwargs: dict | None = None,
+                     device: str = "cpu") -> dict:
+    """parallel_record once per entry of `runs` ({name: (optimizer class, lr)}), each from the same start:
+    one parallelize serves every run (its capture and plan are what take the time), its starting weights
+    loaded back between runs. Returns {name: parallel_record's record}."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -233,8 +245,19 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
     pm = autopar.parallelize(model, mesh, inputs, record_comm=True, **(plan_kwargs or {}))
     local_in = pm.plan.local_inputs(*inputs)
     (local_targets,) = pm.plan.local_targets(targets)
-    # the wrapper steps ZeRO parameters on their slices; other parameters it passes through
-    opt = autopar.ShardedOptimizer(pm, optimizer or torch.optim.AdamW, lr=lr)
+    start = {k: v.clone() for k, v in pm.state_dict(full=True).items()} if len(runs) > 1 else None
+    out = {}
+    for name, (optimizer, lr) in runs.items():
+        if start is not None:
+            pm.load_state_dict(start)
+        # the wrapper steps ZeRO parameters on their slices; other parameters it passes through
+        opt = autopar.ShardedOptimizer(pm, optimizer, lr=lr)
+        out[name] = _record_steps(pm, opt, local_in, local_targets, loss_fn, steps)
+    return out
+
+
+def _record_steps(pm, opt, local_in, local_targets, loss_fn, steps: int) -> dict:
+    """Train `pm` for `steps` steps; parallel_record's record of them."""
     record = {"outputs": None, "grads": {}, "params": {}, "losses": [], "plan": pm.plan, "comm": []}
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -253,6 +276,30 @@ def parallel_record(rank: int, model: nn.Module, mesh_shape: tuple, axis_names: 
             record["comm"] = [r for r in pm.comm.log.records if r[3] != "checkpoint"]
     record["params"] = {k: v.clone() for k, v in pm.state_dict(full=True).items()}
     return record
+
+
+def audit_rows(rank: int, model: nn.Module, x, mesh_shape: tuple, axis_names: tuple, plan_kwargs: dict) -> tuple:
+    """On one rank: parallelize a copy of `model` (hardware "cpu", `plan_kwargs`) and autopar.audit one AdamW
+    step on `x`. Returns ({quantity: (predicted, measured)} of the audit's rows, the plan)."""
+    import copy
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x,), hardware="cpu", **plan_kwargs)
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
+    report = autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt)
+    return {r.quantity: (r.predicted, r.measured) for r in report.rows}, pm.plan
+
+
+def audit_each(rank: int, model: nn.Module, x, mesh_shape: tuple, axis_names: tuple, requests: list) -> list:
+    """audit_rows once per entry of `requests` (plan_kwargs each), in one run: its ranks trace the model once
+    for them all (capture/shared.py), where a run per request traces it again each time."""
+    return [audit_rows(rank, model, x, mesh_shape, axis_names, kwargs) for kwargs in requests]
 
 
 # -----------------------------------------------------------------------------
@@ -283,6 +330,20 @@ def check_records_against_one_device(records: list, ref: dict, atol: float = 1e-
             predicted = plan.predicted.comm_bytes.get(a, 0.0) - unsent.get(a, 0.0)
             assert math.isclose(moved, predicted, rel_tol=1e-12, abs_tol=1e-9), (
                 f"rank {rank} axis {a}: the plan predicted {predicted} bytes, the collectives moved {moved}")
+
+
+def check_runs_against_one_device(model: nn.Module, inputs, targets, loss_fn, records: list, runs: dict,
+                                  steps: int = 3, atol: float = 1e-5) -> None:
+    """check_records_against_one_device for each run of parallel_records' `records` (one per rank), against
+    single_device_reference trained with that run's optimizer and lr (`runs`: {name: (optimizer class, lr)})."""
+    import copy
+    for name, (optimizer, lr) in runs.items():
+        ref = single_device_reference(lambda: copy.deepcopy(model), inputs, targets, loss_fn, steps=steps, lr=lr,
+                                      optimizer=optimizer)
+        try:
+            check_records_against_one_device([r[name] for r in records], ref, atol)
+        except AssertionError as e:   # which optimizer's run differed
+            raise AssertionError(f"{name}: {e}") from e
 
 
 def _swaps_not_sent(plan, rank: int) -> dict:

@@ -209,6 +209,20 @@ def tiny_llama(num_layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: i
     return LogitsOnly(LlamaForCausalLM(cfg)).train()
 
 
+def seeded_gpt(n_layer: int = 3, dropout: float = 0.0) -> tuple:
+    """(GPT in train mode, inputs, targets): a GPT of `n_layer` blocks (2 heads, width 16, vocab 32, 8
+    positions) and a batch of 4 sequences, all drawn from seed 0 -- the recompute tests' shared case."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=32, block_size=8, dropout=dropout)
+    return GPT(cfg).train(), torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+
+
+def seeded_llama(num_layers: int = 3) -> tuple:
+    """(tiny_llama of `num_layers` layers, inputs, None) drawn from seed 0: a batch of 4 sequences of 16."""
+    torch.manual_seed(0)
+    return tiny_llama(num_layers=num_layers), torch.randint(0, 64, (4, 16)), None
+
+
 def shipped_causal_lm(family: str) -> nn.Module:
     """A Hugging Face causal LM of `family` ("llama", "qwen2", "gpt2") as its authors ship it: the family's
     default config (use_cache=True, its default attention implementation, GPT-2's tied embeddings) shrunk
