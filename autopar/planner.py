@@ -474,29 +474,21 @@ def _stack_sets(prob: Problem, checkpointing: str, limit) -> list:
 
 
 def _cut_each(prob: Problem, sol, env: Request, recomputable: list, axis: str, m: int, schedule: str, limit):
-    """_cut_stages' fastest answer over the virtual stages per device the schedule may run (one but under
-    interleaving, search/pipeline.stages_per_device_candidates); the first failure if none fits."""
+    """_cut_stages over the virtual stages per device the schedule may run (one but under interleaving,
+    search/pipeline.stages_per_device_candidates)."""
     p = env.spec.axis_sizes[env.spec.axis_index(axis)]
-    best, failure = None, None
-    for v in stages_per_device_candidates(schedule, p, _depth(prob.cap), env.options.stages_per_device):
-        try:
-            found = _cut_stages(prob, sol, env.reshard_after_forward, recomputable, axis, m, schedule, limit, v)
-        except PipelineError as e:
-            failure = failure or e
-            continue
-        if best is None or found[1].step_time < best[1].step_time:
-            best = found
-    if best is None:
-        raise failure
-    return best
+    per_device = stages_per_device_candidates(schedule, p, _depth(prob.cap), env.options.stages_per_device)
+    return _cut_stages(prob, sol, env.reshard_after_forward, recomputable, axis, m, schedule, limit, per_device)
 
 
 def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, axis: str, m: int, schedule: str,
-                limit, stages_per_device: int = 1):
+                limit, stages_per_device=(1,)):
     """(pipeline, prediction, held, stacks recomputed) of the fastest way to run the stages that fits `limit`:
     for each set of stacks to recompute, FSDP weights gathered per microbatch (resharded) or once per step and
-    held (reshard_after_forward=False), both when the request leaves it to the search (None). Raises the first
-    failure only if nothing fits. Held weights combine with recompute: a checkpointed block reads the held whole
+    held (reshard_after_forward=False), both when the request leaves it to the search (None), each cut with
+    every count of stages per device in `stages_per_device` (the costs of the ops are priced once for all of
+    them: on a 126-layer model that pricing takes seconds, the cut a fraction). Raises the first failure only
+    if nothing fits. Held weights combine with recompute: a checkpointed block reads the held whole
     weight in forward and in its rerun (runtime/pipeline/held_weights.py), as torchtitan runs its 405B Llama."""
     ways = {True: [False], False: [True], None: [False, True]}[reshard_after_forward]
     groups = group_redistributions(prob, sol.choice)
@@ -505,16 +497,16 @@ def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, a
         transient = float(transient_bytes(prob, sol.choice, groups, stacks, False))
         for held in ways:
             costs = op_costs(prob, sol.choice, held=held, stacks=stacks)
-            try:
-                pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule,
-                                 stages_per_device=stages_per_device, memory_limit=limit,
-                                 transient=transient)
-            except PipelineError as e:
-                failure = failure or e
-                continue
-            pred = device_prediction(prob, costs, pipe, transient)
-            if best is None or pred.step_time < best[1].step_time:
-                best = (pipe, pred, held, stacks)
+            for v in stages_per_device:
+                try:
+                    pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, stages_per_device=v,
+                                     memory_limit=limit, transient=transient)
+                except PipelineError as e:
+                    failure = failure or e
+                    continue
+                pred = device_prediction(prob, costs, pipe, transient)
+                if best is None or pred.step_time < best[1].step_time:
+                    best = (pipe, pred, held, stacks)
     if best is None:
         raise failure
     return best
