@@ -64,7 +64,9 @@ class PlanOptions:
     - `reshard_after_forward`: whether an FSDP weight an op keeps for backward is kept as its shard and
       gathered again in backward (True, FSDP2's default: FSDP is chosen for memory) or kept whole (False:
       one all-gather per layer fewer, those weights' bytes more); "auto", the faster that fits
-      `memory_limit`. None: True for a named strategy, "auto" under strategy="auto".
+      `memory_limit`. None: True for a named strategy, "auto" under strategy="auto"; under a pipeline
+      "auto" for every strategy (resharded, a pipeline gathers each weight once per microbatch; kept whole,
+      once per step, as torchtitan runs FSDP under a pipeline).
     """
     hardware: object = None
     memory_limit: object = None

@@ -478,7 +478,12 @@ def _cut_each(prob: Problem, sol, env: Request, recomputable: list, axis: str, m
     search/pipeline.stages_per_device_candidates)."""
     p = env.spec.axis_sizes[env.spec.axis_index(axis)]
     per_device = stages_per_device_candidates(schedule, p, _depth(prob.cap), env.options.stages_per_device)
-    return _cut_stages(prob, sol, env.reshard_after_forward, recomputable, axis, m, schedule, limit, per_device)
+    # unasked, FSDP under a pipeline is searched both ways even for a named strategy (PlanOptions): resharding
+    # gathers every weight once per microbatch, so practitioners keep weights whole there (torchtitan:
+    # reshard_after_forward = not pipelined), and the resharded way is what the search takes where that is
+    # what fits
+    reshard = None if env.options.reshard_after_forward is None else env.reshard_after_forward
+    return _cut_stages(prob, sol, reshard, recomputable, axis, m, schedule, limit, per_device)
 
 
 def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, axis: str, m: int, schedule: str,
