@@ -142,14 +142,19 @@ def node_recompute_time(prob: Problem, name: str, s) -> float:
 
 
 def node_time(prob: Problem, name: str, s) -> float:
-    """Compute time of an op (and of the collectives it launches itself); for a ZeRO parameter, its
-    reduce-scatter and all-gather."""
+    """Compute time of an op (and of the collectives it launches itself); for a trained parameter, its share
+    of the optimizer step (the bytes its update moves: a weight every rank keeps whole is updated whole on every
+    rank, as predict prices the step) and, under ZeRO, its reduce-scatter and all-gather."""
     info = prob.cap.info[name]
     if info.kind == PARAM:
-        if not s.zero or name not in prob.grad_nodes:
+        if name not in prob.grad_nodes:
             return 0.0
-        colls = zero_collectives(name, first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
-        return float(collectives_time(colls, prob.mesh, prob.links))
+        meta = first_meta(info.meta)
+        update = float(cm.optimizer_time(param_memory(meta, s, prob.mesh, prob.param_bytes[name]).update, prob.hardware))
+        if not s.zero:
+            return update
+        colls = zero_collectives(name, meta, s, prob.mesh, prob.param_bytes[name])
+        return update + float(collectives_time(colls, prob.mesh, prob.links))
     node = prob.cap.node(name)
     compute = float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware))
     colls = op_collectives(node, prob.cap, s, prob.mesh)
