@@ -38,7 +38,7 @@ from .search.pipeline import (AUTO, MIN_STAGES_PER_DEVICE, check_depth, check_re
                               stages_per_device_candidates)
 from .search.solution import INFEASIBLE, Solution
 from .search.stage_costs import device_prediction, op_costs
-from .search.stage_partition import partition
+from .search.stage_partition import partition, step_floor
 from .sharding.op_spec import op_name
 from .sharding.strategies import all_strategies, batch_outputs
 
@@ -503,6 +503,9 @@ def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, a
         for held in ways:
             costs = op_costs(prob, sol.choice, held=held, stacks=stacks)
             for v in stages_per_device:
+                p = prob.mesh.axis_sizes[prob.mesh.axis_index(axis)]
+                if best is not None and step_floor(costs, p, v, m, schedule) >= best[1].step_time:
+                    continue   # no cut of these costs beats the best so far (a recompute once a plan fits)
                 try:
                     pipe = partition(prob, costs, axis=axis, microbatches=m, schedule=schedule, stages_per_device=v,
                                      memory_limit=limit, transient=transient)

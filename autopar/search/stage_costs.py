@@ -15,6 +15,7 @@ the weight whole and its gradient whole for the step, instead of a gather per mi
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -46,6 +47,11 @@ class OpCosts:
     state_parts: dict         # param/buffer -> bytes of (weight, master copy, gradient, optimizer state,
                               # what the optimizer step moves); a held weight's whole copies included
     step_parts: list          # per op: ({axis: comm bytes}, {axis: comm s}) once per step (module docstring)
+
+    @functools.cached_property
+    def position(self) -> dict:
+        """Op name -> its position in `order` (asked for every device of every cut tried)."""
+        return {n: i for i, n in enumerate(self.order)}
 
 
 def op_costs(prob, choice, held: bool = False, stacks=()) -> OpCosts:
@@ -232,7 +238,7 @@ def device_state(costs: OpCosts, idx) -> list:
 def device_memory(costs: OpCosts, pipe: PipelinePlan, coord: int, transient: float) -> float:
     """Peak bytes on the device at `coord` of the pipeline axis: the state of every weight its stages read,
     the activations each of its stages keeps in flight at the schedule's peak, and the working set once."""
-    pos = {n: i for i, n in enumerate(costs.order)}
+    pos = costs.position
     idx = [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
     return sum(device_state(costs, idx)[:4]) + device_activations(pipe, coord) + transient
 
@@ -241,7 +247,7 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
     """Predicted per step for the device of the pipeline that needs the most memory: its stages' weights, the
     activations in flight, every microbatch's collectives and sends, the collectives paid once per step, and
     the step time of the schedule."""
-    pos = {n: i for i, n in enumerate(costs.order)}
+    pos = costs.position
     mesh, m = prob.mesh, pipe.microbatches
     p = pipe.num_stages // pipe.stages_per_device
     link = prob.links[pipe.axis]

@@ -90,6 +90,13 @@ def _pipeline(prob, costs: OpCosts, spans: "_Spans", axis: str, p: int, bounds: 
     return replace(pipe, stages=tuple(replace(st, memory=peaks[st.index % p]) for st in stages))
 
 
+def step_floor(costs: OpCosts, p: int, stages_per_device: int, microbatches: int, schedule: str) -> float:
+    """No cut of these ops over p devices steps faster: some device runs at least a p-th of every microbatch's
+    ops, and the bubble idles (p-1) times the slowest stage, at least an even share of the ops (_pipeline)."""
+    total = sum(costs.time)
+    return microbatches * total / p + IDLE_SHARE[schedule] * (p - 1) * total / (stages_per_device * p)
+
+
 @dataclass
 class _Spans:
     """What a stage running ops [i, j) costs, from prefix sums over the graph order."""
@@ -173,7 +180,8 @@ def _best_bounds(spans: _Spans, cuts: list, num_stages: int, memory_limit) -> li
     kept = [in_flight(spans.schedule, s, spans.num_stages, spans.microbatches, spans.stages_per_device)
             for s in range(num_stages)]
     for j, (time, state, acts, holds) in enumerate(_span_columns(spans, cuts), start=1):
-        for s in range(1, num_stages + 1):
+        # stage s may end at the j-th cut only with a cut for each stage before it and after it
+        for s in range(max(1, num_stages - (n - 1 - j)), min(num_stages, j) + 1):
             if (s == num_stages) != (cuts[j] == spans.n):
                 continue
             ok = holds & np.isfinite(slowest[s - 1, :j])
