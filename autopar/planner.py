@@ -496,6 +496,7 @@ def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, a
     if nothing fits. Held weights combine with recompute: a checkpointed block reads the held whole
     weight in forward and in its rerun (runtime/pipeline/held_weights.py), as torchtitan runs its 405B Llama."""
     ways = {True: [False], False: [True], None: [False, True]}[reshard_after_forward]
+    p = prob.mesh.axis_sizes[prob.mesh.axis_index(axis)]
     groups = group_redistributions(prob, sol.choice)
     best, failure = None, None
     for stacks in recomputable:
@@ -503,7 +504,6 @@ def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, a
         for held in ways:
             costs = op_costs(prob, sol.choice, held=held, stacks=stacks)
             for v in stages_per_device:
-                p = prob.mesh.axis_sizes[prob.mesh.axis_index(axis)]
                 if best is not None and step_floor(costs, p, v, m, schedule) >= best[1].step_time:
                     continue   # no cut of these costs beats the best so far (a recompute once a plan fits)
                 try:

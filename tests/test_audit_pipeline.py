@@ -16,7 +16,7 @@ import torch
 
 import autopar
 from autopar import Plan
-from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo
+from autopar.testing import gpt_loss, pipeline_batch, pipeline_gpt, run_gloo
 
 MESH = {"pp": 2, "dp": 2}
 CASES = {
@@ -33,23 +33,13 @@ CASES = {
 TIMED = "1f1b ddp"   # the case audited with timed_steps too
 
 
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=4))
-
-
-def _batch():
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
-
-
 def _audit_cases(rank, plans: dict, x, y):
     """In each gloo rank: {case: the AuditReport of one pipelined train_step under the case's plan}."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", tuple(MESH.values()), mesh_dim_names=tuple(MESH))
     out = {}
     for case, plan_json in plans.items():
-        pm = autopar.parallelize(_gpt(), mesh, (x,), plan=Plan.from_json(plan_json))
+        pm = autopar.parallelize(pipeline_gpt(), mesh, (x,), plan=Plan.from_json(plan_json))
         opt = (autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-4) if pm.plan.param_zero
                else torch.optim.AdamW(pm.parameters(), lr=1e-4))
         (local_y,) = pm.plan.local_targets(y)
@@ -61,8 +51,8 @@ def _audit_cases(rank, plans: dict, x, y):
 @pytest.fixture(scope="module")
 def audited():
     """{case: (plan, [rank 0's AuditReport, ..., rank 3's])}, every case in one launch of 4 processes."""
-    x, y = _batch()
-    plans = {case: autopar.plan(_gpt(), x, MESH, hardware="cpu", pipeline_axis="pp", **kw) for case, kw in CASES.items()}
+    x, y = pipeline_batch()
+    plans = {case: autopar.plan(pipeline_gpt(), x, MESH, hardware="cpu", pipeline_axis="pp", **kw) for case, kw in CASES.items()}
     by_rank = run_gloo(4, _audit_cases, {c: p.to_json() for c, p in plans.items()}, x, y, timeout=600)
     return {case: (plans[case], [r[case] for r in by_rank]) for case in CASES}
 
@@ -143,8 +133,8 @@ def test_pipelined_audit_times_the_step_on_every_rank(audited):
 def test_unpipelined_audit_takes_targets_as_train_step_does():
     """audit(..., loss_fn=f, targets=y) calls f(outputs, y) on an unpipelined module as train_step does."""
     from autopar.testing import run_threaded
-    x, y = _batch()
-    both = run_threaded(2, _unpipelined, _gpt(), x, y)
+    x, y = pipeline_batch()
+    both = run_threaded(2, _unpipelined, pipeline_gpt(), x, y)
     for with_targets, without in both:
         assert with_targets.device is None and "pipeline" not in str(with_targets)
         for r in with_targets.rows:   # the same step, the same measurement: the loss reads no activation kept

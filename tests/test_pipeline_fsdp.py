@@ -23,7 +23,7 @@ from autopar import Plan
 from autopar.runtime.lowering.recompute import CheckpointRegion
 from autopar.runtime.pipeline import held_weights
 from autopar.sharding.placement import is_shard
-from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo
+from autopar.testing import gpt_loss, pipeline_batch, pipeline_gpt, run_gloo
 
 ATOL = 1e-5
 STEPS = 3
@@ -48,16 +48,6 @@ CASES = {
 TWINS = ("1f1b, 2 microbatches, held", "1f1b, 4 microbatches, held")
 # under bf16-mixed, held against its twin: the same bf16 gradients of each microbatch, summed in fp32 by both
 BF16 = dict(schedule="1f1b", microbatches=4, precision="bf16-mixed", **HELD)
-
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=4))
-
-
-def _batch():
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
-
 
 def _step(model, x, y):
     if isinstance(model, autopar.ParallelModule):
@@ -120,7 +110,7 @@ def _fsdp_weights(pm) -> int:
 
 
 def _train(mesh, options: dict, x, y, plan=None) -> dict:
-    pm = autopar.parallelize(_gpt(), mesh, (x,), plan=plan, record_comm=True,
+    pm = autopar.parallelize(pipeline_gpt(), mesh, (x,), plan=plan, record_comm=True,
                              **({} if plan else dict(hardware="cpu", strategy="fsdp", pipeline_axis="pp", **options)))
     (lx,), (ly,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
     out = _fit(pm, lx, ly)
@@ -145,13 +135,13 @@ def _all_cases(rank, x, y):
 @pytest.fixture(scope="module")
 def four_ranks():
     """{case: [rank 0's results, ..., rank 3's]}."""
-    by_rank = run_gloo(4, _all_cases, *_batch(), timeout=1200)
+    by_rank = run_gloo(4, _all_cases, *pipeline_batch(), timeout=1200)
     return {case: [r[case] for r in by_rank] for case in by_rank[0]}
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _fit(_gpt(), *_batch())
+    return _fit(pipeline_gpt(), *pipeline_batch())
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -14,7 +14,7 @@ from autopar.mesh import MeshSpec
 from autopar.search.pipeline import IDLE_SHARE, PipelinePlan
 from autopar.search.stage_costs import OpCosts, device_prediction, hidden_once, idle_window
 from autopar.search.stage_partition import partition
-from autopar.testing import GPT, GPTConfig, gpt_loss, run_gloo
+from autopar.testing import gpt_loss, pipeline_batch, pipeline_gpt, run_gloo
 
 P, M, T = 4, 8, 1e-3   # devices, microbatches, each op's seconds per microbatch (one op a stage)
 REDUCE = 1.8e-3        # the last op's weight's gradient all-reduce on dp, once per step (lm_head's)
@@ -109,16 +109,6 @@ MESH = {"pp": 2, "dp": 2}
 TIMED_STEPS = 3
 
 
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=4))
-
-
-def _batch():
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
-
-
 def _early_and_late(rank, plan_json, x, y):
     """In each gloo rank, for the plan's module as it runs (a bucket reduced as soon as the last microbatch's
     backward through the stages reading its weights is done) and for one whose buckets wait for the schedule's
@@ -128,7 +118,7 @@ def _early_and_late(rank, plan_json, x, y):
     mesh = init_device_mesh("cpu", tuple(MESH.values()), mesh_dim_names=tuple(MESH))
     out = {}
     for early in (True, False):   # early first: the first module's steps pay any warming up of the machine
-        pm = autopar.parallelize(_gpt(), mesh, (x,), plan=autopar.Plan.from_json(plan_json))
+        pm = autopar.parallelize(pipeline_gpt(), mesh, (x,), plan=autopar.Plan.from_json(plan_json))
         buckets = pm.grad_buckets
         if not early:
             buckets.last_read = lambda names: None
@@ -154,8 +144,8 @@ def test_a_stage_reduces_its_gradients_while_the_schedule_drains():
     steps are the same, bit for bit. The dp time blocked in collectives is printed beside the prediction: on 2
     cores shared by 4 ranks (and by other jobs) it went either way between runs, so it is not asserted
     (docs/ARCHITECTURE.md, section 5c)."""
-    x, y = _batch()
-    plan = autopar.plan(_gpt(), x, MESH, hardware="cpu", pipeline_axis="pp", strategy="ddp",
+    x, y = pipeline_batch()
+    plan = autopar.plan(pipeline_gpt(), x, MESH, hardware="cpu", pipeline_axis="pp", strategy="ddp",
                         schedule="interleaved-1f1b", microbatches=4, bucket_bytes=1)
     assert plan.pipeline.stages_per_device == 2
     by_rank = run_gloo(4, _early_and_late, plan.to_json(), x, y, timeout=300)

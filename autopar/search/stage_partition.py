@@ -10,7 +10,6 @@ with the activations the schedule keeps in flight on it.
 """
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, replace
 
@@ -159,10 +158,6 @@ class _Spans:
         kept = in_flight(self.schedule, stage, self.num_stages, self.microbatches, self.stages_per_device)
         return self.state(i, j) + kept * self.activations(i, j) + self.transient
 
-    def holds_weights(self, i: int, j: int) -> bool:
-        """A device with no weights to train wastes its share (and an optimizer refuses it)."""
-        k = bisect.bisect_left(self.reads, i)
-        return k < len(self.reads) and self.reads[k] < j
 
 
 
@@ -205,8 +200,9 @@ def _best_bounds(spans: _Spans, cuts: list, num_stages: int, memory_limit) -> li
 
 def _span_columns(spans: _Spans, cuts: list):
     """For each cut j after the first, (time, state, activations, holds weights) of the stages [i, j) for
-    every earlier cut i, as arrays: what _Spans.time, .state, .activations and .holds_weights give one
-    span, in the same order of operations."""
+    every earlier cut i, as arrays: what _Spans.time, .state and .activations give one span, in the same
+    order of operations; a stage holds weights if some op in it reads one (a device with no weights to train
+    wastes its share, and an optimizer refuses it)."""
     at = np.asarray(cuts, dtype=np.int64)
     t_at, s_at, a_at = (np.asarray(x)[at] for x in (spans.t_sum, spans.s_sum, spans.a_sum))
     send_at = np.array([spans.send(c) for c in cuts])

@@ -15,10 +15,12 @@ this package (tests/test_layering.py checks it).
 
 from .harness import gpt_loss, parallel_record, run_gloo, single_device_reference
 from .models import (GPT, MLP, Block, CausalSelfAttention, GPTConfig, GPTWithLoss, LogitsOnly, MegatronLayer,
-                     MegatronStack, WithLabels, padded_batch, shipped_causal_lm, tiny_llama)
+                     MegatronStack, WithLabels, padded_batch, pipeline_batch, pipeline_gpt, shipped_causal_lm,
+                     tiny_llama)
 from .threaded import RankError, run_threaded
 
 __all__ = ["run_threaded", "run_gloo", "RankError",
            "single_device_reference", "parallel_record", "gpt_loss",
            "MLP", "GPTConfig", "CausalSelfAttention", "Block", "GPT", "GPTWithLoss", "WithLabels", "LogitsOnly",
-           "MegatronLayer", "MegatronStack", "tiny_llama", "shipped_causal_lm", "padded_batch"]
+           "MegatronLayer", "MegatronStack", "tiny_llama", "shipped_causal_lm", "padded_batch",
+           "pipeline_gpt", "pipeline_batch"]

@@ -217,6 +217,19 @@ def seeded_gpt(n_layer: int = 3, dropout: float = 0.0) -> tuple:
     return GPT(cfg).train(), torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
 
 
+def pipeline_gpt() -> GPT:
+    """The pipeline tests' model, drawn from seed 0: a 4-block GPT (GPTConfig's small defaults otherwise), deep
+    enough for two devices of two interleaved stages each."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=4))
+
+
+def pipeline_batch() -> tuple:
+    """(inputs, targets) for pipeline_gpt, drawn from seed 1: 8 sequences of 16 tokens, 2 per microbatch at 4."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
+
+
 def seeded_llama(num_layers: int = 3) -> tuple:
     """(tiny_llama of `num_layers` layers, inputs, None) drawn from seed 0: a batch of 4 sequences of 16."""
     torch.manual_seed(0)
