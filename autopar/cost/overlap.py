@@ -16,7 +16,8 @@ the compute that runs meanwhile:
         next layer's gather (runtime/reduction/layer_groups.py's prefetch), which runs
         while this layer computes; the first layer's is waited on whole
     FSDP's per-layer re-gathers in backward: likewise, a layer's re-gather
-        launches the one of the layer before it (in forward order)
+        launches the one of the layer before it (in forward order), when that
+        layer is re-gathered too (its weights were saved for backward)
     a ring attention's key/value sends: each step launches the next chunk's
         before computing its own (ring_hidden)
 
@@ -33,7 +34,22 @@ those collectives; the rest of them hides.
 
 A bucket summed over several axes reduces the first asynchronously and the
 others when backward ends (runtime/reduction/grad_buckets.py), so only the first hides.
-Gathers of activation checkpointing's recompute are priced as exposed.
+
+A checkpointed block's FSDP gather in backward is its recompute's: the block
+keeps none of its gathered weights (the checkpoint's own saved-tensor hooks
+hold what its ops save, so nothing is re-gathered for backward), and its
+rerun gathers the layer again (phase "recompute"), which serves the
+backward's ops too. The module launches that gather when the recompute
+needs it and waits at once: it prefetches nothing and nothing prefetches it
+(layer_groups.LayerGroup.gathered prefetches in forward and for backward's
+re-gathers only). So it is on the timeline as a backward gather that is
+waited on whole -- and behind whatever the link still carries: the
+reduce-scatter of the block after it, launched as backward left that block,
+which on one link (one process group) runs first. A recomputed op's forward
+runs twice: once in forward, once in backward (its rerun, at the block's end
+in backward order, just before its backward), so the timeline puts the
+rerun's time in backward.
+
 Nothing hides where the hardware says communication takes the compute's own
 resources (`Hardware.comm_overlaps_compute`: CPU ranks using every core, whose
 gloo reductions and copies then run on the cores the compute needs).
@@ -51,13 +67,15 @@ from ..sharding.op_spec import tensor_args
 from ..sharding.redistribute import ALL_GATHER, REDUCE_SCATTER
 from .terms import RING_KEYS, collectives_time
 
+RECOMPUTE = "recompute"       # the phase of a checkpointed block's collectives its rerun launches again
 BUCKET = "gradient bucket "   # the `where` of a bucket's all-reduce (predict.bucketed)
 LAYER = "layer "              # the `where` of an FSDP layer's collectives (layer_groups.grouped)
 
 
-def hidden_comm_time(prob, colls: list, op_times: dict) -> dict:
+def hidden_comm_time(prob, colls: list, op_times: dict, rerun=frozenset()) -> dict:
     """Axis name -> seconds of its communication that hide behind compute; `op_times`: op -> training
-    seconds at the example's sizes. The collectives that can hide move weights or their gradients, whose
+    seconds at the example's sizes, a recomputed op's (`rerun`: their names) with its forward once more
+    (predict._op_terms). The collectives that can hide move weights or their gradients, whose
     sizes do not depend on the shapes, so this is a number; the symbolic prediction takes it as it is
     (exposed = comm - hidden), which is exact at the example's sizes and keeps sympy out of the ordering."""
     mesh = prob.mesh
@@ -71,24 +89,26 @@ def hidden_comm_time(prob, colls: list, op_times: dict) -> dict:
     for i, node in enumerate(ops):
         for a in tensor_args(node):
             uses.setdefault(a.name, []).append(i)
-    gathers: dict = {"forward": [], "backward": []}
+    gathers: dict = {"forward": [], "backward": []}   # a recompute's gathers are backward's (module docstring)
     at_end, seen_bucket = [], set()   # the collectives backward's end waits for
     for c in colls:
         names = c.tensor.split(",")
-        gather = c.where.startswith(LAYER) and c.kind == ALL_GATHER and c.phase in gathers
+        gather = c.where.startswith(LAYER) and c.kind == ALL_GATHER and c.phase in (*gathers, RECOMPUTE)
         if not (gather or _hides(c, seen_bucket)) or not all(n in uses for n in names):
             continue   # waited on at once, or moves no weight the graph reads: exposed
         read = [u for n in names for u in uses[n]]
         move = _Move(c.axis, float(collectives_time([c], mesh, prob.links)), min(read), max(read),
-                     _chain(c))
-        (gathers[c.phase] if gather else at_end).append(move)
+                     _chain(c), prefetched=c.phase != RECOMPUTE)
+        (gathers["forward" if c.phase == "forward" else "backward"] if gather else at_end).append(move)
     moves = gathers["forward"] + gathers["backward"] + at_end
     if not moves:
         return hidden
-    share = 1 - 1 / cm.TRAIN_FLOPS_FACTOR
+    f = 1 / cm.TRAIN_FLOPS_FACTOR
+    # forward: an op's forward once; backward: the rest, a recomputed op's rerun with it
+    forward = [op_times.get(n.name, 0) * (f / (1 + f) if n.name in rerun else f) for n in ops]
     step = _Timeline()
-    step.forward([op_times.get(n.name, 0) * (1 - share) for n in ops], gathers["forward"])
-    step.backward([op_times.get(n.name, 0) * share for n in ops], gathers["backward"], at_end)
+    step.forward(forward, gathers["forward"])
+    step.backward([op_times.get(n.name, 0) - t for n, t in zip(ops, forward)], gathers["backward"], at_end)
     for m in moves:
         hidden[mesh.axis_names[m.axis]] += m.seconds
     for axis, t in step.waited.items():
@@ -139,12 +159,14 @@ def _chain(c) -> str:
 @dataclass
 class _Move:
     """One collective that can hide: its axis, its seconds, the first and last forward op reading the
-    weights it moves, and the chain whose launch waits for the one before (_chain)."""
+    weights it moves, the chain whose launch waits for the one before (_chain), and, for a layer's gather,
+    whether the module launches it ahead of its use (a recompute's gather it does not: module docstring)."""
     axis: int
     seconds: float
     first: int
     last: int
     chain: str = ""
+    prefetched: bool = True
 
 
 @dataclass
@@ -169,10 +191,12 @@ class _Timeline:
     def need_layer(self, layers: list, k: int, ahead: int, arriving: dict) -> None:
         """Layer k is used: wait for its gather (launched ahead of time, or now), then launch layer
         `ahead`'s, unless it has been launched already (`arriving`: layer -> when its gather arrives,
-        None once used)."""
+        None once used) or either is a gather the module does not prefetch (a recompute's: it launches
+        none ahead and none is launched for it)."""
         self.wait(layers[k].axis, arriving[k] if arriving.get(k) is not None else self.launch(layers[k]))
         arriving[k] = None
-        if 0 <= ahead < len(layers) and ahead not in arriving:
+        if 0 <= ahead < len(layers) and ahead not in arriving and layers[k].prefetched and \
+                layers[ahead].prefetched:
             arriving[ahead] = self.launch(layers[ahead])
 
     def forward(self, times: list, layers: list) -> None:
@@ -187,8 +211,10 @@ class _Timeline:
 
     def backward(self, times: list, layers: list, at_end: list) -> None:
         """Backward through the ops in reverse: a layer re-gathered at its last use prefetches the one
-        before it; the buckets and layer reduce-scatters launch once backward has passed the first use of
-        their weights, and the optimizer waits for the last of them."""
+        before it (`layers`: backward's re-gathers and the recompute's gathers, which are waited on whole
+        when the block's rerun needs them, at its last use too); the buckets and layer reduce-scatters
+        launch once backward has passed the first use of their weights, and the optimizer waits for the
+        last of them."""
         layers = sorted(layers, key=lambda m: (m.first, m.last))
         needed = _by_op(range(len(layers)), lambda k: layers[k].last)
         ready = _by_op(at_end, lambda m: m.first)
