@@ -184,6 +184,8 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
              "mip_gap": sol.mip_gap}
     if sol.context:   # auto under a memory limit: whether a context axis was tried, and why taken or not
         stats["context"] = sol.context
+    if sol.named:   # auto: the named strategies its answer was held against by prediction, and which won
+        stats["named"] = sol.named
     plan = Plan(mesh=spec, strategy=strategy, hardware=hw.name,
                 batch_axes=tuple(spec.axis_names[a] for a in sol.batch_axes),
                 node_strategies=node_strategies, param_placements=param_placements,

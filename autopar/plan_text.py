@@ -184,4 +184,5 @@ def search_line(stats: dict) -> str:
             }.get(status, status)
     seconds = stats.get("solve_seconds")
     line = f"search: {what}" + (f", solved in {seconds:.2f} s" if seconds is not None else "")
-    return line + (f"; context parallelism {stats['context']}" if stats.get("context") else "")
+    line += f"; context parallelism {stats['context']}" if stats.get("context") else ""
+    return line + (f"; {stats['named']}" if stats.get("named") else "")

@@ -41,7 +41,8 @@ def _mlp():
 
 
 def _planned(cap, mesh, **kwargs):
-    """The plan of planner.plan_captured, and the (Problem, Roles) it searched (from its calls to solve)."""
+    """The plan of planner.plan_captured, and the (Problem, Roles) it searched (from its calls to solve): auto's
+    own search alone, not held against named strategies (planner._against_named), which would search again."""
     searched = []
     real = search.solve
 
@@ -51,6 +52,7 @@ def _planned(cap, mesh, **kwargs):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(planner, "solve", record)
+        mp.setattr(planner, "HELD_AGAINST", ())
         plan = plan_captured(cap, mesh, hardware="cpu", **kwargs)
     return plan, searched
 

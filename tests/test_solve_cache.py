@@ -3,7 +3,9 @@ cache is the plan HiGHS gave, without HiGHS; another program is a miss; what HiG
 never kept; a damaged entry is a miss and is rewritten; the switch turns it off."""
 from __future__ import annotations
 
+import io
 import json
+import zipfile
 
 import numpy as np
 import pytest
@@ -77,8 +79,12 @@ def test_an_answer_cut_short_by_the_clock_is_not_kept(cache, monkeypatch):
 
 
 def _flip_a_bit_in_the_data(data: bytes) -> bytes:
-    """One bit of the compressed payload flipped, past the zip's local header, so zlib meets it."""
-    at = len(data) // 3
+    """One bit flipped in the middle of the first member's compressed data ("format", which every load reads),
+    so zlib or the member's CRC meets it (a bit in a zip header, or in a member a load skips, would go unseen)."""
+    member = zipfile.ZipFile(io.BytesIO(data)).infolist()[0]
+    start = member.header_offset + 30 + len(member.filename) + int.from_bytes(data[member.header_offset + 28:
+                                                                                    member.header_offset + 30], "little")
+    at = start + member.compress_size // 2
     return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:]
 
 

@@ -31,3 +31,4 @@ class Solution:
     reshard_after_forward: bool = True   # FSDP weights kept for backward: as shards (True) or whole (False)
     memory: float = 0.0              # bytes per device as the search measures the plan (ilp.solve)
     context: str = ""                # auto: whether it tried a context axis, and why it took it or not
+    named: str = ""                  # auto: the named strategies its answer was held against (planner._against_named)
