@@ -15,9 +15,9 @@ the compute that runs meanwhile:
     FSDP's per-layer all-gathers in forward: a layer's first use launches the
         next layer's gather (runtime/reduction/layer_groups.py's prefetch), which runs
         while this layer computes; the first layer's is waited on whole
-    FSDP's per-layer re-gathers in backward: likewise, a layer's re-gather
-        launches the one of the layer before it (in forward order), when that
-        layer is re-gathered too (its weights were saved for backward)
+    FSDP's per-layer gathers in backward (a layer's re-gather, or a
+        checkpointed block's recompute gather, below): likewise, each launches
+        the one of the layer before it (in forward order)
     a ring attention's key/value sends: each step launches the next chunk's
         before computing its own (ring_hidden)
 
@@ -39,16 +39,14 @@ A checkpointed block's FSDP gather in backward is its recompute's: the block
 keeps none of its gathered weights (the checkpoint's own saved-tensor hooks
 hold what its ops save, so nothing is re-gathered for backward), and its
 rerun gathers the layer again (phase "recompute"), which serves the
-backward's ops too. The module launches that gather when the recompute
-needs it and waits at once: it prefetches nothing and nothing prefetches it
-(layer_groups.LayerGroup.gathered prefetches in forward and for backward's
-re-gathers only). So it is on the timeline as a backward gather that is
-waited on whole -- and behind whatever the link still carries: the
-reduce-scatter of the block after it, launched as backward left that block,
-which on one link (one process group) runs first. A recomputed op's forward
-runs twice: once in forward, once in backward (its rerun, at the block's end
-in backward order, just before its backward), so the timeline puts the
-rerun's time in backward.
+backward's ops too. The module prefetches it as it does a re-gather
+(runtime/reduction/layer_groups.LayerGroup.gathered; FSDP2's backward
+prefetch): the block after it launches it, ahead of that block's own
+reduce-scatter on the link, so it hides behind that block's rerun and
+backward. The first one of backward is waited on whole (nothing before it
+launches it). A recomputed op's forward runs twice: once in forward, once in
+backward (its rerun, at the block's end in backward order, just before its
+backward), so the timeline puts the rerun's time in backward.
 
 Nothing hides where the hardware says communication takes the compute's own
 resources (`Hardware.comm_overlaps_compute`: CPU ranks using every core, whose
@@ -98,7 +96,7 @@ def hidden_comm_time(prob, colls: list, op_times: dict, rerun=frozenset()) -> di
             continue   # waited on at once, or moves no weight the graph reads: exposed
         read = [u for n in names for u in uses[n]]
         move = _Move(c.axis, float(collectives_time([c], mesh, prob.links)), min(read), max(read),
-                     _chain(c), prefetched=c.phase != RECOMPUTE)
+                     _chain(c))
         (gathers["forward" if c.phase == "forward" else "backward"] if gather else at_end).append(move)
     moves = gathers["forward"] + gathers["backward"] + at_end
     if not moves:
@@ -159,14 +157,12 @@ def _chain(c) -> str:
 @dataclass
 class _Move:
     """One collective that can hide: its axis, its seconds, the first and last forward op reading the
-    weights it moves, the chain whose launch waits for the one before (_chain), and, for a layer's gather,
-    whether the module launches it ahead of its use (a recompute's gather it does not: module docstring)."""
+    weights it moves, and the chain whose launch waits for the one before (_chain)."""
     axis: int
     seconds: float
     first: int
     last: int
     chain: str = ""
-    prefetched: bool = True
 
 
 @dataclass
@@ -191,12 +187,10 @@ class _Timeline:
     def need_layer(self, layers: list, k: int, ahead: int, arriving: dict) -> None:
         """Layer k is used: wait for its gather (launched ahead of time, or now), then launch layer
         `ahead`'s, unless it has been launched already (`arriving`: layer -> when its gather arrives,
-        None once used) or either is a gather the module does not prefetch (a recompute's: it launches
-        none ahead and none is launched for it)."""
+        None once used)."""
         self.wait(layers[k].axis, arriving[k] if arriving.get(k) is not None else self.launch(layers[k]))
         arriving[k] = None
-        if 0 <= ahead < len(layers) and ahead not in arriving and layers[k].prefetched and \
-                layers[ahead].prefetched:
+        if 0 <= ahead < len(layers) and ahead not in arriving:
             arriving[ahead] = self.launch(layers[ahead])
 
     def forward(self, times: list, layers: list) -> None:
@@ -211,8 +205,8 @@ class _Timeline:
 
     def backward(self, times: list, layers: list, at_end: list) -> None:
         """Backward through the ops in reverse: a layer re-gathered at its last use prefetches the one
-        before it (`layers`: backward's re-gathers and the recompute's gathers, which are waited on whole
-        when the block's rerun needs them, at its last use too); the buckets and layer reduce-scatters
+        before it (`layers`: backward's re-gathers and the recompute's gathers, a block's rerun needing
+        its layer at its last use too); the buckets and layer reduce-scatters
         launch once backward has passed the first use of their weights, and the optimizer waits for the
         last of them."""
         layers = sorted(layers, key=lambda m: (m.first, m.last))

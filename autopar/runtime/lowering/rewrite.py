@@ -166,6 +166,7 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
     if plan.checkpointed:
         gm = _checkpoint_blocks(gm, cap, plan, made_for, comm)
         gm.meta["origin"] = _region_origins(gm, gm.meta["origin"])
+        _mark_recomputed_groups(gm)
     rw.gathered.needed = any(isinstance(m, RedistributeModule) and m.gathered is not None for m in gm.modules())
     # the outputs' gradient factor the graph left out, for the module's GradBuckets to apply: on the final
     # graph module (checkpointing may have made another), which the module reads it from
@@ -429,6 +430,16 @@ class _Rewriter:
         whole = whole[0] if isinstance(whole, list) else whole
         dims = squeezed_dims(node, whole.hint)
         return self.g.call_function(torch.ops.aten.squeeze.dims, (args[0], dims))
+
+
+def _mark_recomputed_groups(gm: fx.GraphModule) -> None:
+    """Tell each FSDP layer group whose weights a checkpointed region gathers that backward's rerun of that
+    region gathers it again (LayerGroup.recomputed): backward then prefetches that gather."""
+    for region in gm.modules():
+        if isinstance(region, CheckpointRegion):
+            for m in region.body.modules():
+                if isinstance(m, RedistributeModule) and m.group is not None:
+                    m.group.recomputed = True
 
 
 def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, plan, made_for: list, comm: Comm) -> fx.GraphModule:

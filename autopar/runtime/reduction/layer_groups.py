@@ -10,7 +10,13 @@ does, the weights of one layer (cost/layer_groups.layer_of) move together:
               length and concatenated); the others are served from that
     backward  a weight autograd saved is gathered again the same way, once per
               layer; the layer's re-gathered weights are kept until each saved
-              use has read them
+              use has read them. A checkpointed block saves none (the checkpoint
+              keeps its own): its rerun gathers the layer ("recompute"), and that
+              gather serves the block's backward. Each of these gathers launches
+              the one of the layer before it (in forward order), re-gather or
+              recompute, ahead of its use, as FSDP2's backward prefetch does: it
+              then runs while this layer's backward computes, and goes out on the
+              link before this layer's reduce-scatter
     gradient  each weight's whole gradient goes into the layer's flat buffer;
               once every weight has arrived the buffer is reduce-scattered
               asynchronously, and when backward ends this rank's pieces are summed
@@ -55,6 +61,9 @@ class LayerGroup:
         self.params = None          # name -> this rank's shard; set by the ParallelModule that holds them
         self.next = self.prev = None   # the groups forward gathers after and before this one
         self._prefetched = None     # finish() of this group's gather launched ahead of its first use
+        # whether a checkpointed region reads this layer's weights, so that backward's rerun of it gathers the
+        # layer again (rewrite marks it)
+        self.recomputed = False
         self.members: list[_Member] = []
         self._served: dict = {}     # member index -> gathered weight, handed out once
         self._grads = None          # this backward's whole gradients, until the reduce-scatter takes them
@@ -68,8 +77,9 @@ class LayerGroup:
     # ------------------------------------------------------------ gathers
     def gathered(self, i: int, phase: str) -> torch.Tensor:
         """Member i's whole weight: from the layer's last gather (or the one launched ahead of it), or a
-        new gather of the whole layer; a new gather launches the next layer's (in backward: the previous
-        one's) ahead of its use, as FSDP2 prefetches."""
+        new gather of the whole layer; a new gather launches the next layer's (in backward and in a
+        recompute: the previous one's, where this backward gathers it again) ahead of its use, as FSDP2
+        prefetches."""
         if i in self._served:
             return self._served.pop(i)
         if self._prefetched is not None:
@@ -79,11 +89,19 @@ class LayerGroup:
         keep = range(len(self.members)) if phase != "backward" else \
             [k for k, m in enumerate(self.members) if m.pending_unpacks > 0]
         self._served = {k: fulls[k] for k in keep if k != i}
-        ahead = self.next if phase == "forward" else self.prev if phase == "backward" else None
-        if ahead is not None and ahead._prefetched is None and not ahead._served and \
-                (phase == "forward" or any(m.pending_unpacks for m in ahead.members)):
-            ahead._prefetched = ahead._gather(phase)[1]
+        ahead = self.next if phase == "forward" else self.prev if phase in ("backward", "recompute") else None
+        if ahead is not None and ahead._prefetched is None and not ahead._served:
+            again = phase if phase == "forward" else ahead.gathered_again()
+            if again is not None:
+                ahead._prefetched = ahead._gather(again)[1]
         return fulls[i]
+
+    def gathered_again(self) -> str | None:
+        """The phase in which this backward gathers the layer again: "recompute" where a checkpointed
+        block's rerun does, "backward" where saved uses of its weights are still to be read; None if not."""
+        if self.recomputed:
+            return "recompute"
+        return "backward" if any(m.pending_unpacks for m in self.members) else None
 
     def _gather(self, phase: str):
         locals_ = [self._local(m) for m in self.members]
