@@ -11,6 +11,7 @@ import torch
 from ._compat import trace_lock
 from .capture.compute_dtype import at_compute_dtype
 from .capture.export import AUTO, PARAM, Captured, capture
+from .capture.microbatch import microbatch_of
 from .capture.modes import mode_dependent, same_ops, without_identities
 from .capture.repeat import capture_repeated
 from .capture.shared import shared_in_run
@@ -96,7 +97,8 @@ def _capture(model, example_inputs: tuple, example_kwargs: dict, precision, dyna
     capture_fn = _at_compute_dtype(capture if trace_every_layer else capture_repeated, model, precision)
     cap = capture_fn(model, example_inputs, dynamic_shapes, example_kwargs)
     log.info("captured %d nodes in %.1f s", len(cap.info), time.perf_counter() - t0)
-    return cap, time.perf_counter() - t0, _recapture(capture_fn, model, example_inputs, example_kwargs, dynamic_shapes)
+    recapture = _recapture(capture_fn, model, example_inputs, example_kwargs, dynamic_shapes, whole=cap)
+    return cap, time.perf_counter() - t0, _for_planning(recapture)
 
 
 def _call_inputs(example_inputs, example_kwargs) -> tuple[tuple, dict]:
@@ -137,16 +139,29 @@ def microbatch_inputs(example_inputs: tuple, m: int) -> tuple:
     return tuple(_microbatch(t, m) for t in example_inputs)
 
 
-def _recapture(capture_fn, model, example_inputs: tuple, example_kwargs: dict, dynamic_shapes):
-    """capture at 1/m of the batch, once per m (1: the whole batch, the inputs as given): a pipelined plan
-    is made for the graph of one microbatch."""
-    done: dict = {}
+def _recapture(capture_fn, model, example_inputs: tuple, example_kwargs: dict, dynamic_shapes, whole=None):
+    """capture at 1/m of the batch, once per m (1: the whole batch, the inputs as given, or `whole` where
+    that is captured already): a pipelined plan is made for the graph of one microbatch."""
+    done: dict = {} if whole is None else {1: whole}
 
     def at(m: int) -> Captured:
         if m not in done:
             inputs, kwargs = (example_inputs, example_kwargs) if m == 1 else (
                 microbatch_inputs(example_inputs, m), {k: _microbatch(v, m) for k, v in example_kwargs.items()})
             done[m] = capture_fn(model, inputs, dynamic_shapes, kwargs)
+        return done[m]
+    return at
+
+
+def _for_planning(recapture):
+    """`recapture` for planning only: a microbatch's capture derived from the whole batch's where that is
+    exact (capture/microbatch.py: no second torch.export), captured otherwise. What it returns does not
+    run: its ExportedProgram is the whole batch's."""
+    done: dict = {}
+
+    def at(m: int) -> Captured:
+        if m not in done:
+            done[m] = (microbatch_of(recapture(1), m) if m > 1 else None) or recapture(m)
         return done[m]
     return at
 
@@ -184,7 +199,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
     if plan is None:
         if opts.pipeline_axis is None:
             recapture(1)
-        plan = _plan_on_rank0(lambda: recapture(1), mesh, opts, recapture)
+        plan = _plan_on_rank0(lambda: recapture(1), mesh, opts, _for_planning(recapture))
     cap = recapture(plan.pipeline.microbatches if plan.pipeline is not None else 1)
     _check_plan_matches(plan, cap, spec)
     _check_runtime_precision(plan, cap)

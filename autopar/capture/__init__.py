@@ -6,5 +6,6 @@ which node is a parameter, buffer, user input or op, and the module each op came
 
 Reading order: export.py (torch.export and the node table), losses.py (mean losses rewritten
 as sum / count at capture), blocks.py (which ops form repeated layers), repeat.py (trace three
-layers of a deep stack and copy the rest), cache.py (those three layers' capture kept on disk).
+layers of a deep stack and copy the rest), cache.py (those three layers' capture kept on disk),
+microbatch.py (a pipeline's microbatch capture for planning, derived from the whole batch's).
 """
