@@ -48,7 +48,7 @@ def _assert_same_for_planning(derived, real):
     assert requires_grad(derived) == requires_grad(real)
 
 
-@pytest.mark.parametrize("build, m", [(_gpt, 2), (_gpt, 4), (_llama, 2)])
+@pytest.mark.parametrize("build, m", [(_gpt, 4), (_llama, 2)])
 def test_derived_equals_a_capture_of_the_microbatch(build, m):
     model, x = build()
     whole = capture_repeated(model, (x,))
@@ -64,9 +64,9 @@ def _plan_json(plan) -> dict:
     return out
 
 
+# (HF Llama's pipelined plan is left out to keep the suite short: its derived capture is checked above)
 @pytest.mark.parametrize("build, options", [
-    (_gpt, dict(strategy="ddp", microbatches=4, schedule="interleaved-1f1b")),
-    (_llama, dict(microbatches=2))])
+    (_gpt, dict(strategy="ddp", microbatches=4, schedule="interleaved-1f1b"))])
 def test_pipelined_plan_is_the_same_as_from_a_capture(build, options, monkeypatch):
     """(No time limit: under one, HiGHS's pick among equally cheap plans varies with the machine's load.)"""
     model, x = build()
