@@ -143,6 +143,19 @@ def test_a_prefetched_gather_goes_out_ahead_of_the_reduce_scatter_of_the_layer_t
     assert step.waited == {0: 3.0} and step.clock == 9.0
 
 
+def test_backward_prefetches_the_nearest_layer_before_not_yet_launched():
+    """A block whose weights form two groups (a big one, and a norm weight whose gradient is summed over tp
+    apart, read inside the big one's span): two blocks at ops 0-3 and 4-7, big groups 2 s, norms 0.1 s,
+    1 s of backward an op. Backward needs block 1's big group first (waited on whole, 2 s), which launches
+    block 0's norm; block 1's norm, needed next (0.1 s waited), finds the group before it in hand and the one
+    before that launched, and launches block 0's big group, which arrives before backward reaches block 0.
+    (Launching only the group just before would leave block 0's big group to be waited on whole: 2 s more.)"""
+    from autopar.cost.overlap import _Move, _Timeline
+    step = _Timeline()
+    step.backward([1.0] * 8, [_Move(0, 2.0, 0, 3), _Move(0, 0.1, 2, 2), _Move(0, 2.0, 4, 7), _Move(0, 0.1, 6, 6)], [])
+    assert step.waited[0] == pytest.approx(2.1) and step.clock == pytest.approx(10.1)
+
+
 @pytest.mark.parametrize("checkpointing", ["full", "per-op"])
 def test_fsdp_recompute_gathers_are_prefetched_like_backward_re_gathers(checkpointing):
     """FSDP with every block checkpointed: a block keeps none of its gathered weights; its rerun gathers them

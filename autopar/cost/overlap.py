@@ -17,7 +17,9 @@ the compute that runs meanwhile:
         while this layer computes; the first layer's is waited on whole
     FSDP's per-layer gathers in backward (a layer's re-gather, or a
         checkpointed block's recompute gather, below): likewise, each launches
-        the one of the layer before it (in forward order)
+        the one of the nearest layer before it (in forward order) that backward
+        has not gathered or launched yet (a block whose weights form two groups,
+        a norm's summed over tp apart, has the other one in hand already)
     a ring attention's key/value sends: each step launches the next chunk's
         before computing its own (ring_hidden)
 
@@ -184,12 +186,16 @@ class _Timeline:
             self.waited[axis] = self.waited.get(axis, 0.0) + until - self.clock
             self.clock = until
 
-    def need_layer(self, layers: list, k: int, ahead: int, arriving: dict) -> None:
-        """Layer k is used: wait for its gather (launched ahead of time, or now), then launch layer
-        `ahead`'s, unless it has been launched already (`arriving`: layer -> when its gather arrives,
-        None once used)."""
+    def need_layer(self, layers: list, k: int, step: int, arriving: dict) -> None:
+        """Layer k is used: wait for its gather (launched ahead of time, or now), then launch the one of
+        layer k + step (forward: the next layer) unless it has been launched already, or, backward
+        (step -1), of the nearest layer before k not launched yet (`arriving`: layer -> when its gather
+        arrives, None once used)."""
         self.wait(layers[k].axis, arriving[k] if arriving.get(k) is not None else self.launch(layers[k]))
         arriving[k] = None
+        ahead = k + step
+        while step < 0 and ahead in arriving:
+            ahead -= 1
         if 0 <= ahead < len(layers) and ahead not in arriving:
             arriving[ahead] = self.launch(layers[ahead])
 
@@ -200,12 +206,12 @@ class _Timeline:
         arriving: dict = {}
         for i, t in enumerate(times):
             for k in needed.get(i, ()):
-                self.need_layer(layers, k, k + 1, arriving)
+                self.need_layer(layers, k, 1, arriving)
             self.clock += t
 
     def backward(self, times: list, layers: list, at_end: list) -> None:
-        """Backward through the ops in reverse: a layer re-gathered at its last use prefetches the one
-        before it (`layers`: backward's re-gathers and the recompute's gathers, a block's rerun needing
+        """Backward through the ops in reverse: a layer re-gathered at its last use prefetches the nearest
+        one before it not launched yet (`layers`: backward's re-gathers and the recompute's gathers, a block's rerun needing
         its layer at its last use too); the buckets and layer reduce-scatters
         launch once backward has passed the first use of their weights, and the optimizer waits for the
         last of them."""
@@ -217,7 +223,7 @@ class _Timeline:
         pending: dict = {}   # axis -> when its last collective the optimizer waits for arrives
         for i in reversed(range(len(times))):
             for k in needed.get(i, ()):
-                self.need_layer(layers, k, k - 1, arriving)
+                self.need_layer(layers, k, -1, arriving)
             self.clock += times[i]
             for m in ready.get(i, ()):
                 if m.chain in in_flight:

@@ -13,10 +13,14 @@ does, the weights of one layer (cost/layer_groups.layer_of) move together:
               use has read them. A checkpointed block saves none (the checkpoint
               keeps its own): its rerun gathers the layer ("recompute"), and that
               gather serves the block's backward. Each of these gathers launches
-              the one of the layer before it (in forward order), re-gather or
-              recompute, ahead of its use, as FSDP2's backward prefetch does: it
-              then runs while this layer's backward computes, and goes out on the
-              link before this layer's reduce-scatter
+              the one of the nearest layer before it (in forward order) that this
+              backward gathers again (re-gather or recompute) and has not gathered
+              yet, ahead of its use, as FSDP2's backward prefetch does: it then
+              runs while this layer's backward computes, and goes out on the link
+              before this layer's reduce-scatter. (Nearest not yet gathered rather
+              than the previous: where a block's weights form two groups -- a norm
+              weight whose gradient is summed over tp apart -- the previous group
+              is often the block's other one, which backward already holds)
     gradient  each weight's whole gradient goes into the layer's flat buffer;
               once every weight has arrived the buffer is reduce-scattered
               asynchronously, and when backward ends this rank's pieces are summed
@@ -64,6 +68,7 @@ class LayerGroup:
         # whether a checkpointed region reads this layer's weights, so that backward's rerun of it gathers the
         # layer again (rewrite marks it)
         self.recomputed = False
+        self._taken = False         # gathered (or launched ahead) in this backward: not to be prefetched again
         self.members: list[_Member] = []
         self._served: dict = {}     # member index -> gathered weight, handed out once
         self._grads = None          # this backward's whole gradients, until the reduce-scatter takes them
@@ -89,12 +94,27 @@ class LayerGroup:
         keep = range(len(self.members)) if phase != "backward" else \
             [k for k, m in enumerate(self.members) if m.pending_unpacks > 0]
         self._served = {k: fulls[k] for k in keep if k != i}
-        ahead = self.next if phase == "forward" else self.prev if phase in ("backward", "recompute") else None
-        if ahead is not None and ahead._prefetched is None and not ahead._served:
-            again = phase if phase == "forward" else ahead.gathered_again()
-            if again is not None:
-                ahead._prefetched = ahead._gather(again)[1]
+        if phase == "forward":
+            ahead = self.next
+            if ahead is not None and ahead._prefetched is None and not ahead._served:
+                ahead._prefetched = ahead._gather(phase)[1]
+        elif phase in ("backward", "recompute"):
+            self._taken = True
+            self._prefetch_before()
         return fulls[i]
+
+    def _prefetch_before(self) -> None:
+        """In backward: launch the gather of the nearest layer before this one (forward order) that this backward
+        gathers again and has not gathered or launched yet."""
+        g = self.prev
+        while g is not None:
+            if not g._taken:
+                again = g.gathered_again()
+                if again is not None:
+                    g._taken = True
+                    g._prefetched = g._gather(again)[1]
+                    return
+            g = g.prev
 
     def gathered_again(self) -> str | None:
         """The phase in which this backward gathers the layer again: "recompute" where a checkpointed
@@ -123,8 +143,9 @@ class LayerGroup:
         return full
 
     def forget(self) -> None:
-        """Drop gathered weights nothing will read (end of forward)."""
+        """Drop gathered weights nothing will read (end of forward; end of backward)."""
         self._served.clear()
+        self._taken = False
         if self._prefetched is not None:   # a gather launched ahead for a layer this forward did not use
             self._prefetched()
             self._prefetched = None
