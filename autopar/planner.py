@@ -37,7 +37,7 @@ from .search.pipeline import (AUTO, MIN_STAGES_PER_DEVICE, check_depth, check_re
                               microbatch_candidates, num_layers, schedule_candidates, schedule_fits,
                               stages_per_device_candidates)
 from .search.solution import INFEASIBLE, Solution
-from .search.stage_costs import device_prediction, op_costs
+from .search.stage_costs import device_prediction, op_basis, op_costs
 from .search.stage_partition import partition, step_floor
 from .sharding.op_spec import op_name
 from .sharding.strategies import all_strategies, batch_outputs
@@ -550,11 +550,12 @@ def _cut_stages(prob: Problem, sol, reshard_after_forward, recomputable: list, a
     ways = {True: [False], False: [True], None: [False, True]}[reshard_after_forward]
     p = prob.mesh.axis_sizes[prob.mesh.axis_index(axis)]
     groups = group_redistributions(prob, sol.choice)
+    basis = op_basis(prob, sol.choice, groups)   # what the op costs share over stacks recomputed and held
     best, failure = None, None
     for stacks in recomputable:
         transient = float(transient_bytes(prob, sol.choice, groups, stacks, False))
         for held in ways:
-            costs = op_costs(prob, sol.choice, held=held, stacks=stacks)
+            costs = op_costs(prob, basis, held=held, stacks=stacks)
             for v in stages_per_device:
                 if best is not None and step_floor(costs, p, v, m, schedule) >= best[1].step_time:
                     continue   # no cut of these costs beats the best so far (a recompute once a plan fits)

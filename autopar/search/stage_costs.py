@@ -3,8 +3,9 @@ cut pipeline is predicted to cost per step.
 
 op_costs charges each op its compute, its collectives and the activations it keeps, per
 microbatch, and finds the bytes crossing every point of the graph (what a send between stages
-there would carry); stage_partition.py cuts the graph with these numbers; device_prediction
-prices the busiest device of the cut for the plan.
+there would carry), from an op_basis priced once for every set of stacks recomputed and held or
+not; stage_partition.py cuts the graph with these numbers; device_prediction prices the busiest
+device of the cut for the plan.
 
 Some collectives run once per step, not once per microbatch, and are charged apart (`OpCosts.step_parts`):
 the data-parallel gradient all-reduces (the runtime sums every microbatch's gradient and reduces the sum once:
@@ -25,7 +26,7 @@ import cost_models as cm
 
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
 from ..cost.buckets import partial_gradients
-from ..cost.predict import Memory, Predicted, group_redistributions, redistribution_collectives
+from ..cost.predict import Memory, Predicted, redistribution_collectives
 from ..cost.checkpointing import recomputed_ops, rerun_ops
 from ..cost.problem import checkpoint_model
 from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, copied_kept_bytes, first_meta,
@@ -53,40 +54,50 @@ class OpCosts:
         """Op name -> its position in `order` (asked for every device of every cut tried)."""
         return {n: i for i, n in enumerate(self.order)}
 
+    @functools.cached_property
+    def weights_read(self) -> dict:
+        """Op position -> the weights with state_parts it reads (device_state, for every device of every cut)."""
+        out = {}
+        for name, readers in self.users.items():
+            if name in self.state_parts:
+                for r in readers:
+                    out.setdefault(r, []).append(name)
+        return out
 
-def op_costs(prob, choice, held: bool = False, stacks=()) -> OpCosts:
-    """Each op's share of a microbatch's time and memory under the chosen strategies, what crosses a cut at
-    each point of the graph, and the collectives each op's weights pay once per step. `held`: FSDP weights
-    are gathered once per step and held whole across the microbatches (prob prices them resharded).
-    `stacks`: the CheckpointStacks whose blocks recompute: their ops keep what the checkpoint keeps, and the
-    ops backward reruns pay their forward (compute and collectives) again."""
+
+@dataclass
+class OpBasis:
+    """What op_costs prices alike for every set of stacks recomputed and for held weights or not (op_basis):
+    on a 126-layer model pricing it takes seconds, and the planner asks for up to 8 sets of op costs."""
+    order: list          # op nodes in graph order
+    pos: dict            # op name -> position in order
+    strategy: dict       # node -> its chosen strategy
+    users: dict          # param/buffer -> sorted positions of the ops that read it
+    compute: list        # per op: its compute, run once
+    own: list            # per op: the collectives it runs itself (terms.op_collectives)
+    state_parts: dict    # param/buffer -> OpCosts.state_parts, no weight held
+    step_parts: list     # per op: ({axis: bytes}, {axis: s}) of the weights' once-per-step collectives
+    groups: list         # predict.group_redistributions of the choice
+    first: list          # per group: the position of its first consumer (the last op if none)
+    colls: list          # per group: its collectives but the all-reduces the buckets do, as priced ...
+    colls_inside: list   # ... and inside one recomputed region (no backward re-gather)
+    crossing: list       # per cut position: bytes crossing (_crossing_bytes), before blocks forbid cuts
+
+
+def op_basis(prob, choice, groups) -> OpBasis:
+    """The part of op_costs that holds whatever the stacks recomputed and the weights held. `groups`:
+    group_redistributions(prob, choice)."""
     cap, mesh = prob.cap, prob.mesh
-    saved = checkpoint_model(prob, tuple(st.key for st in stacks)) if stacks else prob.saved
-    rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
-    passed = set().union(*(rerun_ops(st, prob.saved) for st in stacks))
-    region_of = {n: (st.path, i) for st in stacks for i, block in enumerate(st.blocks) for n in block}
     order = [n.name for n in cap.graph.nodes if n.op == "call_function"]
     pos = {n: i for i, n in enumerate(order)}
     strategy = {n: ns.strategies[choice[n]] for n, ns in prob.strategies.items()}
-    compute = [0.0] * len(order)
-    acts = [0.0] * len(order)
-    comm_bytes = [dict.fromkeys(mesh.axis_names, 0.0) for _ in order]
-    comm_time = [dict.fromkeys(mesh.axis_names, 0.0) for _ in order]
-    step_bytes = [dict.fromkeys(mesh.axis_names, 0.0) for _ in order]
-    step_time = [dict.fromkeys(mesh.axis_names, 0.0) for _ in order]
-
-    def charge(i, colls, once=False):
-        by, secs = (step_bytes, step_time) if once else (comm_bytes, comm_time)
-        for c in colls:
-            a = mesh.axis_names[c.axis]
-            by[i][a] += float(collectives_bytes([c], mesh)[a])
-            secs[i][a] += float(collectives_time([c], mesh, prob.links))
-
     users = _readers(cap, pos)
     # gradients left partial for the buckets: reduced once per step, as one all-reduce of each weight
     deferred = partial_gradients(cap, strategy, prob.grad_nodes)
+    compute, own = [0.0] * len(order), [[] for _ in order]
     state_parts = {}
-    for name, ns in prob.strategies.items():
+    step_parts = [(dict.fromkeys(mesh.axis_names, 0.0), dict.fromkeys(mesh.axis_names, 0.0)) for _ in order]
+    for name in prob.strategies:
         info, s = cap.info[name], strategy[name]
         if info.kind == PARAM:
             meta = first_meta(info.meta)
@@ -94,30 +105,75 @@ def op_costs(prob, choice, held: bool = False, stacks=()) -> OpCosts:
             state_parts[name] = (float(m.params), float(m.master), float(m.grads), float(m.optimizer),
                                  float(m.update))
             if name in prob.grad_nodes and users.get(name):
-                charge(users[name][0], zero_collectives(name, meta, s, mesh, prob.param_bytes[name]), once=True)
-                charge(users[name][0], _bucket_all_reduces(prob, name, meta, s, deferred.get(name, ())), once=True)
+                i = users[name][0]
+                _charge(prob, step_parts[i], zero_collectives(name, meta, s, mesh, prob.param_bytes[name]))
+                _charge(prob, step_parts[i], _bucket_all_reduces(prob, name, meta, s, deferred.get(name, ())))
         elif info.kind == BUFFER and info.meta is not None:
             meta = first_meta(info.meta)
             state_parts[name] = (float(numel(meta.hint) * meta.itemsize), 0.0, 0.0, 0.0, 0.0)
         elif info.kind == OP and name in pos:
             i = pos[name]
-            acts[i] = float(activation_bytes(name, cap, s.output, mesh, saved, strategy=s))
             compute[i] = float(node_compute_time(cap.node(name), cap, s, mesh, prob.hardware))
-            own = op_collectives(cap.node(name), cap, s, mesh)
+            own[i] = op_collectives(cap.node(name), cap, s, mesh)
+    first, colls, colls_inside = [], [], []
+    for r in groups:
+        first.append(min((pos[c] for c, _ in r.consumers if c in pos), default=len(order) - 1))
+        colls.append(_redistribution(prob, r, deferred))
+        colls_inside.append(_redistribution(prob, replace(r, regather_count=0), deferred) if r.regather_count
+                            else colls[-1])
+    return OpBasis(order, pos, strategy, users, compute, own, state_parts, step_parts, groups, first,
+                   colls, colls_inside, _crossing_bytes(cap, order, pos, strategy, mesh))
+
+
+def _redistribution(prob, r, deferred: dict) -> list:
+    """A group's collectives, less the gradient all-reduces the buckets do once per step."""
+    return [c for c in redistribution_collectives(prob, r)
+            if not (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in deferred.get(c.tensor, ()))]
+
+
+def _charge(prob, parts: tuple, colls) -> None:
+    """Adds each collective's bytes and seconds to `parts` ({axis: bytes}, {axis: s}), one at a time."""
+    by, secs = parts
+    for c in colls:
+        a = prob.mesh.axis_names[c.axis]
+        by[a] += float(collectives_bytes([c], prob.mesh)[a])
+        secs[a] += float(collectives_time([c], prob.mesh, prob.links))
+
+
+def op_costs(prob, basis: OpBasis, held: bool = False, stacks=()) -> OpCosts:
+    """Each op's share of a microbatch's time and memory under the chosen strategies (`basis`: op_basis of
+    them), what crosses a cut at each point of the graph, and the collectives each op's weights pay once per
+    step. `held`: FSDP weights are gathered once per step and held whole across the microbatches (prob prices
+    them resharded). `stacks`: the CheckpointStacks whose blocks recompute: their ops keep what the checkpoint
+    keeps, and the ops backward reruns pay their forward (compute and collectives) again."""
+    cap, mesh = prob.cap, prob.mesh
+    order, pos, strategy = basis.order, basis.pos, basis.strategy
+    saved = checkpoint_model(prob, tuple(st.key for st in stacks)) if stacks else prob.saved
+    rerun = set().union(*(recomputed_ops(st, prob.saved) for st in stacks))
+    passed = set().union(*(rerun_ops(st, prob.saved) for st in stacks))
+    region_of = {n: (st.path, i) for st in stacks for i, block in enumerate(st.blocks) for n in block}
+    compute = list(basis.compute)
+    acts = [0.0] * len(order)
+    per_microbatch = [(dict.fromkeys(mesh.axis_names, 0.0), dict.fromkeys(mesh.axis_names, 0.0)) for _ in order]
+    once = [(dict(b), dict(t)) for b, t in basis.step_parts]
+    state_parts = dict(basis.state_parts)
+    for name, s in strategy.items():
+        info = cap.info[name]
+        if info.kind == OP and name in pos:
+            i = pos[name]
+            acts[i] = float(activation_bytes(name, cap, s.output, mesh, saved, strategy=s))
+            own = basis.own[i]
             if name in rerun:   # backward runs its forward again: a third more compute, its forward collectives
                 compute[i] += compute[i] / cm.TRAIN_FLOPS_FACTOR
                 own = own + [c for c in own if c.phase == "forward"]
-            charge(i, own)
+            _charge(prob, per_microbatch[i], own)
         elif info.kind == INPUT:
             acts[0] += float(activation_bytes(name, cap, s.output, mesh, saved)) if order else 0.0
-    for r in group_redistributions(prob, choice):
-        first = min((pos[c] for c, _ in r.consumers if c in pos), default=len(order) - 1)
+    for r, first, plain, inside_colls in zip(basis.groups, basis.first, basis.colls, basis.colls_inside):
         regions = {region_of.get(c) for c, _ in r.consumers}
         inside = len(regions) == 1 and None not in regions
-        if inside:   # the recompute gathers a weight again rather than a backward re-gather (predict._redistributions)
-            r = replace(r, regather_count=0)
-        colls = [c for c in redistribution_collectives(prob, r)
-                 if not (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in deferred.get(c.tensor, ()))]
+        # the recompute gathers a weight again rather than a backward re-gather (predict._redistributions)
+        colls = inside_colls if inside else plain
         # a held weight is gathered once per step, before the schedule; a checkpointed block reads it whole, in
         # forward and in its rerun alike (runtime/pipeline/held_weights.py)
         held_weight = held and cap.info[r.producer].kind == PARAM and any(
@@ -126,9 +182,9 @@ def op_costs(prob, choice, held: bool = False, stacks=()) -> OpCosts:
             colls = colls + [c for c in colls if c.phase == "forward"]   # redistributions again
         if held_weight:
             colls = _held(colls, state_parts, r.producer)
-            charge(first, [c for c in colls if c.kind in (ALL_GATHER, REDUCE_SCATTER)], once=True)
+            _charge(prob, once[first], [c for c in colls if c.kind in (ALL_GATHER, REDUCE_SCATTER)])
             colls = [c for c in colls if c.kind not in (ALL_GATHER, REDUCE_SCATTER)]
-        charge(first, colls)
+        _charge(prob, per_microbatch[first], colls)
         for c, i in r.consumers:   # an activation kept as its shard where it is gathered (sequence parallel)
             if c in pos:
                 acts[pos[c]] += float(regather_saving(cap, saved if prob.regather_activations else None, r.producer, c,
@@ -136,15 +192,15 @@ def op_costs(prob, choice, held: bool = False, stacks=()) -> OpCosts:
         # a reader kept as the all-to-all's new tensor (Ulysses; terms.copied_kept_bytes)
         acts[first] += float(copied_kept_bytes(cap, saved, r.producer, r.consumers, r.src, r.dst, r.grad_partial,
                                                mesh))
-    time = [compute[i] + sum(comm_time[i].values()) for i in range(len(order))]
-    parts = [(compute[i], comm_bytes[i], comm_time[i]) for i in range(len(order))]
-    crossing = _crossing_bytes(cap, order, pos, strategy, mesh)
+    time = [compute[i] + sum(per_microbatch[i][1].values()) for i in range(len(order))]
+    parts = [(compute[i], *per_microbatch[i]) for i in range(len(order))]
+    crossing = list(basis.crossing)
     for st in stacks:   # a checkpointed block runs as one region (runtime/lowering/recompute.py): no cut inside
         for block in st.blocks:
             where = [pos[n] for n in block if n in pos]
             for k in range(min(where, default=0) + 1, max(where, default=0) + 1):
                 crossing[k] = math.inf
-    return OpCosts(order, time, acts, users, crossing, parts, state_parts, list(zip(step_bytes, step_time)))
+    return OpCosts(order, time, acts, basis.users, crossing, parts, state_parts, once)
 
 
 def _bucket_all_reduces(prob, name: str, meta, s, axes) -> list:
@@ -230,8 +286,8 @@ def _is_shape(node) -> bool:
 def device_state(costs: OpCosts, idx) -> list:
     """Bytes of (weights, master copies, gradients, optimizer state, what the optimizer step moves) of every
     weight the ops at positions `idx` read, each once."""
-    idx = set(idx)
-    read = [name for name, rs in costs.users.items() if name in costs.state_parts and any(r in idx for r in rs)]
+    read = set().union(*(costs.weights_read.get(i, ()) for i in idx))
+    read = [name for name in costs.users if name in read]   # in the order of `users`, as the sums always added
     return [sum(costs.state_parts[x][k] for x in read) for k in range(5)]
 
 

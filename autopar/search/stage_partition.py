@@ -10,6 +10,7 @@ with the activations the schedule keeps in flight on it.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -42,13 +43,17 @@ def partition(prob, costs: OpCosts, *, axis: str, microbatches: int, schedule: s
     if len(cuts) - 1 < num_stages:
         raise PipelineError(f"the model has {len(cuts) - 1} place(s) where a cut passes few bytes, too few for "
                             f"{num_stages} stages on pipeline axis {axis!r}; use fewer stages")
+    columns = list(_span_columns(spans, cuts))   # the same for every cap
+    paths = [prob.cap.info[x].module_path for x in costs.order]
+    head = {path: _head(path) for path in set(paths)}   # ops share their module's path
+    heads = [head[path] for path in paths]
     pipe = None
     for cap in _stage_caps(memory_limit, transient, v):
-        bounds = _best_bounds(spans, cuts, num_stages, cap)
-        if bounds is None:
-            continue
-        pipe = _pipeline(prob, costs, spans, axis, p, bounds)
-        worst = max(device_memory(costs, pipe, c, transient) for c in range(p))
+        bounds = _best_bounds(spans, cuts, columns, num_stages, cap)
+        if bounds is None:   # the caps only tighten, so none fits the next either (under a limit below the
+            break            # transient they grow, but then no device fits the limit at all)
+        pipe = _pipeline(prob, costs, spans, axis, p, bounds, heads)
+        worst = max(st.memory for st in pipe.stages)   # a stage carries its device's peak; every device holds one
         if memory_limit is None or worst <= memory_limit:
             return pipe
     share = (spans.memory(0, spans.n, 0) - transient) / p + transient   # the whole model over p devices, evenly
@@ -70,11 +75,12 @@ def _stage_caps(memory_limit, transient: float, v: int) -> list:
     return [loose + (tight - loose) * k / 4 for k in range(5)]
 
 
-def _pipeline(prob, costs: OpCosts, spans: "_Spans", axis: str, p: int, bounds: list) -> PipelinePlan:
+def _pipeline(prob, costs: OpCosts, spans: "_Spans", axis: str, p: int, bounds: list, heads: list) -> PipelinePlan:
     """The plan of a cut: its stages, the bubble, and the step time of the slowest device (every microbatch
-    through its stages, the collectives it pays once per step beyond its idle window, and the bubble)."""
+    through its stages, the collectives it pays once per step beyond its idle window, and the bubble).
+    `heads`: per op, _head of its module path."""
     num_stages, m, schedule = spans.num_stages, spans.microbatches, spans.schedule
-    stages = [_stage(prob, costs, spans, s, bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    stages = [_stage(costs, spans, heads, s, bounds[s], bounds[s + 1]) for s in range(num_stages)]
     v = spans.stages_per_device
     slowest = max(st.time for st in stages)
     # what a device pays once per step, less what hides in its idle time around its microbatches
@@ -159,36 +165,51 @@ class _Spans:
         return self.state(i, j) + kept * self.activations(i, j) + self.transient
 
 
-
-
-def _best_bounds(spans: _Spans, cuts: list, num_stages: int, memory_limit) -> list | None:
+def _best_bounds(spans: _Spans, cuts: list, columns: list, num_stages: int, memory_limit) -> list | None:
     """The stage boundaries [0, ..., n] minimising (slowest stage, total time), or None if none fits.
 
-    A dynamic program over (stages so far, cut): the cost of a stage [i, j) is priced for every earlier
-    cut i at once, a column per j (numpy), since a 126-layer model has ~250 cut points and 32 stages."""
+    A dynamic program over (stages so far, cut): a stage [i, j) is priced for every stage count s and every
+    earlier cut i at once, an (s, i) array per cut j (numpy; a 126-layer model has ~540 cut points and up to
+    ~110 stages), but the earliest cuts i, from which no stage to j fits. `columns`: _span_columns of the cuts."""
     n = len(cuts)
     inf = math.inf
     slowest = np.full((num_stages + 1, n), inf)   # (stages, cut index) -> slowest stage so far
     total = np.full((num_stages + 1, n), inf)     # ... and the sum of the stages' times, the tie-break
     prev = np.zeros((num_stages + 1, n), dtype=np.int64)
     slowest[0, 0] = total[0, 0] = 0.0
-    kept = [in_flight(spans.schedule, s, spans.num_stages, spans.microbatches, spans.stages_per_device)
-            for s in range(num_stages)]
-    for j, (time, state, acts, holds) in enumerate(_span_columns(spans, cuts), start=1):
-        # stage s may end at the j-th cut only with a cut for each stage before it and after it
-        for s in range(max(1, num_stages - (n - 1 - j)), min(num_stages, j) + 1):
-            if (s == num_stages) != (cuts[j] == spans.n):
-                continue
-            ok = holds & np.isfinite(slowest[s - 1, :j])
-            if memory_limit is not None:
-                ok &= state + kept[s - 1] * acts + spans.transient <= memory_limit
-            if not ok.any():
-                continue
-            worst = np.where(ok, np.maximum(slowest[s - 1, :j], time), inf)
-            least = worst.min()
-            tie = np.where(ok & (worst == least), total[s - 1, :j] + time, inf)
-            i = int(tie.argmin())   # the first i of the least (slowest, total), as a scan in order picks
-            slowest[s, j], total[s, j], prev[s, j] = least, tie[i], i
+    kept = np.array([in_flight(spans.schedule, s, spans.num_stages, spans.microbatches, spans.stages_per_device)
+                     for s in range(num_stages)], dtype=float)[:, None]
+    few, most = kept.min(), kept.max()
+    rows = np.arange(num_stages)
+    for j, (time, state, acts, holds) in enumerate(columns, start=1):
+        # stage s may end at the j-th cut only with a cut for each stage before it and after it, and the last
+        # stage only at the last cut
+        lo, hi = max(1, num_stages - (n - 1 - j)), min(num_stages, j)
+        if cuts[j] == spans.n:
+            lo = max(lo, num_stages)
+        else:
+            hi = min(hi, num_stages - 1)
+        if lo > hi:
+            continue
+        # s - 1 stages end no earlier than cut s - 1, and from the cuts i before the first where a stage to j
+        # may fit, none does (with the fewest or the most microbatches in flight, as the activations' sign has it)
+        may = holds
+        if memory_limit is not None:
+            may = may & (state + np.minimum(few * acts, most * acts) + spans.transient <= memory_limit)
+        first = max(lo - 1, int(may.argmax()))
+        if not may[first:].any():
+            continue
+        time, state, acts, holds = time[first:], state[first:], acts[first:], holds[first:]
+        before = slowest[lo - 1:hi, first:j]   # row r: s = lo + r; column c: i = first + c
+        ok = holds & np.isfinite(before)
+        if memory_limit is not None:
+            ok &= state + kept[lo - 1:hi] * acts + spans.transient <= memory_limit
+        # a row with no i that fits stays infinite (its prev is never followed)
+        worst = np.where(ok, np.maximum(before, time), inf)
+        least = worst.min(axis=1)
+        tie = np.where(ok & (worst == least[:, None]), total[lo - 1:hi, first:j] + time, inf)
+        c = tie.argmin(axis=1)   # the first i of the least (slowest, total), as a scan in order picks
+        slowest[lo:hi + 1, j], total[lo:hi + 1, j], prev[lo:hi + 1, j] = least, tie[rows[:len(c)], c], first + c
     if not math.isfinite(slowest[num_stages, n - 1]):
         return None
     bounds, k = [cuts[-1]], n - 1
@@ -218,19 +239,16 @@ def _span_columns(spans: _Spans, cuts: list):
         yield time, (s_at[j] - s_at[:j]) + extra, a_at[j] - a_at[:j], next_read[:j] < cuts[j]
 
 
-def _stage(prob, costs: OpCosts, spans: _Spans, s: int, i: int, j: int) -> Stage:
+def _stage(costs: OpCosts, spans: _Spans, heads: list, s: int, i: int, j: int) -> Stage:
     nodes = tuple(costs.order[i:j])
-    return Stage(s, nodes, compress_paths(prob.cap.info[x].module_path for x in nodes), spans.time(i, j),
+    return Stage(s, nodes, _compress_heads(heads[i:j]), spans.time(i, j),
                  spans.memory(i, j, s), spans.activations(i, j),
                  in_flight(spans.schedule, s, spans.num_stages, spans.microbatches, spans.stages_per_device),
                  costs.crossing[j] if j < spans.n else 0.0)
 
 
 def _prefix(values) -> list:
-    out = [0.0]
-    for x in values:
-        out.append(out[-1] + x)
-    return out
+    return list(itertools.accumulate(values, initial=0.0))
 
 
 def _cut_points(costs: OpCosts) -> list:
@@ -244,13 +262,18 @@ def _cut_points(costs: OpCosts) -> list:
     return [0] + [k for k in range(1, n) if costs.crossing[k] <= CUT_SLACK * fewest] + [n]
 
 
-def compress_paths(paths) -> str:
-    """Module paths to a short list: each up to its layer number, consecutive layers as a range."""
+def _head(path: str) -> str:
+    """A module path up to its layer number."""
+    parts = path.split(".") if path else ["<root>"]
+    k = next((i for i, x in enumerate(parts) if x.isdigit()), 0)
+    return ".".join(parts[:k + 1])
+
+
+def _compress_heads(ops_heads) -> str:
+    """The _head of each op's module path, to a short list: each head once, consecutive layers as a range.
+    (Per op rather than per path, as a stage is priced for every cut tried: the heads are found once.)"""
     heads = []
-    for path in paths:
-        parts = path.split(".") if path else ["<root>"]
-        k = next((i for i, x in enumerate(parts) if x.isdigit()), 0)
-        head = ".".join(parts[:k + 1])
+    for head in ops_heads:
         if not heads or heads[-1] != head:
             if head not in heads:
                 heads.append(head)
