@@ -357,10 +357,10 @@ def _with_context(prob: Problem, sol, roles: Roles, candidates: list, limit, tim
 HELD_AGAINST = ("fsdp", "fsdp+tp")
 
 
-def _predicted_step(prob: Problem, sol) -> float:
+def _predicted(prob: Problem, sol):
     priced = replace(prob, regather_activations=sol.regather_activations,
                      reshard_after_forward=sol.reshard_after_forward)   # as the solution was priced
-    return predict(priced, sol.choice, symbolic=False, checkpointed=sol.checkpointed)[0].step_time
+    return predict(priced, sol.choice, symbolic=False, checkpointed=sol.checkpointed)[0]
 
 
 def _against_named(prob: Problem, sol, roles: Roles, limit, time_limit, checkpointing):
@@ -369,36 +369,42 @@ def _against_named(prob: Problem, sol, roles: Roles, limit, time_limit, checkpoi
     behind the layers before them (cost/overlap.py), so the search can take a plan that replicates weights over
     one that shards them and is faster as predicted (torchtitan's 8B on 8 GPUs: 1.3% slower). A named
     strategy's plan lies in auto's space; holding the answer against the few that overlap favours keeps auto
-    no slower than them, at one more search each. The plan's stats say what was compared (stats["named"])."""
+    no slower than them, at one more search each; a named plan the prediction puts over the limit is not taken.
+    The plan's stats say what was compared (stats["named"])."""
     spec = prob.mesh
     if not prob.hardware.comm_overlaps_compute or spec.num_devices < 2:
         return sol, roles   # nothing hides: the search prices the collectives as the prediction does
-    own = _predicted_step(prob, sol)
+    if sol.context.startswith("chosen"):
+        return sol, roles   # no plan without a context axis is faster, or fits at all (_with_context)
+    own = _predicted(prob, sol).step_time
     best = (own, "auto's own search", sol, roles)
     tried = []
     for name in HELD_AGAINST:
+        if name == "fsdp+tp" and spec.num_axes < 2:
+            continue
         try:
             named = axis_roles(name, spec)
             _check_batch_divisible(prob.cap, spec, named)
             check_tensor_parallel_divisibility(prob.cap, named)
             found, _ = _best(prob, [named], limit, time_limit, checkpointing=checkpointing)
-        except AutoparError:   # a strategy this mesh or model cannot take (e.g. a tp degree the heads do not divide)
+        except (ShardingError, InfeasiblePlanError, PlanError):   # e.g. a tp degree the heads do not divide
+            tried.append(f"{name} no plan")
             continue
         sol.solve_seconds += found.solve_seconds
         sol.build_seconds += found.build_seconds
         if not found.choice:
+            tried.append(f"{name} no plan")
             continue
-        step = _predicted_step(prob, found)
+        pred = _predicted(prob, found)
+        step = pred.step_time
         tried.append(f"{name} {step * 1e3:.5g} ms")
-        if step < best[0]:
+        if step < best[0] and (limit is None or pred.memory.total <= limit):
             best = (step, f"{name}'s plan", found, named)
-    if not tried:
-        return sol, roles
     _, won, chosen, chosen_roles = best
     if chosen is not sol:   # the time spent searching, all of it
         chosen.solve_seconds, chosen.build_seconds = sol.solve_seconds, sol.build_seconds
         chosen.context = sol.context
-    chosen.named = f"held against {', '.join(tried)} predicted (auto's own {own * 1e3:.5g} ms): {won} chosen"
+    chosen.named = f"held against {', '.join(tried)} (predicted steps; auto's own {own * 1e3:.5g} ms): {won} chosen"
     return chosen, chosen_roles
 
 

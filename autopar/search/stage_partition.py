@@ -50,8 +50,10 @@ def partition(prob, costs: OpCosts, *, axis: str, microbatches: int, schedule: s
     pipe = None
     for cap in _stage_caps(memory_limit, transient, v):
         bounds = _best_bounds(spans, cuts, columns, num_stages, cap)
-        if bounds is None:   # the caps only tighten, so none fits the next either (under a limit below the
-            break            # transient they grow, but then no device fits the limit at all)
+        if bounds is None:
+            if memory_limit is None or memory_limit >= transient:
+                break   # the caps only tighten, so no cut meets the next either
+            continue    # under a limit below the transient the caps grow (_stage_caps)
         pipe = _pipeline(prob, costs, spans, axis, p, bounds, heads)
         worst = max(st.memory for st in pipe.stages)   # a stage carries its device's peak; every device holds one
         if memory_limit is None or worst <= memory_limit:
