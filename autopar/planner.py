@@ -403,7 +403,8 @@ def _against_named(prob: Problem, sol, roles: Roles, limit, time_limit, checkpoi
     _, won, chosen, chosen_roles = best
     if chosen is not sol:   # the time spent searching, all of it
         chosen.solve_seconds, chosen.build_seconds = sol.solve_seconds, sol.build_seconds
-        chosen.context = sol.context
+        if any(kind != "none" for kind in chosen.checkpointed.values()):
+            chosen.context = sol.context   # _wants_context's note on a plan that recomputes
     chosen.named = f"held against {', '.join(tried)} (predicted steps; auto's own {own * 1e3:.5g} ms): {won} chosen"
     return chosen, chosen_roles
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import autopar
+from autopar import planner
 from autopar.planner import plan_captured
 from autopar.capture.blocks import find_blocks
 from autopar.capture.export import capture
@@ -87,7 +88,7 @@ AUTO_VS_CLASSICS = [(_mlp, ONE, True), (_mlp, TWO, True), (_mlp, THREE, True), (
 @pytest.mark.parametrize("make, mesh, limited", AUTO_VS_CLASSICS,
                          ids=[f"{m.__name__.strip('_')}-{'x'.join(map(str, mesh.values()))}" + ("-limit" * lim)
                               for m, mesh, lim in AUTO_VS_CLASSICS])
-def test_auto_is_never_slower_than_a_classic_that_fits(make, mesh, limited):
+def test_auto_is_never_slower_than_a_classic_that_fits(make, mesh, limited, monkeypatch):
     """Each classic's roles restrict auto's search (on 3+ axes, one of auto's role assignments, data
     / tp per axis: the ILP is solved per assignment and the cheapest wins), so under the same cost
     model auto is never slower, up to the ILP's gap; also under a memory limit that some classics
@@ -96,6 +97,9 @@ def test_auto_is_never_slower_than_a_classic_that_fits(make, mesh, limited):
     unlimited)."""
     model, x = make()
     cap = capture(model, (x,))
+    # auto's own search, as the ILP prices it: planner._against_named then holds it against fsdp and fsdp+tp by
+    # prediction, which can take a plan of a higher objective (tests/test_published.py pins that)
+    monkeypatch.setattr(planner, "HELD_AGAINST", ())
     # "cp" gives axes a role auto's search does not try yet (issue 39): not a restriction of auto
     classics = [s for s in STRATEGIES if s not in ("auto", "cp")]
 
