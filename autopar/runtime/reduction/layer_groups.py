@@ -104,8 +104,8 @@ class LayerGroup:
         return fulls[i]
 
     def _prefetch_before(self) -> None:
-        """In backward: launch the gather of the nearest layer before this one (forward order) that this backward
-        gathers again and has not gathered or launched yet."""
+        """In backward (a re-gather or a recompute gather): launch the gather of the nearest layer before this one
+        (forward order) that this backward gathers again and has not gathered or launched yet."""
         g = self.prev
         while g is not None:
             if not g._taken:
@@ -146,7 +146,7 @@ class LayerGroup:
         """Drop gathered weights nothing will read (end of forward; end of backward)."""
         self._served.clear()
         self._taken = False
-        if self._prefetched is not None:   # a gather launched ahead for a layer this forward did not use
+        if self._prefetched is not None:   # a gather launched ahead (in forward or backward) and never used
             self._prefetched()
             self._prefetched = None
 
