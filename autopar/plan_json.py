@@ -34,7 +34,8 @@ def to_json(plan) -> str:
                 "compute_time": f(p.compute_time), "step_time": f(p.step_time),
                 "comm_bytes_by_kind": {k: f(v) for k, v in p.comm_bytes_by_kind.items()},
                 "exposed_comm_time": {k: f(v) for k, v in p.exposed_comm_time.items()},
-                "optimizer_time": f(p.optimizer_time), "compiled_step_time": f(p.compiled_step_time)}
+                "optimizer_time": f(p.optimizer_time), "compiled_step_time": f(p.compiled_step_time),
+                "fused_time": {k: f(v) for k, v in p.fused_time.items()}}
     d = {
         "format_version": FORMAT_VERSION,
         "mesh": {"axis_names": list(plan.mesh.axis_names), "axis_sizes": list(plan.mesh.axis_sizes)},
@@ -77,7 +78,8 @@ def plan_fields(text: str) -> dict:
                          f(p["compute_time"]), f(p["step_time"]),
                          {k: f(v) for k, v in p["comm_bytes_by_kind"].items()},
                          {k: f(v) for k, v in p.get("exposed_comm_time", p["comm_time"]).items()},
-                         f(p.get("optimizer_time", 0)), f(p.get("compiled_step_time", p["step_time"])))
+                         f(p.get("optimizer_time", 0)), f(p.get("compiled_step_time", p["step_time"])),
+                         {k: f(v) for k, v in p.get("fused_time", {}).items()})
     return dict(
         mesh=MeshSpec(tuple(d["mesh"]["axis_names"]), tuple(d["mesh"]["axis_sizes"])),
         strategy=d["strategy"], hardware=d["hardware"], batch_axes=tuple(d["batch_axes"]),

@@ -10,7 +10,8 @@ shape (built on the meta device, the loss in the graph as torchtitan computes it
 sizes as named axes, tp last so it sits inside a node), the global batch (torchtitan's local batch is per
 data-parallel rank: local batch x FSDP degree sequences), the strategy, the activation checkpointing, the
 hardware ("h100-hbm2e" for torchtitan's cluster, "a100" for the A100 rows), bf16-mixed, and the device's
-memory as the limit. A compiled row is read off `predicted.compiled_step_time`. tokens/s/GPU is
+memory as the limit. A compiled row saves what torch.compile's fusion saves in the parts torchtitan compiled
+(`predicted.fused_time` of Row.compiled_regions: the blocks; the loss too in 2025). tokens/s/GPU is
 local batch x seq / (step x TP x PP x CP), torchtitan's count.
 
 A row whose settings autopar cannot say yet (a checkpointing mode not in autopar.cost.checkpointing.MODES)
@@ -60,6 +61,16 @@ class Row:
     note: str = ""
     pp: int = 1
     cp: int = 1
+
+    @property
+    def compiled_regions(self) -> tuple:
+        """What `compile` compiled (autopar.cost.predict.COMPILE_REGIONS), as torchtitan did at the commit the
+        row ran at: each transformer block alone at 9dec370 (Dec 2024: `apply_compile` in
+        parallelize_llama.py; train.py's `torch.compile(loss_fn)` commented out, "compiling loss function
+        causes CUDA errors"); the blocks and the loss at 820504e (June 2025: components/loss.py compiles
+        the loss under the same flag). The embedding, final norm and output projection ran eager at both;
+        "head" here also holds the final norm and the output projection's casts (a few ms on these shapes)."""
+        return ("blocks", "head") if self.source.startswith("asyncTP") else ("blocks",)
 
     @property
     def mesh(self) -> dict:
@@ -155,7 +166,8 @@ def plan_row(row: Row, auto: bool = False, time_limit: float | None = 600.0):
 def figures(row: Row, plan, seconds: float) -> dict:
     """What the table prints of one plan: step (compiled where the row ran compiled), tokens/s/GPU, memory."""
     p = plan.predicted
-    step = float(p.compiled_step_time if row.compiled else p.step_time)
+    fused = sum(float(p.fused_time.get(region, 0)) for region in row.compiled_regions) if row.compiled else 0.0
+    step = float(p.step_time) - fused
     return {"step_s": step, "tps": row.tokens_per_gpu(step), "gib": float(p.memory.total) / GiB,
             "seconds": seconds, "strategy": plan.strategy, "checkpointed": sorted(set(plan.checkpointed.values())),
             "roles": plan.stats.get("axis_roles", ""),

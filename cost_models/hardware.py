@@ -106,18 +106,27 @@ class Hardware:
 
 GiB = 2**30
 
+# What NCCL's ring collectives (all-gather, reduce-scatter, all-reduce without NVLink SHARP) move per direction
+# over an H100's or H200's 18 NVLink 4 links: 20.6 GB/s a link, NCCL's own figure for them (SM90_NVLINK_BW in
+# NVIDIA/nccl src/graph/topo.h), 370.8 GB/s in all, against the wire's 18 x 25 = 450. NCCL's maintainers give
+# the same, 450 GB/s less ~20% protocol overhead (NVIDIA/nccl-tests#212, NVIDIA/nccl#1442), and reported
+# nccl-tests runs on 8 H100s reach 350-362 GB/s bus bandwidth at 1-8 GB (NVIDIA/nccl#1047, #1281). An
+# all-reduce on NVLink SHARP (NVLS) reaches ~480 GB/s bus bandwidth on 8 GPUs at large sizes; not modelled:
+# all-reduces inside a node are priced at the ring's figure (up to ~30% slower than NVLS runs them).
+NVLINK_4_NCCL = 18 * 20.6e9
+
 PRESETS = {
     # NVIDIA H100 SXM5 80GB datasheet: dense (no sparsity) tensor-core peaks.
     # float32 uses the TF32 tensor-core figure (494.5 TF), which is what matmuls run
     # at with torch.backends.cuda.matmul.allow_tf32; plain FP32 is only 67 TF.
-    # HBM3 3.35 TB/s; NVLink 4 900 GB/s total = 450 GB/s per direction;
-    # ConnectX-7 InfiniBand NDR 400 Gb/s = 50 GB/s per GPU.
+    # HBM3 3.35 TB/s; NVLink 4 900 GB/s total = 450 GB/s per direction, of which NCCL's collectives move
+    # 370.8 GB/s (NVLINK_4_NCCL below); ConnectX-7 InfiniBand NDR 400 Gb/s = 50 GB/s per GPU.
     "h100": Hardware(
         name="h100",
         peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},
         memory_bytes=80 * GiB,
         memory_bandwidth=3.35e12,
-        intra_node_link=Link(bandwidth=450e9, latency=3e-6),
+        intra_node_link=Link(bandwidth=NVLINK_4_NCCL, latency=3e-6),
         inter_node_link=Link(bandwidth=50e9, latency=10e-6),
         # Not measured on an H100 this time: the matmul, attention, optimizer and compiled shares are the
         # H200's (the same GH100 die and clocks; see below). The memory-bound ops' share is fitted to an
@@ -137,8 +146,8 @@ PRESETS = {
     #   datasheet of the same die at a lower cap: the H100 NVL (132 SMs, 400 W) lists 835 TF dense bf16, where
     #   the same law from 700 W gives (400/700)^(1/3) x 989 = 821 TF (1.7% under it).
     # - Memory: 6 HBM2e stacks of 16 GiB = 96 GiB (GiB-sized like the SXM's 80 GB), 2.4 TB/s as stated.
-    # - NVLink 4 inside a host: 18 links x 25 GB/s = 450 GB/s per direction, as the SXM; between hosts
-    #   400 Gb/s RDMA per GPU = 50 GB/s. Latencies as "h100" (same fabric).
+    # - NVLink 4 inside a host: 18 links, as the SXM (NVLINK_4_NCCL); between hosts 400 Gb/s RDMA per GPU =
+    #   50 GB/s. Latencies as "h100" (same fabric).
     # - Efficiencies, none fitted to a published run: matmul, attention, optimizer and compiled shares are the
     #   H200's measured ones (same die: the share of the clock's peak its kernels reach). The memory-bound ops'
     #   share depends on the bandwidth, as small kernels pay a fixed launch and latency cost beside their
@@ -150,33 +159,34 @@ PRESETS = {
         peak_flops={"bfloat16": 884e12, "float16": 884e12, "float32": 442e12},
         memory_bytes=96 * GiB,
         memory_bandwidth=2.4e12,
-        intra_node_link=Link(bandwidth=450e9, latency=3e-6),
+        intra_node_link=Link(bandwidth=NVLINK_4_NCCL, latency=3e-6),
         inter_node_link=Link(bandwidth=50e9, latency=10e-6),
         matmul_efficiency=0.79, attention_efficiency=0.80, memory_efficiency=0.72, optimizer_efficiency=0.73,
         compiled_memory_fraction=0.40,
     ),
     # NVIDIA A100 80GB SXM datasheet: BF16/FP16 312 TF, TF32 156 TF (used for float32);
-    # HBM2e 2,039 GB/s; NVLink 3 600 GB/s total = 300 GB/s per direction;
+    # HBM2e 2,039 GB/s; NVLink 3 600 GB/s total = 300 GB/s per direction over 12 links, of which NCCL's
+    # collectives move 12 x 20.0 = 240 GB/s (NCCL's SM80_NVLINK_BW; see NVLINK_4_NCCL);
     # InfiniBand HDR 200 Gb/s = 25 GB/s per GPU.
     "a100": Hardware(
         name="a100",
         peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
         memory_bytes=80 * GiB,
         memory_bandwidth=2.039e12,
-        intra_node_link=Link(bandwidth=300e9, latency=3e-6),
+        intra_node_link=Link(bandwidth=12 * 20.0e9, latency=3e-6),
         inter_node_link=Link(bandwidth=25e9, latency=10e-6),
     ),
     # NVIDIA H200 SXM 141GB datasheet: the H100's GH100 die, so the same dense peaks
     # (BF16/FP16 989 TF; TF32 494.5 TF, used for float32; the datasheet's 1,979 / 989 TF
     # are with sparsity); HBM3e 141 GB at 4.8 TB/s (141 GB is, like the H100's 80 GB,
-    # GiB-sized: nvidia-smi shows ~140 GiB); NVLink 4 900 GB/s total = 450 GB/s per
-    # direction; 400 Gb/s InfiniBand NDR per GPU = 50 GB/s. Latencies as for the H100.
+    # GiB-sized: nvidia-smi shows ~140 GiB); NVLink 4 as the H100 (NVLINK_4_NCCL);
+    # 400 Gb/s InfiniBand NDR per GPU = 50 GB/s. Latencies as for the H100.
     "h200": Hardware(
         name="h200",
         peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},
         memory_bytes=141 * GiB,
         memory_bandwidth=4.8e12,
-        intra_node_link=Link(bandwidth=450e9, latency=3e-6),
+        intra_node_link=Link(bandwidth=NVLINK_4_NCCL, latency=3e-6),
         inter_node_link=Link(bandwidth=50e9, latency=10e-6),
         # Measured 2026-11-27 on one H200, torch 2.11 (docs/gpu-results.md): one step of
         # benchmarks/gpu_step.py's 0.886B Llama (bf16-mixed, AdamW, 4 x 2048 tokens) against this cost

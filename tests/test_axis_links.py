@@ -17,7 +17,7 @@ def test_tp_of_8_last_is_inside_a_node_and_dp_of_64_across():
     links = cm.axis_links(axes, H100)
     assert links == {"dp": H100.inter_node_link, "tp": H100.intra_node_link}
     d = cm.describe_links(axes, H100, links)
-    assert d["tp"] == {"reach": "inside", "bandwidth": 450e9, "latency": 3e-6, "given": False}
+    assert d["tp"] == {"reach": "inside", "bandwidth": 370.8e9, "latency": 3e-6, "given": False}
     assert d["dp"]["reach"] == "across" and d["dp"]["bandwidth"] == 50e9 and not d["dp"]["given"]
 
 
@@ -50,19 +50,19 @@ def _plan(**options):
 def test_print_plan_names_each_axis_link_and_json_keeps_it():
     plan = _plan(strategy="fsdp+tp")
     assert plan.links["tp"]["reach"] == "inside" and plan.links["dp"]["reach"] == "across"
-    assert "links: tp inside a node (450 GB/s), dp across nodes (50 GB/s)" in str(plan)
+    assert "links: tp inside a node (371 GB/s), dp across nodes (50 GB/s)" in str(plan)
     back = autopar.Plan.from_json(plan.to_json())
     assert back.links == plan.links and back == plan
-    assert "links: tp inside a node (450 GB/s), dp across nodes (50 GB/s)" in str(back)
+    assert "links: tp inside a node (371 GB/s), dp across nodes (50 GB/s)" in str(back)
 
 
 def test_print_plan_says_when_a_link_was_given():
     plan = _plan(strategy="fsdp+tp", links={"dp": cm.Link(1e9, 5e-4)})
-    assert "links: tp inside a node (450 GB/s), dp at the link given for it (1 GB/s)" in str(plan)
+    assert "links: tp inside a node (371 GB/s), dp at the link given for it (1 GB/s)" in str(plan)
 
 
 def test_axes_sharing_a_link_are_named_together():
     torch.manual_seed(0)
     plan = autopar.plan(MLP([8, 16, 8]), (torch.randn(8, 8),), {"pp": 2, "dp": 2, "tp": 2}, hardware="h100",
                         strategy="fsdp")
-    assert "links: tp, dp and pp inside a node (450 GB/s)" in str(plan)
+    assert "links: tp, dp and pp inside a node (371 GB/s)" in str(plan)

@@ -108,7 +108,7 @@ def test_flops_per_second_fallbacks():
 
 def test_presets_figures():
     assert H100.memory_bytes == 80 * 2**30
-    assert H100.intra_node_link.bandwidth == 450e9 and H100.inter_node_link.bandwidth == 50e9
+    assert H100.intra_node_link.bandwidth == 18 * 20.6e9 and H100.inter_node_link.bandwidth == 50e9   # NCCL's NVLink 4
     a100 = cm.PRESETS["a100"]
     assert a100.flops_per_second("float32") == 156e12 and a100.memory_bandwidth == 2.039e12
     cpu = cm.PRESETS["cpu"]
@@ -141,7 +141,7 @@ def test_h200_preset_figures():
     assert h200.flops_per_second("bfloat16") == h200.flops_per_second("float16") == 989e12
     assert h200.flops_per_second("float32") == 494.5e12          # TF32 tensor cores
     assert h200.memory_bytes == 141 * 2**30 and h200.memory_bandwidth == 4.8e12
-    assert h200.intra_node_link == H100.intra_node_link           # NVLink 4: 450 GB/s per direction
+    assert h200.intra_node_link == H100.intra_node_link           # NVLink 4: 370.8 GB/s per direction by NCCL
     assert h200.inter_node_link.bandwidth == 50e9                 # 400 Gb/s InfiniBand
     assert h200.devices_per_node == 8
 
@@ -304,3 +304,40 @@ def test_a_compiled_step_keeps_the_fused_share_of_the_memory_bound_ops():
     assert 0 < memory_bound < none.compute_time   # the GPT has matmuls too
     assert half.compiled_step_time == pytest.approx(half.step_time - memory_bound / 2)
     assert half.step_time == pytest.approx(none.step_time) and half.optimizer_time == none.optimizer_time
+
+
+def test_the_fused_time_says_which_part_of_the_model_saves_it():
+    """Predicted.fused_time splits the compiled saving by region (cost/predict.COMPILE_REGIONS), so a job that
+    compiles only its transformer blocks, as torchtitan does, reads its own saving: the blocks' share grows with
+    the number of blocks, the head's (final norm, output, the loss in the graph) does not, and the regions sum
+    to step_time - compiled_step_time, also through the plan's JSON."""
+    import torch
+
+    import autopar
+    from autopar.testing import GPT, GPTConfig, gpt_loss
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, n_layer):
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
+
+        def forward(self, idx, targets):
+            return gpt_loss(self.gpt(idx), targets)
+
+    idx = torch.randint(0, 64, (4, 16))
+    fused = {}
+    for n_layer in (2, 4):
+        plan = autopar.plan(WithLoss(n_layer), (idx, idx.clone()), {"dp": 2}, hardware=H100, strategy="ddp")
+        p = plan.predicted
+        assert set(p.fused_time) == {"blocks", "head", "other"}
+        assert sum(p.fused_time.values()) == pytest.approx(p.step_time - p.compiled_step_time)
+        assert autopar.Plan.from_json(plan.to_json()).predicted.fused_time == pytest.approx(p.fused_time)
+        fused[n_layer] = p.fused_time
+    assert fused[2]["head"] > 0 and fused[2]["blocks"] > 0
+    assert fused[4]["blocks"] == pytest.approx(2 * fused[2]["blocks"])
+    assert fused[4]["head"] == pytest.approx(fused[2]["head"]) and fused[4]["other"] == pytest.approx(fused[2]["other"])
+    # a model without repeated blocks has no blocks to compile
+    lone = autopar.plan(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()), (torch.randn(8, 32),),
+                        {"dp": 2}, hardware=H100, strategy="ddp").predicted
+    assert lone.fused_time["blocks"] == 0 and lone.fused_time["other"] > 0

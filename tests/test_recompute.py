@@ -142,3 +142,19 @@ def test_a_region_of_ops_reading_only_from_outside_is_still_checkpointed():
     core = g.call_function(torch.add, (shared, shared))
     g.output((shared, g.call_function(torch.mul, (shared, core))))
     assert _hoist_shared(g, [shared, core]) == [core]
+
+
+def test_a_checkpointed_fsdp_blocks_backward_holds_its_gathered_layers_beside_its_rerun():
+    """Backward reruns a checkpointed block with its FSDP layer gathered again and the next one prefetched
+    (runtime/reduction/layer_groups.py): the working set then is the block's recomputed activations plus those
+    layers. It was once priced as the activations alone, under-counting a 405B plan by 1.6 GB. Here the blocks'
+    activations outweigh any forward op's working set, so only that term can tell the two strategies apart."""
+    from autopar.testing.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=64, block_size=64))
+    x = torch.randint(0, 64, (64, 64))
+    layer = sum(p.numel() * p.element_size() for p in model.h[1].parameters())
+    transient = {s: autopar.plan(model, (x,), {"dp": 2}, hardware="h100", strategy=s, checkpointing="full",
+                                 time_limit=None).predicted.memory.transient for s in ("ddp", "fsdp")}
+    # its own layer and the one prefetched, each whole on every rank
+    assert transient["fsdp"] - transient["ddp"] >= 2 * layer, (transient, layer)

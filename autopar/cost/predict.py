@@ -13,6 +13,7 @@ import sympy
 
 import cost_models as cm
 
+from ..capture.blocks import block_nodes
 from ..capture.export import BUFFER, INPUT, OP, PARAM
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, gathers_again, plan_steps
@@ -101,6 +102,9 @@ class Predicted:
     # step_time under torch.compile: the memory-bound ops' time scaled by the hardware's
     # compiled_memory_fraction (inductor fuses them); the optimizer runs outside the compiled module
     compiled_step_time: object = 0
+    # where that saving comes from (COMPILE_REGIONS -> seconds; step_time - compiled_step_time in all): a job
+    # that compiles only part of the model, as torchtitan compiles each transformer block, saves its regions'
+    fused_time: dict = field(default_factory=dict)
 
     @property
     def hidden_comm_time(self) -> dict:
@@ -137,10 +141,11 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     total_mem = params + master + grads + opt + acts + transient
     mem = Memory(num(params), num(grads), num(opt), num(acts), num(transient), num(total_mem), num(master))
     step = compute + optimizer_time + sum(exposed.values())
-    fused_away = (1 - prob.hardware.compiled_memory_fraction) * memory_bound
+    fused = {region: (1 - prob.hardware.compiled_memory_fraction) * t for region, t in memory_bound.items()}
     pred = Predicted(mem, {a: num(v) for a, v in comm_bytes.items()}, {a: num(v) for a, v in comm_time.items()},
                      num(compute), num(step), {k: num(v) for k, v in by_kind.items()},
-                     {a: num(v) for a, v in exposed.items()}, num(optimizer_time), num(step - fused_away))
+                     {a: num(v) for a, v in exposed.items()}, num(optimizer_time), num(step - sum(fused.values())),
+                     {region: num(t) for region, t in fused.items()})
     return pred, colls
 
 
@@ -246,19 +251,21 @@ def _state_terms(prob, choice, symbolic: bool):
 
 
 def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
-    """Activation bytes kept for backward, compute seconds of all ops (recomputed ops twice forward) and of
-    the memory-bound ones among them, and each op's seconds at the example's sizes (a number: the overlap
-    model orders by it)."""
+    """Activation bytes kept for backward, compute seconds of all ops (recomputed ops twice forward), those of
+    the memory-bound ones among them per compile region (compile_regions), and each op's seconds at the
+    example's sizes (a number: the overlap model orders by it)."""
     cap = prob.cap
-    op_terms: dict = {}   # kind of op -> [activation bytes, compute time, how many, seconds at the example's sizes]
+    op_terms: dict = {}   # kind of op -> [activation bytes, compute time, how many, seconds at the example's sizes,
+    #                       memory-bound, compile region]
     times: dict = {}
+    regions = compile_regions(prob)
     for name, ns in prob.strategies.items():
         if cap.info[name].kind not in (OP, INPUT):
             continue
         s = ns.strategies[choice[name]]
         # repeats of a block's op cost alike: price each kind once, count how many (80 layers
         # of sympy sums would otherwise dominate the planning time)
-        key = (prob.canonical.get(name, name), choice[name], charge_key(saved, name), name in rerun)
+        key = (prob.canonical.get(name, name), choice[name], charge_key(saved, name), name in rerun, regions[name])
         if key not in op_terms:
             a = activation_bytes(name, cap, s.output, prob.mesh, saved, symbolic, strategy=s)
             t = node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, symbolic)
@@ -268,13 +275,34 @@ def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
             t_num = float(node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, False)) \
                 if symbolic else t
             op_terms[key] = [a, t, 0, t_num + t_num / cm.TRAIN_FLOPS_FACTOR if symbolic and name in rerun else t_num,
-                             is_memory_bound(cap.node(name))]
+                             is_memory_bound(cap.node(name)), regions[name]]
         op_terms[key][2] += 1
         times[name] = op_terms[key][3]
-    acts = 0 + sum(n * a for a, _, n, _, _ in op_terms.values())
-    compute = 0 + sum(n * t for _, t, n, _, _ in op_terms.values())
-    memory_bound = 0 + sum(n * t for _, t, n, _, bound in op_terms.values() if bound)
+    acts = 0 + sum(n * a for a, _, n, _, _, _ in op_terms.values())
+    compute = 0 + sum(n * t for _, t, n, _, _, _ in op_terms.values())
+    memory_bound = {region: 0 + sum(n * t for _, t, n, _, bound, r in op_terms.values() if bound and r == region)
+                    for region in COMPILE_REGIONS}
     return acts, compute, memory_bound, times
+
+
+# Where an op sits for a job that compiles only part of the model (Predicted.fused_time): inside a stack of
+# repeated blocks (torchtitan compiles each transformer block), after the last of them (the head: final norm,
+# output projection, a loss in the graph), or elsewhere (the embeddings; everything, in a model without blocks).
+COMPILE_REGIONS = ("blocks", "head", "other")
+
+
+def compile_regions(prob) -> dict:
+    """Op or input node -> its compile region (COMPILE_REGIONS), once per problem."""
+    found = prob.node_cost_cache.get(("compile regions",))
+    if found is None:
+        stacks = [blocks for blocks in block_nodes(prob.cap).values() if len(blocks) >= 2]
+        in_blocks = {n.name for blocks in stacks for nodes in blocks.values() for n in nodes}
+        order = [n.name for n in prob.cap.graph.nodes]
+        last = max((i for i, name in enumerate(order) if name in in_blocks), default=len(order))
+        found = {name: "blocks" if name in in_blocks else "head" if i > last else "other"
+                 for i, name in enumerate(order)}
+        prob.node_cost_cache[("compile regions",)] = found
+    return found
 
 
 def _op_collectives(prob, choice, rerun: set, symbolic: bool) -> list[Collective]:
@@ -356,6 +384,13 @@ def transient_bytes(prob, choice, groups, stacks, symbolic: bool, zero_hold=0):
                                    prob.saved, symbolic, strategy=prob.strategies[n].strategies[choice[n]])
                   for n in st.blocks[0] if n in prob.strategies)
               for st in stacks]
+    if stacks and not prob.pipelined:
+        # the block's rerun gathers its FSDP layer again, with the next one prefetched, beside what it
+        # recomputes: the most of those gathered at any of its ops, as forward holds them there
+        layers = _gathered_layers(prob, groups, layer_members(prob, groups))
+        position = {point: i for i, (point, _) in enumerate(prob.live)}
+        blocks = [b + max([layers[position[n]] for n in st.blocks[0] if n in position], default=0)
+                  for b, st in zip(blocks, stacks)]
     if not symbolic:
         return max([transient, start, *blocks])
     for x in [start, *blocks]:

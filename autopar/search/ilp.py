@@ -469,7 +469,7 @@ def _zero_bucket_rows(prob: Problem, ilp: _ILP, xvars) -> int | None:
     return hold
 
 
-def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) -> None:
+def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int, layers: list) -> None:
     """Every block of `stacks` checkpointed: activation bytes change by D(x) (negative where it saves;
     the tensors a checkpoint holds are charged to their producers), time grows by one more forward
     of each block's ops up to the last that keeps a tensor (the collectives before them are priced
@@ -503,7 +503,15 @@ def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int) ->
                 for s, var in zip(prob.strategies[name].strategies, xvars[name]):
                     if var is not None:
                         block[var] = block.get(var, 0.0) + node_memory(prob, name, s) * MEM_SCALE
-        ilp.row({transient: 1.0, **{v: -b for v, b in block.items() if b}}, 0.0, np.inf)
+        # the rerun gathers the block's FSDP layer again beside what it recomputes (cost/predict.transient_bytes):
+        # one row per set of layers gathered at one of its ops (`layers`: gathered_layers, shared dicts)
+        position = {point: i for i, (point, _) in enumerate(prob.live)} if layers else {}
+        held = {id(d): d for d in (layers[position[n]] for n in st.blocks[0] if n in position)}
+        for gathered in list(held.values()) or [{}]:
+            row = {v: -b for v, b in block.items() if b}
+            for v, mib in gathered.items():
+                row[v] = row.get(v, 0.0) - mib
+            ilp.row({transient: 1.0, **row}, 0.0, np.inf)
 
 
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None = 60.0,
@@ -608,7 +616,7 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     layers = [] if prob.pipelined else gathered_layers(prob, by_weight)
     _transient_rows(prob, ilp, xvars, gathered_at, transient, layers)
     _backward_start_rows(prob, ilp, xvars, transient, _zero_bucket_rows(prob, ilp, xvars))
-    _recompute_terms(prob, stacks, ilp, xvars, transient)
+    _recompute_terms(prob, stacks, ilp, xvars, transient, layers)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
         mem = np.asarray(ilp.mem, dtype=float)
