@@ -7,13 +7,17 @@
 #   tests     tests/test_cuda.py: the whole-model equivalence tests on CUDA tensors
 #   shape2    the step benchmark at another shape (2 x 4096 tokens: attention's share doubles), eager and
 #             autopar eager, autopar compiled: the presets' efficiencies were fitted at 4 x 2048, checked here
+#   published benchmarks/gpu_published_shape.py: torchtitan's Llama 3 8B per-GPU job (2 x 8192 tokens, FSDP2 bf16
+#             mixed precision on one rank, per-op selective AC) cut to PUBLISHED_LAYERS layers (default 4: ~53 GiB
+#             predicted), per-op eager and compiled, full AC: measured step, max allocated and max reserved against
+#             autopar's prediction (docs/published-runs.md's three open gaps)
 # SECTIONS picks some (default all); SIDES, COMPILE_SIDES, STEPS, ROUNDS shape the step benchmark.
 # (benchmarks/runtime_overhead.py --model 1b runs across GPUs where a machine has several.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_check}"; mkdir -p "$out"
 export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-sections="${SECTIONS:-kernels step tests shape2}"
+sections="${SECTIONS:-kernels step tests shape2 published}"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name(0), torch.cuda.device_count(), 'GPUs')"
 quiet() { grep -v -E "Warning|warn\(|^  warnings|USDT|^$" ; }
@@ -34,4 +38,8 @@ if [[ " $sections " == *" shape2 "* ]]; then
     timeout "${SHAPE2_TIMEOUT:-120}" python3 benchmarks/gpu_step.py --batch 2 --seq 4096 --sides eager,autopar-auto \
         --compile-sides autopar-auto --steps 5 --rounds 2 2>&1 | tee "$out/gpu_step_2x4096.log" | quiet \
         | grep "^|\|^[0-9a-zA-Z]" | grep -v "^\[rank"
+fi
+if [[ " $sections " == *" published "* ]]; then
+    timeout "${PUBLISHED_TIMEOUT:-240}" python3 benchmarks/gpu_published_shape.py --layers "${PUBLISHED_LAYERS:-4}" \
+        2>&1 | tee "$out/gpu_published_shape.log" | quiet | grep -v "^\[rank\|^[WI][0-9]\{4\} "
 fi
