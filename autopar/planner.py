@@ -224,7 +224,9 @@ def _base_problem(cap: Captured, env: Request, checkpointing: str):
     spec = env.spec
     policy, opt = precision_of(env.options.precision), optimizer_spec(env.options.optimizer)
     # bytes from the dtype the model holds a parameter in: a graph traced at the compute dtype shows that one
-    param_bytes = {n: param_bytes_of(policy, opt, cap.param_dtypes.get(i.target_name, first_meta(i.meta).dtype))
+    # and a frozen one (Captured.frozen_params) has no gradient and no optimizer state
+    param_bytes = {n: param_bytes_of(policy, opt, cap.param_dtypes.get(i.target_name, first_meta(i.meta).dtype),
+                                     trainable=i.target_name not in cap.frozen_params)
                    for n, i in cap.info.items() if i.kind == PARAM}
     # the graph must be the one that runs: traced at the compute dtype (capture/compute_dtype.py)
     traced = {first_meta(i.meta).dtype for i in cap.info.values()

@@ -68,6 +68,9 @@ class Captured:
     # dtype the model holds each parameter in (by name), which a policy's master copy defaults to
     compute_dtype: Any = None
     param_dtypes: dict = field(default_factory=dict)
+    # the parameters (by name) the model did not train when captured (requires_grad False): they take no
+    # gradient, no optimizer state and no gradient reduction (compute_dtype.at_compute_dtype records them)
+    frozen_params: frozenset = frozenset()
 
     def nodes(self):
         return self.graph.nodes

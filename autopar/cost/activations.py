@@ -59,7 +59,6 @@ def _no_grad_region(node: fx.Node) -> bool:
 
 def requires_grad(cap: Captured) -> set[str]:
     """Nodes whose output requires grad: floating, downstream of a trainable parameter."""
-    state = cap.exported.state_dict
     out = set()
     for node in cap.graph.nodes:
         info = cap.info[node.name]
@@ -67,8 +66,7 @@ def requires_grad(cap: Captured) -> set[str]:
         if m is None or not m.dtype.is_floating_point:
             continue
         if info.kind == PARAM:
-            p = state.get(info.target_name)
-            if p is None or p.requires_grad:
+            if info.target_name not in cap.frozen_params:
                 out.add(node.name)
         elif node.op == "call_function" and not _no_grad_region(node) and any(
                 a.name in out for a in node.all_input_nodes):

@@ -62,14 +62,14 @@ def saved_outputs(cap: Captured, hardware) -> ActivationModel:
 
 
 def needs_grad(cap: Captured) -> set[str]:
-    """Nodes through which a gradient flows back (downstream of a floating parameter)."""
+    """Nodes through which a gradient flows back (downstream of a floating parameter the model trains)."""
     out = set()
     for node in cap.graph.nodes:
         info = cap.info[node.name]
         m = first_meta(info.meta)
         floating = m is not None and m.dtype.is_floating_point
         if info.kind == PARAM:
-            if floating:
+            if floating and info.target_name not in cap.frozen_params:
                 out.add(node.name)
         elif node.op == "call_function" and floating and any(a.name in out for a in node.all_input_nodes):
             out.add(node.name)

@@ -84,6 +84,8 @@ class ParallelModule(torch.nn.Module):
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
         self._told_uncounted = False   # whether a compiled call warned of the re-gathers record_comm misses
         self._zero_checks = ZeroGradientChecks(self)
+        # weights frozen when captured: the graph reduces no gradient of theirs (cost/terms.needs_grad)
+        self._frozen = sorted(n for n, _ in self.store.named_parameters() if n in cap.frozen_params)
         serve_layer_groups(self, [gathered] + ([other_mode.gathered] if other_graph is not None else []))
         self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
 
@@ -229,6 +231,11 @@ class ParallelModule(torch.nn.Module):
 
     def _graph_for_mode(self):
         """The local graph for the current mode: dropout and the like were traced in one mode."""
+        thawed = [n for n in self._frozen if self.store.get_parameter(n).requires_grad]
+        if thawed:   # its gradient would go unreduced: a silent wrong gradient
+            raise PlanError(f"parameter {thawed[0]!r}{f' and {len(thawed) - 1} more' if len(thawed) > 1 else ''} "
+                            f"did not require grad when the model was parallelized, so the module reduces no "
+                            f"gradient of it; set requires_grad before autopar.parallelize (freezing after is fine)")
         if self.training == self._captured_training or self._other_mode is None:
             return self.graph_module, self.gathered
         if self._other_mode.refused is not None:

@@ -1,0 +1,84 @@
+"""Parameters frozen before parallelize (requires_grad False, as when fine-tuning a model's top or keeping its
+embeddings): they take no gradient, no optimizer state and no gradient reduction, in the plan's prediction and in
+the run, and the rest trains as on one device. A weight frozen when parallelized and thawed after is refused: the
+module reduces no gradient of it, so its gradient would be silently wrong.
+
+Before, the plan priced every floating weight as trained (a frozen GPT's gradients and optimizer state predicted
+at twice what the run allocated, and its gradient reductions that never ran)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.testing import gpt_loss, run_threaded
+from autopar.testing.harness import audit_rows, check_runs_against_one_device, parallel_records
+from autopar.testing.models import seeded_gpt
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.5), "adamw": (torch.optim.AdamW, 1e-3)}
+
+
+def _frozen_gpt(n_layer: int = 4):
+    """seeded_gpt with its embeddings and its first two blocks frozen."""
+    model, x, y = seeded_gpt(n_layer=n_layer)
+    for m in (model.wte, model.wpe, model.h[0], model.h[1]):
+        m.requires_grad_(False)
+    return model, x, y
+
+
+def _frozen_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+
+
+def test_a_frozen_weight_is_priced_without_gradient_or_optimizer_state():
+    model, x, _ = _frozen_gpt()
+    trained, _, _ = seeded_gpt(n_layer=4)
+    frozen = autopar.plan(model, (x,), {"dp": 2}, hardware="cpu", strategy="ddp").predicted.memory
+    whole = autopar.plan(trained, (x,), {"dp": 2}, hardware="cpu", strategy="ddp").predicted.memory
+    assert frozen.params == whole.params   # still held, whole on each rank under ddp
+    assert frozen.grads == whole.grads - _frozen_bytes(model)
+    assert frozen.optimizer == whole.optimizer - 2 * _frozen_bytes(model)   # AdamW: two fp32 states
+
+
+@pytest.mark.parametrize("strategy, checkpointing", [("ddp", "none"), ("fsdp", "none"), ("fsdp", "full"),
+                                                     ("tp", "none")])
+def test_the_run_allocates_and_moves_what_the_plan_predicts(strategy, checkpointing):
+    """autopar.audit on 2 ranks: gradients, optimizer state and the bytes on the axis as predicted. Under fsdp with
+    full recompute the frozen blocks' checkpoints never rerun (nothing in them needs a gradient), so backward
+    gathers their layers for nothing: none is priced, and none may be launched."""
+    model, x, _ = _frozen_gpt()
+    axis = "tp" if strategy == "tp" else "dp"
+    for rank, (rows, plan) in enumerate(run_threaded(2, audit_rows, model, x, (2,), (axis,),
+                                                     {"strategy": strategy, "checkpointing": checkpointing})):
+        for quantity in ("gradients", "optimizer state", "parameters", f"comm bytes on {axis}"):
+            predicted, measured = rows[quantity]
+            assert measured == predicted, f"rank {rank} {quantity}: predicted {predicted}, measured {measured}"
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", [("ddp", (3,)), ("fsdp", (2,)), ("fsdp+tp", (2, 2))])
+def test_a_partly_frozen_model_trains_as_one_device(strategy, mesh_shape):
+    """SGD and AdamW, 3 steps: the trained weights' values, every gradient (the frozen ones have none, as on one
+    device) and the bytes each axis moved, against one device."""
+    model, x, y = _frozen_gpt()
+    names = ("a", "b")[:len(mesh_shape)]
+    world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1)
+    x, y = x.repeat(3, 1), y.repeat(3, 1)   # 12 sequences: every mesh here splits them evenly
+    records = run_threaded(world, parallel_records, model, mesh_shape, names, x, y, gpt_loss, OPTIMIZERS, 3,
+                           {"strategy": strategy, "hardware": "cpu", "checkpointing": "full"}, timeout=300)
+    check_runs_against_one_device(model, x, y, gpt_loss, records, OPTIMIZERS)
+
+
+def _thawed_forward(rank, model, x):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(model, mesh, (x,), hardware="cpu", strategy="ddp")
+    pm(*pm.plan.local_inputs(x))   # frozen as captured: runs
+    next(p for n, p in pm.named_parameters() if n.startswith("h.0.")).requires_grad_(True)
+    with pytest.raises(autopar.PlanError, match="did not require grad when the model was parallelized"):
+        pm(*pm.plan.local_inputs(x))
+    return True
+
+
+def test_a_weight_thawed_after_parallelize_is_refused():
+    model, x, _ = _frozen_gpt()
+    assert all(run_threaded(2, _thawed_forward, model, x))
