@@ -19,7 +19,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
+import numpy as np
 import torch
 
 import cost_models as cm
@@ -34,7 +36,7 @@ from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time,
                           regather_saving, zero_collectives)
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective
-from .pipeline import IDLE_SHARE, PipelinePlan, device_activations
+from .pipeline import IDLE_SHARE, INTERLEAVED, PipelinePlan, _interleaved_alive, device_activations
 
 
 @dataclass
@@ -50,9 +52,25 @@ class OpCosts:
     step_parts: list          # per op: ({axis: comm bytes}, {axis: comm s}) once per step (module docstring)
 
     @functools.cached_property
+    def memo(self) -> dict:
+        """What the stage cut derives from these costs once for every stage count it tries
+        (stage_partition._cut_table)."""
+        return {}
+
+    @functools.cached_property
     def position(self) -> dict:
         """Op name -> its position in `order` (asked for every device of every cut tried)."""
         return {n: i for i, n in enumerate(self.order)}
+
+    @functools.cached_property
+    def read_index(self) -> tuple:
+        """(the weights with state_parts that some op reads, in the order of `users`; every (reader position,
+        index of its weight) pair as two arrays; each weight's state_parts), for _device_state."""
+        names = [name for name, readers in self.users.items() if readers and name in self.state_parts]
+        readers = [r for name in names for r in self.users[name]]
+        weight = [k for k, name in enumerate(names) for _ in self.users[name]]
+        return (names, np.asarray(readers, dtype=np.int64), np.asarray(weight, dtype=np.int64),
+                [self.state_parts[name] for name in names])
 
     @functools.cached_property
     def weights_read(self) -> dict:
@@ -82,6 +100,11 @@ class OpBasis:
     colls: list          # per group: its collectives but the all-reduces the buckets do, as priced ...
     colls_inside: list   # ... and inside one recomputed region (no backward re-gather)
     crossing: list       # per cut position: bytes crossing (_crossing_bytes), before blocks forbid cuts
+
+    @functools.cached_property
+    def memo(self) -> dict:
+        """What op_costs finds once for both ways of holding weights (_recomputed), and each collective's price."""
+        return {}
 
 
 def op_basis(prob, choice, groups) -> OpBasis:
@@ -131,13 +154,21 @@ def _redistribution(prob, r, deferred: dict) -> list:
             if not (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in deferred.get(c.tensor, ()))]
 
 
-def _charge(prob, parts: tuple, colls) -> None:
-    """Adds each collective's bytes and seconds to `parts` ({axis: bytes}, {axis: s}), one at a time."""
+def _charge(prob, parts: tuple, colls, priced: dict | None = None) -> None:
+    """Adds each collective's bytes and seconds to `parts` ({axis: bytes}, {axis: s}), one at a time. `priced`:
+    a memo of each collective's (axis name, bytes, seconds), by id (the collective kept alive in it)."""
     by, secs = parts
     for c in colls:
-        a = prob.mesh.axis_names[c.axis]
-        by[a] += float(collectives_bytes([c], prob.mesh)[a])
-        secs[a] += float(collectives_time([c], prob.mesh, prob.links))
+        got = priced.get(id(c)) if priced is not None else None
+        if got is None:
+            a = prob.mesh.axis_names[c.axis]
+            got = (c, a, float(collectives_bytes([c], prob.mesh)[a]), float(collectives_time([c], prob.mesh,
+                                                                                               prob.links)))
+            if priced is not None:
+                priced[id(c)] = got
+        _, a, b, t = got
+        by[a] += b
+        secs[a] += t
 
 
 def op_costs(prob, basis: OpBasis, held: bool = False, stacks=()) -> OpCosts:
@@ -145,7 +176,63 @@ def op_costs(prob, basis: OpBasis, held: bool = False, stacks=()) -> OpCosts:
     them), what crosses a cut at each point of the graph, and the collectives each op's weights pay once per
     step. `held`: FSDP weights are gathered once per step and held whole across the microbatches (prob prices
     them resharded). `stacks`: the CheckpointStacks whose blocks recompute: their ops keep what the checkpoint
-    keeps, and the ops backward reruns pay their forward (compute and collectives) again."""
+    keeps, and the ops backward reruns pay their forward (compute and collectives) again.
+
+    What does not depend on `held` is found once per set of stacks (_recomputed); an op that runs no collective
+    shares one pair of empty {axis: 0} maps (read, never written)."""
+    cap, mesh = prob.cap, prob.mesh
+    order = basis.order
+    rec = _recomputed(prob, basis, stacks)
+    per_microbatch = {i: (dict(b), dict(t)) for i, (b, t) in rec.own.items()}   # op position -> its charges
+    once = list(basis.step_parts)   # copied where charged
+    state_parts = dict(basis.state_parts)
+    priced = basis.memo.setdefault("priced", {})
+    for r, first, plain, inside_colls, inside in zip(basis.groups, basis.first, basis.colls, basis.colls_inside,
+                                                     rec.inside):
+        # the recompute gathers a weight again rather than a backward re-gather (predict._redistributions)
+        colls = inside_colls if inside else plain
+        # a held weight is gathered once per step, before the schedule; a checkpointed block reads it whole, in
+        # forward and in its rerun alike (runtime/pipeline/held_weights.py)
+        held_weight = held and cap.info[r.producer].kind == PARAM and any(
+            c.kind == ALL_GATHER and c.phase == "forward" for c in colls)
+        if inside and order[first] in rec.passed and not held_weight:   # a rerun block runs its forward
+            colls = colls + [c for c in colls if c.phase == "forward"]   # redistributions again
+        if held_weight:
+            colls = _held(colls, state_parts, r.producer)
+            gathers = [c for c in colls if c.kind in (ALL_GATHER, REDUCE_SCATTER)]
+            if gathers:
+                b, t = once[first]
+                once[first] = (dict(b), dict(t)) if once[first] is basis.step_parts[first] else once[first]
+                _charge(prob, once[first], gathers, priced)
+            colls = [c for c in colls if c.kind not in (ALL_GATHER, REDUCE_SCATTER)]
+        if colls:
+            if first not in per_microbatch:
+                per_microbatch[first] = (dict.fromkeys(mesh.axis_names, 0.0), dict.fromkeys(mesh.axis_names, 0.0))
+            _charge(prob, per_microbatch[first], colls, priced)
+    zero = _zero_parts(mesh)
+    pairs = [per_microbatch.get(i, zero) for i in range(len(order))]
+    compute = rec.compute
+    time = [compute[i] + sum(pairs[i][1].values()) for i in range(len(order))]
+    parts = [(compute[i], *pairs[i]) for i in range(len(order))]
+    return OpCosts(order, time, list(rec.acts), basis.users, list(rec.crossing), parts, state_parts, once)
+
+
+@dataclass
+class _Recomputed:
+    """What op_costs finds alike for held weights or not, per set of stacks recomputed."""
+    compute: list     # per op: its compute, again for a third where backward reruns it
+    acts: list        # per op: bytes kept for backward
+    own: dict         # op position -> ({axis: bytes}, {axis: s}) of the collectives it runs itself, where it runs any
+    inside: list      # per group of basis.groups: its consumers are inside one recomputed region
+    passed: set       # the ops backward's rerun passes
+    crossing: list    # per cut position: bytes crossing, inf inside a checkpointed block
+
+
+def _recomputed(prob, basis: OpBasis, stacks) -> _Recomputed:
+    key = ("recomputed", tuple(st.key for st in stacks))
+    got = basis.memo.get(key)
+    if got is not None:
+        return got
     cap, mesh = prob.cap, prob.mesh
     order, pos, strategy = basis.order, basis.pos, basis.strategy
     saved = checkpoint_model(prob, tuple(st.key for st in stacks)) if stacks else prob.saved
@@ -154,9 +241,8 @@ def op_costs(prob, basis: OpBasis, held: bool = False, stacks=()) -> OpCosts:
     region_of = {n: (st.path, i) for st in stacks for i, block in enumerate(st.blocks) for n in block}
     compute = list(basis.compute)
     acts = [0.0] * len(order)
-    per_microbatch = [(dict.fromkeys(mesh.axis_names, 0.0), dict.fromkeys(mesh.axis_names, 0.0)) for _ in order]
-    once = [(dict(b), dict(t)) for b, t in basis.step_parts]
-    state_parts = dict(basis.state_parts)
+    own_parts = {}
+    priced = basis.memo.setdefault("priced", {})
     for name, s in strategy.items():
         info = cap.info[name]
         if info.kind == OP and name in pos:
@@ -166,25 +252,15 @@ def op_costs(prob, basis: OpBasis, held: bool = False, stacks=()) -> OpCosts:
             if name in rerun:   # backward runs its forward again: a third more compute, its forward collectives
                 compute[i] += compute[i] / cm.TRAIN_FLOPS_FACTOR
                 own = own + [c for c in own if c.phase == "forward"]
-            _charge(prob, per_microbatch[i], own)
+            if own:
+                own_parts[i] = (dict.fromkeys(mesh.axis_names, 0.0), dict.fromkeys(mesh.axis_names, 0.0))
+                _charge(prob, own_parts[i], own, priced)
         elif info.kind == INPUT:
             acts[0] += float(activation_bytes(name, cap, s.output, mesh, saved)) if order else 0.0
-    for r, first, plain, inside_colls in zip(basis.groups, basis.first, basis.colls, basis.colls_inside):
+    inside_of = []
+    for r, first in zip(basis.groups, basis.first):
         regions = {region_of.get(c) for c, _ in r.consumers}
-        inside = len(regions) == 1 and None not in regions
-        # the recompute gathers a weight again rather than a backward re-gather (predict._redistributions)
-        colls = inside_colls if inside else plain
-        # a held weight is gathered once per step, before the schedule; a checkpointed block reads it whole, in
-        # forward and in its rerun alike (runtime/pipeline/held_weights.py)
-        held_weight = held and cap.info[r.producer].kind == PARAM and any(
-            c.kind == ALL_GATHER and c.phase == "forward" for c in colls)
-        if inside and order[first] in passed and not held_weight:   # a rerun block runs its forward
-            colls = colls + [c for c in colls if c.phase == "forward"]   # redistributions again
-        if held_weight:
-            colls = _held(colls, state_parts, r.producer)
-            _charge(prob, once[first], [c for c in colls if c.kind in (ALL_GATHER, REDUCE_SCATTER)])
-            colls = [c for c in colls if c.kind not in (ALL_GATHER, REDUCE_SCATTER)]
-        _charge(prob, per_microbatch[first], colls)
+        inside_of.append(len(regions) == 1 and None not in regions)
         for c, i in r.consumers:   # an activation kept as its shard where it is gathered (sequence parallel)
             if c in pos:
                 acts[pos[c]] += float(regather_saving(cap, saved if prob.regather_activations else None, r.producer, c,
@@ -192,15 +268,20 @@ def op_costs(prob, basis: OpBasis, held: bool = False, stacks=()) -> OpCosts:
         # a reader kept as the all-to-all's new tensor (Ulysses; terms.copied_kept_bytes)
         acts[first] += float(copied_kept_bytes(cap, saved, r.producer, r.consumers, r.src, r.dst, r.grad_partial,
                                                mesh))
-    time = [compute[i] + sum(per_microbatch[i][1].values()) for i in range(len(order))]
-    parts = [(compute[i], *per_microbatch[i]) for i in range(len(order))]
     crossing = list(basis.crossing)
     for st in stacks:   # a checkpointed block runs as one region (runtime/lowering/recompute.py): no cut inside
         for block in st.blocks:
             where = [pos[n] for n in block if n in pos]
             for k in range(min(where, default=0) + 1, max(where, default=0) + 1):
                 crossing[k] = math.inf
-    return OpCosts(order, time, acts, basis.users, crossing, parts, state_parts, once)
+    got = basis.memo[key] = _Recomputed(compute, acts, own_parts, inside_of, passed, crossing)
+    return got
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_parts(mesh) -> tuple:
+    """({axis: 0.0}, {axis: 0.0}), read-only: the per-microbatch charges of an op that runs no collective."""
+    return (MappingProxyType(dict.fromkeys(mesh.axis_names, 0.0)), MappingProxyType(dict.fromkeys(mesh.axis_names, 0.0)))
 
 
 def _bucket_all_reduces(prob, name: str, meta, s, axes) -> list:
@@ -291,12 +372,67 @@ def device_state(costs: OpCosts, idx) -> list:
     return [sum(costs.state_parts[x][k] for x in read) for k in range(5)]
 
 
+def _device_positions(costs: OpCosts, pipe: PipelinePlan, coord: int):
+    """The op positions of the stages the device at `coord` runs: as [start, end) runs where each stage is a run of
+    `order` (as partition cuts them), else as a list."""
+    pos = costs.position
+    runs = []
+    for s in pipe.stages_on(coord):
+        nodes = pipe.stages[s].nodes
+        if not nodes:
+            continue
+        i = pos[nodes[0]]
+        if i + len(nodes) > len(costs.order) or costs.order[i + len(nodes) - 1] != nodes[-1] or \
+                tuple(costs.order[i:i + len(nodes)]) != nodes:
+            return [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
+        runs.append((i, i + len(nodes)))
+    return runs
+
+
+def _device_state(costs: OpCosts, pipe: PipelinePlan, coord: int) -> list:
+    """device_state of the ops of the device at `coord`: the weights any of its runs of ops reads, found with
+    numpy, summed one by one in the order of `users` as device_state sums them."""
+    where = _device_positions(costs, pipe, coord)
+    if where and not isinstance(where[0], tuple):
+        return device_state(costs, where)
+    names, readers, weight, parts = costs.read_index
+    inside = np.zeros(len(costs.order) + 1, dtype=np.int64)
+    for i, j in where:
+        inside[i] += 1
+        inside[j] -= 1
+    covered = np.cumsum(inside) > 0
+    chosen = np.zeros(len(names), dtype=bool)
+    chosen[weight[covered[readers]]] = True
+    read = [parts[k] for k in np.flatnonzero(chosen)]
+    return [sum(x[k] for x in read) for k in range(5)]
+
+
 def device_memory(costs: OpCosts, pipe: PipelinePlan, coord: int, transient: float) -> float:
     """Peak bytes on the device at `coord` of the pipeline axis: the state of every weight its stages read,
     the activations each of its stages keeps in flight at the schedule's peak, and the working set once."""
-    pos = costs.position
-    idx = [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
-    return sum(device_state(costs, idx)[:4]) + device_activations(pipe, coord) + transient
+    return sum(_device_state(costs, pipe, coord)[:4]) + _device_activations(pipe, coord) + transient
+
+
+def _device_activations(pipe: PipelinePlan, coord: int) -> float:
+    """pipeline.device_activations, over the schedule's distinct counts of microbatches in flight only, and of
+    those, where no stage keeps less than nothing, only the counts no other count exceeds on every stage (their
+    sums are the largest: rounding keeps the order of what it rounds)."""
+    if pipe.schedule != INTERLEAVED:
+        return device_activations(pipe, coord)
+    stages = [pipe.stages[s] for s in pipe.stages_on(coord)]
+    every, most = _alive_counts(pipe.num_stages // pipe.stages_per_device, pipe.stages_per_device,
+                                pipe.microbatches, coord)
+    counts = most if all(st.activations >= 0 for st in stages) else every
+    return max(sum(n * st.activations for n, st in zip(alive, stages)) for alive in counts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _alive_counts(p: int, v: int, microbatches: int, rank: int) -> tuple:
+    """(the distinct per-stage counts of microbatches in flight that pipeline._interleaved_alive goes through,
+    those of them no other count exceeds on every stage)."""
+    every = tuple(dict.fromkeys(tuple(a) for a in _interleaved_alive(p, v, microbatches, rank)))
+    most = tuple(a for a in every if not any(b != a and all(x <= y for x, y in zip(a, b)) for b in every))
+    return every, most
 
 
 def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float):
@@ -310,8 +446,8 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
     coord = max(range(p), key=lambda c: device_memory(costs, pipe, c, transient))
     total = device_memory(costs, pipe, coord, transient)
     idx = [pos[x] for s in pipe.stages_on(coord) for x in pipe.stages[s].nodes]
-    params, master, grads, opt, update = device_state(costs, idx)
-    acts = device_activations(pipe, coord)
+    params, master, grads, opt, update = _device_state(costs, pipe, coord)
+    acts = _device_activations(pipe, coord)
     optimizer_time = float(cm.optimizer_time(update, prob.hardware))   # after the schedule, on the busiest device
     comm_bytes = {a: m * sum(costs.parts[i][1][a] for i in idx) + sum(costs.step_parts[i][0][a] for i in idx)
                   for a in mesh.axis_names}

@@ -39,17 +39,16 @@ def partition(prob, costs: OpCosts, *, axis: str, microbatches: int, schedule: s
                             "per device, every other schedule one")
     num_stages = p * v
     spans = _Spans.of(costs, prob.links[axis], schedule, num_stages, microbatches, transient, v)
-    cuts = _cut_points(costs)
+    cuts, table, heads = _cut_table(prob, costs, spans)
     if len(cuts) - 1 < num_stages:
         raise PipelineError(f"the model has {len(cuts) - 1} place(s) where a cut passes few bytes, too few for "
                             f"{num_stages} stages on pipeline axis {axis!r}; use fewer stages")
-    columns = list(_span_columns(spans, cuts))   # the same for every cap
-    paths = [prob.cap.info[x].module_path for x in costs.order]
-    head = {path: _head(path) for path in set(paths)}   # ops share their module's path
-    heads = [head[path] for path in paths]
-    pipe = None
+    pipe, lower, last_cap = None, 0.0, None
     for cap in _stage_caps(memory_limit, transient, v):
-        bounds = _best_bounds(spans, cuts, columns, num_stages, cap)
+        if last_cap is not None and cap > last_cap:
+            lower = 0.0   # a looser cap's cut may be faster: no guess from the last
+        last_cap = cap
+        bounds, lower = _best_bounds(spans, cuts, table, num_stages, cap, lower or 0.0)
         if bounds is None:
             if memory_limit is None or memory_limit >= transient:
                 break   # the caps only tighten, so no cut meets the next either
@@ -65,6 +64,18 @@ def partition(prob, costs: OpCosts, *, axis: str, microbatches: int, schedule: s
                         f"would be about {cm.format_bytes(share)} per device, and layers cannot be split finer "
                         "than the cut points); raise the limit, use 1f1b (fewer microbatches in flight than gpipe "
                         "or interleaving), checkpointing, or more devices")
+
+
+def _cut_table(prob, costs: OpCosts, spans: "_Spans") -> tuple:
+    """(cut points, _span_table of them, per op the _head of its module path) of `costs`, found once for every
+    stage count and cap the planner cuts these costs with (kept on the costs, by the pipeline axis's link)."""
+    memo = costs.memo.get(("cut table", spans.link))
+    if memo is None:
+        cuts = _cut_points(costs)
+        paths = [prob.cap.info[x].module_path for x in costs.order]
+        head = {path: _head(path) for path in set(paths)}   # ops share their module's path
+        memo = costs.memo[("cut table", spans.link)] = (cuts, _span_table(spans, cuts), [head[p] for p in paths])
+    return memo
 
 
 def _stage_caps(memory_limit, transient: float, v: int) -> list:
@@ -124,19 +135,22 @@ class _Spans:
     @staticmethod
     def of(costs: OpCosts, link, schedule: str, num_stages: int, microbatches: int, transient: float,
            stages_per_device: int) -> "_Spans":
-        n = len(costs.order)
-        first_read, shared = [0.0] * n, []
-        for name, parts in costs.state_parts.items():
-            st = sum(parts[:4])   # bytes held; the fifth is what the optimizer step moves
-            readers = costs.users.get(name) or []
-            if readers:
-                first_read[readers[0]] += st
-                if readers[-1] != readers[0]:   # a stage holds its own copy of a weight it reads
-                    shared.append((readers, st))
-        reads = sorted({r for rs in costs.users.values() for r in rs})
-        once = [sum(step_seconds.values()) for _, step_seconds in costs.step_parts]
-        return _Spans(costs, link, schedule, num_stages, microbatches, transient, _prefix(costs.time), _prefix(once),
-                      _prefix(costs.acts), _prefix(first_read), shared, reads, stages_per_device)
+        sums = costs.memo.get("span sums")   # the same for every stage count the costs are cut into
+        if sums is None:
+            n = len(costs.order)
+            first_read, shared = [0.0] * n, []
+            for name, parts in costs.state_parts.items():
+                st = sum(parts[:4])   # bytes held; the fifth is what the optimizer step moves
+                readers = costs.users.get(name) or []
+                if readers:
+                    first_read[readers[0]] += st
+                    if readers[-1] != readers[0]:   # a stage holds its own copy of a weight it reads
+                        shared.append((readers, st))
+            reads = sorted({r for rs in costs.users.values() for r in rs})
+            once = [sum(step_seconds.values()) for _, step_seconds in costs.step_parts]
+            sums = costs.memo["span sums"] = (_prefix(costs.time), _prefix(once), _prefix(costs.acts),
+                                              _prefix(first_read), shared, reads)
+        return _Spans(costs, link, schedule, num_stages, microbatches, transient, *sums, stages_per_device)
 
     @property
     def n(self) -> int:
@@ -167,83 +181,198 @@ class _Spans:
         return self.state(i, j) + kept * self.activations(i, j) + self.transient
 
 
-def _best_bounds(spans: _Spans, cuts: list, columns: list, num_stages: int, memory_limit) -> list | None:
-    """The stage boundaries [0, ..., n] minimising (slowest stage, total time), or None if none fits.
+def _best_bounds(spans: _Spans, cuts: list, table: "_SpanTable", num_stages: int, memory_limit,
+                 lower: float = 0.0) -> tuple:
+    """(the stage boundaries [0, ..., n] minimising (slowest stage, total time), the slowest stage's time), or
+    (None, None) if no cut fits.
 
-    A dynamic program over (stages so far, cut): a stage [i, j) is priced for every stage count s and every
-    earlier cut i at once, an (s, i) array per cut j (numpy; a 126-layer model has ~540 cut points and up to
-    ~110 stages), but the earliest cuts i, from which no stage to j fits. `columns`: _span_columns of the cuts."""
+    A dynamic program over (stages so far, cut): for each stage count s, a stage [i, j) ending at every cut j is
+    priced from every earlier cut i at once (numpy), the least (slowest, total) kept per (s, j), ties to the first
+    i. A 126-layer model has ~540 cut points and up to ~110 stages, so the program looks only at stages no slower
+    than a bound (_program), first `lower` (a guess: the slowest stage of a looser cap's cut) or a tenth over an
+    even share of the time, then larger, up to the slowest stage that fits at all. Within a bound the program's
+    answer is the unbounded one's whenever it finds a cut (_program), so the bounds change the time taken only.
+    `table`: _span_table of the cuts."""
     n = len(cuts)
-    inf = math.inf
-    slowest = np.full((num_stages + 1, n), inf)   # (stages, cut index) -> slowest stage so far
-    total = np.full((num_stages + 1, n), inf)     # ... and the sum of the stages' times, the tie-break
-    prev = np.zeros((num_stages + 1, n), dtype=np.int64)
-    slowest[0, 0] = total[0, 0] = 0.0
     kept = np.array([in_flight(spans.schedule, s, spans.num_stages, spans.microbatches, spans.stages_per_device)
-                     for s in range(num_stages)], dtype=float)[:, None]
-    few, most = kept.min(), kept.max()
-    rows = np.arange(num_stages)
-    for j, (time, state, acts, holds) in enumerate(columns, start=1):
-        # stage s may end at the j-th cut only with a cut for each stage before it and after it, and the last
-        # stage only at the last cut
-        lo, hi = max(1, num_stages - (n - 1 - j)), min(num_stages, j)
-        if cuts[j] == spans.n:
-            lo = max(lo, num_stages)
-        else:
-            hi = min(hi, num_stages - 1)
-        if lo > hi:
-            continue
-        # s - 1 stages end no earlier than cut s - 1, and from the cuts i before the first where a stage to j
-        # may fit, none does (with the fewest or the most microbatches in flight, as the activations' sign has it)
-        may = holds
-        if memory_limit is not None:
-            may = may & (state + np.minimum(few * acts, most * acts) + spans.transient <= memory_limit)
-        first = max(lo - 1, int(may.argmax()))
-        if not may[first:].any():
-            continue
-        time, state, acts, holds = time[first:], state[first:], acts[first:], holds[first:]
-        before = slowest[lo - 1:hi, first:j]   # row r: s = lo + r; column c: i = first + c
-        ok = holds & np.isfinite(before)
-        if memory_limit is not None:
-            ok &= state + kept[lo - 1:hi] * acts + spans.transient <= memory_limit
-        # a row with no i that fits stays infinite (its prev is never followed)
-        worst = np.where(ok, np.maximum(before, time), inf)
+                     for s in range(num_stages)], dtype=float)
+    fits = table.holds   # stages that hold a weight and may fit with the fewest or the most microbatches in flight
+    if memory_limit is not None:
+        few, most = kept.min(), kept.max()
+        fits = fits & (table.state + np.minimum(few * table.acts, most * table.acts) + spans.transient <= memory_limit)
+    if not fits[:, n - 1].any():
+        return None, None
+    largest = float(table.time[fits].max())
+    bound = max(lower, float(table.t_at[-1] - table.t_at[0]) / num_stages * (1 + _FIRST_MARGIN))
+    tried = False
+    while True:
+        if not bound > 0 or bound >= largest:
+            bound = largest
+        bounds, slowest = _program(spans, cuts, table, fits, kept, num_stages, memory_limit, bound)
+        if bounds is not None or bound >= largest:
+            return bounds, slowest
+        if not tried and not _feasible(spans, table, fits, kept, num_stages, memory_limit):
+            return None, None   # no cut fits at all: say so now rather than after every larger bound
+        tried = True
+        bound *= _GROWTH
+
+
+# _best_bounds' first bound is this much over an even share of the time, and each next one this many times larger
+_FIRST_MARGIN = 0.1
+_GROWTH = 1.6
+# a stage count derived from a sum of stage times (_program) allows for this relative rounding of that sum
+_ROUNDING = 1e-9
+
+
+def _program(spans: _Spans, cuts: list, table: "_SpanTable", fits, kept, num_stages: int, memory_limit,
+             bound: float) -> tuple:
+    """_best_bounds' program over the stages no slower than `bound` only: (boundaries, slowest) or (None, None).
+
+    Where it finds a cut, it is the cut the program over every stage finds: every (s, j) whose least slowest
+    stage is at most `bound` is reached by the same stages here (its best earlier cuts i have a slowest stage
+    at most `bound` too, and the others are slower here, never faster), with the same totals and ties, and a
+    cut found here has every stage at most `bound`. The (s, j) left out besides: those no s stages of at most
+    `bound` reach (their times add up to the time before cut j at least: sends take no less than nothing) or
+    from which the N - s stages left cannot finish; no cut this program finds passes them.
+
+    The stages [i, j) are held as a band per j of the W cuts i before it (W: the most any allowed stage spans),
+    and each stage count s computed for all its cuts j at once."""
+    n, N = len(cuts), num_stages
+    inf = math.inf
+    allowed = fits & (table.time <= bound)
+    j = np.arange(n)
+    span = j - np.where(allowed.any(axis=0), allowed.argmax(axis=0), j)   # per j: the cuts back its earliest i is
+    W = max(1, int(span.max()))
+    bt = _banded(table.time, W, inf)
+    ok = _banded(allowed, W, False)
+    if memory_limit is not None:
+        bs, ba = _banded(table.state, W, 0.0), _banded(table.acts, W, 0.0)
+    need_before = need_after = np.zeros(n)
+    if bound > 0:
+        scale = (1 - _ROUNDING) / bound
+        need_before = np.ceil((table.t_at - table.t_at[0]) * scale)   # the fewest stages of at most `bound` to cut j
+        need_after = np.ceil((table.t_at[-1] - table.t_at) * scale)   # ... from cut j to the end
+    slowest = np.full((N + 1, n + W), inf)   # (stages, W + cut index) -> slowest stage so far; W infinite first
+    total = np.full((N + 1, n + W), inf)     # ... and the sum of the stages' times, the tie-break
+    prev = np.zeros((N + 1, n), dtype=np.int64)
+    slowest[0, W] = total[0, W] = 0.0
+    slow_w, total_w = _windows(slowest, W), _windows(total, W)   # [s, j, k]: the value at cut j - W + k
+    timed = {}   # microbatches in flight -> bt, infinite where such a stage may not be
+    for s in range(1, N + 1):
+        a, b = _ends(s, N, n)
+        rows = np.flatnonzero((need_before[a:b] <= s) & (need_after[a:b] <= N - s))
+        if not rows.size:
+            return None, None
+        a, b = a + int(rows[0]), a + int(rows[-1]) + 1
+        k = kept[s - 1]
+        if k not in timed:
+            fit = ok if memory_limit is None else ok & (bs + k * ba + spans.transient <= memory_limit)
+            timed[k] = np.where(fit, bt, inf)
+        w = max(1, int(span[a:b].max()))   # the band these cuts j need
+        time = timed[k][a:b, W - w:]
+        worst = np.maximum(slow_w[s - 1, a:b, W - w:], time)   # infinite where no stage [i, j) may be
         least = worst.min(axis=1)
-        tie = np.where(ok & (worst == least[:, None]), total[lo - 1:hi, first:j] + time, inf)
+        if not (least < inf).any():
+            return None, None
+        tie = np.where(worst == least[:, None], total_w[s - 1, a:b, W - w:] + time, inf)
         c = tie.argmin(axis=1)   # the first i of the least (slowest, total), as a scan in order picks
-        slowest[lo:hi + 1, j], total[lo:hi + 1, j], prev[lo:hi + 1, j] = least, tie[rows[:len(c)], c], first + c
-    if not math.isfinite(slowest[num_stages, n - 1]):
-        return None
+        slowest[s, W + a:W + b], total[s, W + a:W + b] = least, tie[np.arange(b - a), c]
+        prev[s, a:b] = j[a:b] - w + c
+    if not math.isfinite(slowest[N, W + n - 1]):
+        return None, None
     bounds, k = [cuts[-1]], n - 1
-    for s in range(num_stages, 0, -1):
+    for s in range(N, 0, -1):
         k = int(prev[s, k])
         bounds.append(cuts[k])
-    return bounds[::-1]
+    return bounds[::-1], float(slowest[N, W + n - 1])
 
 
-def _span_columns(spans: _Spans, cuts: list):
-    """For each cut j after the first, (time, state, activations, holds weights) of the stages [i, j) for
-    every earlier cut i, as arrays: what _Spans.time, .state and .activations give one span, in the same
-    order of operations; a stage holds weights if some op in it reads one (a device with no weights to train
-    wastes its share, and an optimizer refuses it)."""
+def _feasible(spans: _Spans, table: "_SpanTable", fits, kept, num_stages: int, memory_limit) -> bool:
+    """Whether any cut into `num_stages` stages fits, however slow (the program's stages, times aside)."""
+    n, N = len(table.t_at), num_stages
+    j = np.arange(n)
+    span = j - np.where(fits.any(axis=0), fits.argmax(axis=0), j)
+    W = max(1, int(span.max()))
+    ok = _banded(fits, W, False)
+    if memory_limit is not None:
+        bs, ba = _banded(table.state, W, 0.0), _banded(table.acts, W, 0.0)
+    masks = {}
+    reach = np.zeros((1, n + W), dtype=bool)   # W + cut index -> some stages so far end there
+    reach[0, W] = True
+    window = _windows(reach, W)[0]
+    for s in range(1, N + 1):
+        a, b = _ends(s, N, n)
+        k = kept[s - 1]
+        if k not in masks:
+            masks[k] = ok if memory_limit is None else ok & (bs + k * ba + spans.transient <= memory_limit)
+        ends = (window[a:b] & masks[k][a:b]).any(axis=1)
+        if not ends.any():
+            return False
+        reach[0] = False
+        reach[0, W + a:W + b] = ends
+    return bool(reach[0, W + n - 1])
+
+
+def _ends(s: int, num_stages: int, n: int) -> tuple:
+    """[a, b): the cut indices stage s (from 1) may end at, a cut for each stage before it and after it, and
+    the last stage only at the last cut."""
+    if s == num_stages:
+        return n - 1, n
+    return s, max(s, min(n - 2, n - 1 - (num_stages - s)) + 1)
+
+
+def _banded(m, width: int, fill):
+    """(n, width) of an (n, n) array by (i, j): row j holds m[j - width + k, j] for k < width, `fill` before 0."""
+    n = m.shape[0]
+    i = np.arange(n)[:, None] - width + np.arange(width)[None, :]
+    return np.where(i >= 0, m[np.maximum(i, 0), np.arange(n)[:, None]], fill)
+
+
+def _windows(m, width: int):
+    """A read-only view (rows, cols - width, width) of a (rows, cols) array: [s, j, k] is m[s, j + k]."""
+    rows, cols = m.shape
+    return np.lib.stride_tricks.as_strided(m, (rows, cols - width, width),
+                                           (m.strides[0], m.strides[1], m.strides[1]), writeable=False)
+
+
+@dataclass
+class _SpanTable:
+    """What a stage [cuts[i], cuts[j]) costs, for every pair of cuts, as (i, j) arrays: what _Spans.time,
+    .state and .activations give one span, in the same order of operations."""
+    time: np.ndarray
+    state: np.ndarray
+    acts: np.ndarray
+    holds: np.ndarray     # a stage holds weights if some op in it reads one (a device with no weights to train
+                          # wastes its share, and an optimizer refuses it); False where j <= i
+    t_at: np.ndarray      # the time before each cut (_Spans.t_sum)
+
+
+def _span_table(spans: _Spans, cuts: list) -> _SpanTable:
     at = np.asarray(cuts, dtype=np.int64)
+    n = len(cuts)
     t_at, s_at, a_at = (np.asarray(x)[at] for x in (spans.t_sum, spans.s_sum, spans.a_sum))
     send_at = np.array([spans.send(c) for c in cuts])
     reads = np.asarray(spans.reads, dtype=np.int64)
     k = np.searchsorted(reads, at, side="left")
     next_read = np.where(k < len(reads), reads[np.minimum(k, max(len(reads) - 1, 0))] if len(reads) else 0, np.inf)
-    for j in range(1, len(cuts)):
-        time = (t_at[j] - t_at[:j]) + send_at[:j] + send_at[j]
-        extra = np.zeros(j)
-        for readers, st in spans.shared:   # a weight first read before i and read again in [i, j)
-            last = max((r for r in readers if r < cuts[j]), default=-1)
-            extra += np.where((readers[0] < at[:j]) & (at[:j] <= last), st, 0.0)
-        yield time, (s_at[j] - s_at[:j]) + extra, a_at[j] - a_at[:j], next_read[:j] < cuts[j]
+    time = (t_at[None, :] - t_at[:, None]) + send_at[:, None] + send_at[None, :]
+    extra = np.zeros((n, n))
+    for readers, st in spans.shared:   # a weight first read before i and read again in [i, j)
+        last = np.array([max((r for r in readers if r < c), default=-1) for c in cuts])
+        extra += np.where((readers[0] < at[:, None]) & (at[:, None] <= last[None, :]), st, 0.0)
+    state = (s_at[None, :] - s_at[:, None]) + extra
+    acts = a_at[None, :] - a_at[:, None]
+    holds = (j := np.arange(n))[:, None] < j[None, :]
+    holds &= next_read[:, None] < at[None, :]
+    return _SpanTable(time, state, acts, holds, t_at)
 
 
 def _stage(costs: OpCosts, spans: _Spans, heads: list, s: int, i: int, j: int) -> Stage:
-    nodes = tuple(costs.order[i:j])
-    return Stage(s, nodes, _compress_heads(heads[i:j]), spans.time(i, j),
+    named = costs.memo.setdefault("stage names", {})   # (i, j) -> (its ops, its modules): cuts share stages
+    if (i, j) not in named:
+        named[i, j] = (tuple(costs.order[i:j]), _compress_heads(heads[i:j]))
+    nodes, modules = named[i, j]
+    return Stage(s, nodes, modules, spans.time(i, j),
                  spans.memory(i, j, s), spans.activations(i, j),
                  in_flight(spans.schedule, s, spans.num_stages, spans.microbatches, spans.stages_per_device),
                  costs.crossing[j] if j < spans.n else 0.0)
