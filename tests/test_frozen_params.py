@@ -7,6 +7,8 @@ Before, the plan priced every floating weight as trained (a frozen GPT's gradien
 at twice what the run allocated, and its gradient reductions that never ran)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -82,3 +84,46 @@ def _thawed_forward(rank, model, x):
 def test_a_weight_thawed_after_parallelize_is_refused():
     model, x, _ = _frozen_gpt()
     assert all(run_threaded(2, _thawed_forward, model, x))
+
+
+def _frozen_after(rank, model, x, y, strategy):
+    """Parallelize the whole model, freeze the embeddings and first two blocks, then 3 AdamW steps (weight decay
+    0.1) with every parameter handed to the optimizer, as users do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(model, mesh, (x,), hardware="cpu", strategy=strategy)
+    for name, p in pm.named_parameters():
+        if name.startswith(FROZEN):
+            p.requires_grad_(False)
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    (xl,), (yl,) = pm.plan.local_inputs(x), pm.plan.local_targets(y)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        gpt_loss(pm(xl), yl).backward()
+        opt.step()
+    given = [n for n, p in pm.named_parameters() if p.grad is not None and not p.requires_grad]
+    return pm.state_dict(full=True), given
+
+
+FROZEN = ("wte.", "wpe.", "h.0.", "h.1.")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+def test_a_weight_frozen_after_parallelize_takes_no_gradient(strategy):
+    """Its gradient never arrives, and the buckets and FSDP groups it shares with trained weights reduce zeros in
+    its place: those zeros were once handed to it as its .grad, and AdamW's weight decay then moved the frozen
+    weight (eager torch leaves a frozen weight's .grad None, so the optimizer skips it)."""
+    model, x, y = seeded_gpt(n_layer=4)
+    ref = copy.deepcopy(model)
+    for name, p in ref.named_parameters():
+        if name.startswith(FROZEN):
+            p.requires_grad_(False)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        gpt_loss(ref(x), y).backward()
+        opt.step()
+    for params, given in run_threaded(2, _frozen_after, model, x, y, strategy):
+        assert given == []
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")

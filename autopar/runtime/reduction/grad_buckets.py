@@ -390,7 +390,8 @@ class GradBuckets:
             flat = launch(ALL_REDUCE, flat, self.comm, a, "backward").wait()
         for i in b.slots:
             p = self.slots[i].param
-            accumulate_grad(p, flat[self.slots[i].offset: self.slots[i].offset + p.numel()].view(p.shape).to(p.dtype))
+            if p.requires_grad:   # a weight frozen since parallelize sent zeros and takes no gradient, as in eager
+                accumulate_grad(p, flat[self.slots[i].offset: self.slots[i].offset + p.numel()].view(p.shape).to(p.dtype))
         b.flat, b.work, b.outstanding = None, None, 0
         b.written.clear()
         for i in b.slots:

@@ -251,7 +251,8 @@ class LayerGroup:
         coord = self.comm.axes[self.axis].coord
         for m, piece in zip(self.members, pieces(out, coord)):
             p = self.params(m.param_name)
-            accumulate_grad(p, piece.to(p.dtype))
+            if p.requires_grad:   # a weight frozen since parallelize sent zeros and takes no gradient, as in eager
+                accumulate_grad(p, piece.to(p.dtype))
         self._grads, self._work = None, None
 
 
