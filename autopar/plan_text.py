@@ -91,7 +91,7 @@ _REACH = {"inside": "inside a node", "across": "across nodes",
 
 def links_line(links: dict, mesh) -> str:
     """Which mesh axes talk inside a node and which across nodes, and at what bandwidth, innermost axis first:
-    "links: tp inside a node (450 GB/s), pp and dp across nodes (50 GB/s)". A calibrated or user-given link
+    "links: tp inside a node (371 GB/s), pp and dp across nodes (50 GB/s)". A calibrated or user-given link
     says so."""
     groups: dict = {}   # (where, bandwidth) -> axis names, in first-seen order
     for axis in reversed(mesh.axis_names):
