@@ -61,6 +61,15 @@ def to_json(plan) -> str:
     return json.dumps(d, indent=1)
 
 
+def _fused_time(p: dict, f) -> dict:
+    """Predicted.fused_time as written, or for JSON written before it (2026-12), the whole saving as "other": a
+    reader of the regions still finds them summing to step_time - compiled_step_time."""
+    if "fused_time" in p:
+        return {k: f(v) for k, v in p["fused_time"].items()}
+    step, compiled = f(p["step_time"]), f(p.get("compiled_step_time", p["step_time"]))
+    return {"blocks": 0.0, "head": 0.0, "other": step - compiled}
+
+
 def plan_fields(text: str) -> dict:
     """The fields of the Plan `text` holds, for Plan(**fields); collectives as dicts of CollectiveRecord's
     fields (plan_result.py makes the records: this module imports nothing of it)."""
@@ -79,7 +88,7 @@ def plan_fields(text: str) -> dict:
                          {k: f(v) for k, v in p["comm_bytes_by_kind"].items()},
                          {k: f(v) for k, v in p.get("exposed_comm_time", p["comm_time"]).items()},
                          f(p.get("optimizer_time", 0)), f(p.get("compiled_step_time", p["step_time"])),
-                         {k: f(v) for k, v in p.get("fused_time", {}).items()})
+                         _fused_time(p, f))
     return dict(
         mesh=MeshSpec(tuple(d["mesh"]["axis_names"]), tuple(d["mesh"]["axis_sizes"])),
         strategy=d["strategy"], hardware=d["hardware"], batch_axes=tuple(d["batch_axes"]),

@@ -61,16 +61,13 @@ class Row:
     note: str = ""
     pp: int = 1
     cp: int = 1
-
-    @property
-    def compiled_regions(self) -> tuple:
-        """What `compile` compiled (autopar.cost.predict.COMPILE_REGIONS), as torchtitan did at the commit the
-        row ran at: each transformer block alone at 9dec370 (Dec 2024: `apply_compile` in
-        parallelize_llama.py; train.py's `torch.compile(loss_fn)` commented out, "compiling loss function
-        causes CUDA errors"); the blocks and the loss at 820504e (June 2025: components/loss.py compiles
-        the loss under the same flag). The embedding, final norm and output projection ran eager at both;
-        "head" here also holds the final norm and the output projection's casts (a few ms on these shapes)."""
-        return ("blocks", "head") if self.source.startswith("asyncTP") else ("blocks",)
+    # What `compile` compiled (autopar.cost.predict.COMPILE_REGIONS), as torchtitan did at the commit the row ran
+    # at: each transformer block alone at 9dec370 (Dec 2024: `apply_compile` in parallelize_llama.py; train.py's
+    # `torch.compile(loss_fn)` commented out, "compiling loss function causes CUDA errors"); the blocks and the
+    # loss at 820504e (June 2025: components/loss.py compiles the loss under the same flag). The embedding, final
+    # norm and output projection ran eager at both; "head" also holds the final norm and the output projection's
+    # casts (a few ms on these shapes).
+    compiled_regions: tuple = ("blocks",)
 
     @property
     def mesh(self) -> dict:
@@ -90,15 +87,16 @@ class Row:
 
 
 _DEC24 = "llama3_h100_202412 table"
+_JUNE25_COMPILED = ("blocks", "head")   # torchtitan 820504e compiled the loss too (Row.compiled_regions)
 ROWS = (
     Row("t1-8b-fsdp8", f"{_DEC24} 1", "8b", 8, 1, 8192, 2, "per-op", False, "h100-hbm2e", 5762, 82.4),
     Row("t1-8b-fsdp8-compiled", f"{_DEC24} 1", "8b", 8, 1, 8192, 2, "per-op", True, "h100-hbm2e", 6667, 77.0),
     Row("t3-8b-fsdp128", f"{_DEC24} 3", "8b", 128, 1, 8192, 2, "per-op", False, "h100-hbm2e", 5605, 67.0),
     Row("t3-8b-fsdp128-compiled", f"{_DEC24} 3", "8b", 128, 1, 8192, 2, "per-op", True, "h100-hbm2e", 6514, 62.0),
     Row("async-70b-fsdp32-tp8", "asyncTP_llama3_h100_2025-06", "70b", 32, 8, 8192, 16, "full", True, "h100-hbm2e",
-        597.3, None, "vanilla TP figure; async TP ran 652.4, not modelled"),
+        597.3, None, "vanilla TP figure; async TP ran 652.4, not modelled", compiled_regions=_JUNE25_COMPILED),
     Row("async-8b-fsdp8-tp8", "asyncTP_llama3_h100_2025-06", "8b", 8, 8, 8192, 12, "per-op", True, "h100-hbm2e",
-        4378, None, "vanilla TP figure; async TP ran 4,809.4, not modelled"),
+        4378, None, "vanilla TP figure; async TP ran 4,809.4, not modelled", compiled_regions=_JUNE25_COMPILED),
     Row("perf-a100-8b-fsdp64-layer", "performance.md", "8b", 64, 1, 8192, 1, "per-layer", False, "a100", 2904, None,
         "compile not stated: planned eager"),
     Row("perf-a100-8b-fsdp64-op", "performance.md", "8b", 64, 1, 8192, 1, "per-op", False, "a100", 2973, None,

@@ -112,7 +112,9 @@ GiB = 2**30
 # the same, 450 GB/s less ~20% protocol overhead (NVIDIA/nccl-tests#212, NVIDIA/nccl#1442), and reported
 # nccl-tests runs on 8 H100s reach 350-362 GB/s bus bandwidth at 1-8 GB (NVIDIA/nccl#1047, #1281). An
 # all-reduce on NVLink SHARP (NVLS) reaches ~480 GB/s bus bandwidth on 8 GPUs at large sizes; not modelled:
-# all-reduces inside a node are priced at the ring's figure (up to ~30% slower than NVLS runs them).
+# all-reduces inside a node are priced at the ring's figure (up to ~30% slower than NVLS runs them). Between
+# nodes the links stay at the NIC's line rate (400 Gb/s = 50 GB/s): no NCCL figure or published measurement of
+# these clusters' inter-node bus bandwidth is at hand to price less, so inter-node collectives may be fast.
 NVLINK_4_NCCL = 18 * 20.6e9
 
 PRESETS = {

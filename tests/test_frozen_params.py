@@ -127,3 +127,54 @@ def test_a_weight_frozen_after_parallelize_takes_no_gradient(strategy):
         assert given == []
         for name, p in ref.named_parameters():
             torch.testing.assert_close(params[name], p.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_frozen_bottom_leaves_the_top_blocks_rerun_priced():
+    """Backward never enters a frozen block, but it reruns the checkpointed blocks above it: the working set is
+    one of those blocks' activations beside its FSDP layer gathered again. It was priced from the stack's first
+    block alone, which, frozen, reruns nothing (a fine-tuning plan under-counted by half)."""
+    from autopar.testing.models import GPT, GPTConfig
+
+    def gpt(frozen=()):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=64, block_size=64))
+        for name in frozen:
+            model.get_submodule(name).requires_grad_(False)
+        return model
+
+    x = torch.randint(0, 64, (64, 64))
+
+    def transient(model, strategy):
+        return autopar.plan(model, (x,), {"dp": 2}, hardware="h100", strategy=strategy, checkpointing="full",
+                            time_limit=None).predicted.memory.transient
+
+    layer = sum(p.numel() * p.element_size() for p in gpt().h[2].parameters())
+    # the trained model under ddp: a block's rerun activations are its working set (no layer is gathered)
+    block = transient(gpt(), "ddp")
+    assert transient(gpt(("wte", "wpe", "h.0", "h.1")), "ddp") == block
+    assert transient(gpt(("wte", "wpe", "h.0", "h.1")), "fsdp") >= block + layer
+
+
+def _parallelize_with(rank, model, x, plan):
+    """parallelize(plan=...) and one backward: the frozen weights given a gradient, or the PlanError's text."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    try:
+        pm = autopar.parallelize(model, mesh, (x,), plan=plan)
+    except autopar.PlanError as e:
+        return str(e)
+    pm(*pm.plan.local_inputs(x)).sum().backward()
+    return [n for n, p in pm.named_parameters() if p.grad is not None and not p.requires_grad]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_plan_made_with_other_weights_frozen(strategy):
+    """Planned with every weight trained, run with some frozen: it runs, and the frozen ones take no gradient.
+    Planned with some frozen, run with them trained: refused (the plan reduces no gradient of theirs), saying so."""
+    trained, x, _ = seeded_gpt(n_layer=4)
+    frozen, _, _ = _frozen_gpt()
+    plan = autopar.plan(trained, (x,), {"dp": 2}, hardware="cpu", strategy=strategy)
+    assert run_threaded(2, _parallelize_with, frozen, x, plan) == [[], []]
+    plan = autopar.plan(frozen, (x,), {"dp": 2}, hardware="cpu", strategy=strategy)
+    for said in run_threaded(2, _parallelize_with, trained, x, plan):
+        assert isinstance(said, str) and "requires_grad False" in said, said

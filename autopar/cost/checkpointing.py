@@ -201,6 +201,13 @@ def rerun_ops(stack: CheckpointStack, saved: ActivationModel) -> set:
     return out
 
 
+def rerun_blocks(stack: CheckpointStack, saved: ActivationModel) -> list[tuple]:
+    """The blocks of `stack` whose checkpoint reruns in backward: those with an op that keeps a tensor for
+    backward (`saved`: without checkpointing). A block of frozen weights that reads nothing needing a gradient
+    keeps none, and backward never enters it (the bottom blocks of a fine-tuned model)."""
+    return [block for block in stack.blocks if any(n in saved.keepers for n in block)]
+
+
 def recomputed_ops(stack: CheckpointStack, saved: ActivationModel) -> set:
     """The ops whose forward backward's rerun computes again (compute and the collectives they launch
     themselves): rerun_ops less those a per-op checkpoint cached."""

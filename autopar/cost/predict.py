@@ -18,7 +18,7 @@ from ..capture.export import BUFFER, INPUT, OP, PARAM
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, gathers_again, plan_steps
 from .buckets import assign_buckets, params_by_first_use, partial_gradients, zero_buckets
-from .checkpointing import recomputed_ops, rerun_ops, stacks_of
+from .checkpointing import recomputed_ops, rerun_blocks, rerun_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import BUCKET, hidden_comm_time
 from .problem import charge_key, checkpoint_model, edge_regathers, reshards
@@ -380,17 +380,22 @@ def transient_bytes(prob, choice, groups, stacks, symbolic: bool, zero_hold=0):
     buckets add what they hold (`zero_hold`, counted as if from the start: a bound)."""
     transient = peak_working_set(prob, choice, groups, symbolic)
     start = backward_start_bytes(prob, choice, symbolic) + zero_hold
-    blocks = [sum(activation_bytes(n, prob.cap, prob.strategies[n].strategies[choice[n]].output, prob.mesh,
-                                   prob.saved, symbolic, strategy=prob.strategies[n].strategies[choice[n]])
-                  for n in st.blocks[0] if n in prob.strategies)
-              for st in stacks]
-    if stacks and not prob.pipelined:
-        # the block's rerun gathers its FSDP layer again, with the next one prefetched, beside what it
-        # recomputes: the most of those gathered at any of its ops, as forward holds them there
-        layers = _gathered_layers(prob, groups, layer_members(prob, groups))
-        position = {point: i for i, (point, _) in enumerate(prob.live)}
-        blocks = [b + max([layers[position[n]] for n in st.blocks[0] if n in position], default=0)
-                  for b, st in zip(blocks, stacks)]
+    # the block's rerun gathers its FSDP layer again, with the next one prefetched, beside what it recomputes:
+    # the most of those gathered at any of its ops, as forward holds them there
+    layers = _gathered_layers(prob, groups, layer_members(prob, groups)) if stacks and not prob.pipelined else []
+    position = {point: i for i, (point, _) in enumerate(prob.live)}
+    blocks, seen = [], set()
+    for st in stacks:
+        for block in rerun_blocks(st, prob.saved):   # a frozen block never reruns
+            held = max([layers[position[n]] for n in block if n in position], default=0) if layers else 0
+            key = (tuple((prob.canonical.get(n, n), choice.get(n), charge_key(prob.saved, n)) for n in block), held)
+            if key in seen:   # repeats of a block hold alike: priced once
+                continue
+            seen.add(key)
+            blocks.append(held + sum(activation_bytes(n, prob.cap, prob.strategies[n].strategies[choice[n]].output,
+                                                      prob.mesh, prob.saved, symbolic,
+                                                      strategy=prob.strategies[n].strategies[choice[n]])
+                                     for n in block if n in prob.strategies))
     if not symbolic:
         return max([transient, start, *blocks])
     for x in [start, *blocks]:

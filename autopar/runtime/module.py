@@ -86,12 +86,15 @@ class ParallelModule(torch.nn.Module):
         self._zero_checks = ZeroGradientChecks(self)
         # weights frozen when captured: the graph reduces no gradient of theirs (cost/terms.needs_grad)
         self._frozen = sorted(n for n, _ in self.store.named_parameters() if n in cap.frozen_params)
+        self._frozen_params = [self.store.get_parameter(n) for n in self._frozen]   # _apply finds them again
         serve_layer_groups(self, [gathered] + ([other_mode.gathered] if other_graph is not None else []))
         self._grad_buckets, self._routed = self._gradient_reductions(cap, grad_nodes)
 
     def _apply(self, fn, recurse=True):
         """.to(), .cuda(), to_empty() and the like move the lifted constants with the weights (see _moved)."""
         super()._apply(fn, recurse)
+        if hasattr(self, "_frozen"):   # to_empty (a meta-built model) replaces the parameters
+            self._frozen_params = [self.store.get_parameter(n) for n in self._frozen]
         self._constants = {name: moved_constant(self._captured_constants[name], current, fn)
                            for name, current in self._constants.items()}
         self._zero_checks.hook()   # to_empty (a meta-built model) replaces the parameters, and their hooks with them
@@ -231,7 +234,8 @@ class ParallelModule(torch.nn.Module):
 
     def _graph_for_mode(self):
         """The local graph for the current mode: dropout and the like were traced in one mode."""
-        thawed = [n for n in self._frozen if self.store.get_parameter(n).requires_grad]
+        thawed = [n for n, p in zip(self._frozen, self._frozen_params) if p.requires_grad] \
+            if torch.is_grad_enabled() else []
         if thawed:   # its gradient would go unreduced: a silent wrong gradient
             raise PlanError(f"parameter {thawed[0]!r}{f' and {len(thawed) - 1} more' if len(thawed) > 1 else ''} "
                             f"did not require grad when the model was parallelized, so the module reduces no "

@@ -19,7 +19,7 @@ import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ..capture.export import PARAM
-from ..cost.checkpointing import KINDS, NONE, recomputed_ops, rerun_ops
+from ..cost.checkpointing import KINDS, NONE, recomputed_ops, rerun_blocks, rerun_ops
 from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_recompute_time, node_time, recompute_edge_cost,
@@ -383,12 +383,12 @@ def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transien
     module gathers them a layer at a time, those of the layers gathered around it (`layers`)."""
     seen = set()
     canon = prob.canonical
-    frozen: dict = {}   # id of a gathered dict -> its items as a set (ops share their dicts: gathered_layers)
+    as_sets: dict = {}   # id of a gathered dict -> its items as a set (ops share their dicts: gathered_layers)
     for i, (point, alive, alive_key) in enumerate(_transients(prob)):
         gathered = layers[i] if layers else gathered_at.get(canon.get(point, point), {})
-        if id(gathered) not in frozen:
-            frozen[id(gathered)] = (frozenset(gathered.items()), gathered)   # (holding it keeps the id its own)
-        key = (alive_key, frozen[id(gathered)][0])
+        if id(gathered) not in as_sets:
+            as_sets[id(gathered)] = (frozenset(gathered.items()), gathered)   # (holding it keeps the id its own)
+        key = (alive_key, as_sets[id(gathered)][0])
         if key in seen:   # repeated blocks repeat their rows
             continue
         seen.add(key)
@@ -497,20 +497,26 @@ def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int, la
             for s, var in zip(prob.strategies[canon].strategies, xvars[canon]):
                 if var is not None:
                     ilp.cost[var] += node_recompute_time(prob, canon, s) * n * TIME_SCALE
-        block: dict = {}
-        for name in st.blocks[0]:
-            if name in prob.strategies:
-                for s, var in zip(prob.strategies[name].strategies, xvars[name]):
-                    if var is not None:
-                        block[var] = block.get(var, 0.0) + node_memory(prob, name, s) * MEM_SCALE
-        # the rerun gathers the block's FSDP layer again beside what it recomputes (cost/predict.transient_bytes):
-        # one row per set of layers gathered at one of its ops (`layers`: gathered_layers, shared dicts)
+        # backward holds one rerun block's activations at a time, beside its FSDP layer gathered again
+        # (cost/predict.transient_bytes): one row per kind of block that reruns (a frozen one does not) and set of
+        # layers gathered at one of its ops (`layers`: gathered_layers, shared dicts)
         position = {point: i for i, (point, _) in enumerate(prob.live)} if layers else {}
-        held = {id(d): d for d in (layers[position[n]] for n in st.blocks[0] if n in position)}
-        for gathered in list(held.values()) or [{}]:
-            row = {v: -b for v, b in block.items() if b}
-            for v, mib in gathered.items():
-                row[v] = row.get(v, 0.0) - mib
+        rows: dict = {}
+        for block_nodes in rerun_blocks(st, prob.saved):
+            block: dict = {}
+            for name in block_nodes:
+                if name in prob.strategies:
+                    canon = prob.canonical.get(name, name)
+                    for mem, var in zip(repeat_memory(prob, name, canon), xvars[name]):
+                        if var is not None and mem:
+                            block[var] = block.get(var, 0.0) + mem * MEM_SCALE
+            held = {id(d): d for d in (layers[position[n]] for n in block_nodes if n in position)}
+            for gathered in list(held.values()) or [{}]:
+                row = {v: -b for v, b in block.items()}
+                for v, mib in gathered.items():
+                    row[v] = row.get(v, 0.0) - mib
+                rows.setdefault(frozenset(row.items()), row)
+        for row in rows.values():
             ilp.row({transient: 1.0, **row}, 0.0, np.inf)
 
 

@@ -309,7 +309,8 @@ class _Rewriter:
         if k is None:
             raise PlanError(f"the plan's layer groups list no group gathering {info.target_name!r} on "
                             f"{self.names[steps[0].axis]!r} in {dtype} (summed over {sum_axes}): its schedule was made "
-                            "for another model or another autopar; plan again (autopar.plan)")
+                            "for another model or another autopar, or for the model with weights frozen "
+                            "(requires_grad False) that it trains now; plan again (autopar.plan)")
         if k not in self.groups:
             group = self.groups[k] = LayerGroup(steps[0].axis, self.comm, tuple(self.names.index(a) for a in sum_axes),
                                                 self.in_flight)

@@ -475,14 +475,16 @@ def grad_buckets_of(cap, plan, comm, grad_nodes, params: dict, grad_scale: float
                 for n, axes in deferred_axes(cap, plan.node_strategies, grad_nodes).items()
                 if cap.info[n].target_name in params}
     planned = plan.schedule.grad_buckets.get(coord, ())
-    listed = [w for b in planned for w in b.weights]
+    # a weight planned as trained and frozen now takes no gradient: its slot reduces zeros, handed to nobody
+    listed = [w for b in planned for w in b.weights if w not in cap.frozen_params]
     wrong_axes = [w for b in planned for w in b.weights if w in deferred and deferred[w] != tuple(b.axes)]
     if sorted(listed) != sorted(deferred) or wrong_axes:
         missing, extra = sorted(set(deferred) - set(listed)), sorted(set(listed) - set(deferred))
         raise PlanError(f"the plan's gradient buckets do not fit this module (device {coord} of the pipeline axis)"
                         f": weights to reduce it lists nowhere {missing[:3]}, weights it lists that need no bucket "
                         f"here {extra[:3]}, weights on other axes {wrong_axes[:3]}; the plan's schedule was made for "
-                        "another model or other stages: plan again (autopar.plan)")
+                        "another model or other stages, or for the model with weights frozen (requires_grad False) "
+                        "that it trains now: plan again (autopar.plan)")
 
     def entry(fqn):
         return fqn, params[fqn], policy.resolve(cap.param_dtypes.get(fqn, params[fqn].dtype)).reduce
