@@ -295,7 +295,10 @@ def compile_regions(prob) -> dict:
     """Op or input node -> its compile region (COMPILE_REGIONS), once per problem."""
     found = prob.node_cost_cache.get(("compile regions",))
     if found is None:
-        stacks = [blocks for blocks in block_nodes(prob.cap).values() if len(blocks) >= 2]
+        # stacks whose blocks repeat (some node of theirs has a first copy, prob.canonical): not any numbered
+        # module list (an nn.Sequential head of a norm and a linear is none)
+        stacks = [blocks for blocks in block_nodes(prob.cap).values()
+                  if any(n.name in prob.canonical for nodes in blocks.values() for n in nodes)]
         in_blocks = {n.name for blocks in stacks for nodes in blocks.values() for n in nodes}
         order = [n.name for n in prob.cap.graph.nodes]
         last = max((i for i, name in enumerate(order) if name in in_blocks), default=len(order))
