@@ -18,6 +18,7 @@ from cost_models.hardware import resolve_hardware
 
 from .capture.blocks import find_blocks
 from .capture.export import PARAM, Captured
+from .capture.gc_paused import gc_paused
 from .cost.checkpointing import checkpointable_stacks
 from .cost.liveness import backward_start, live_sets
 from .cost.precision import optimizer_spec
@@ -91,7 +92,17 @@ def plan_captured(cap: Captured, mesh, options: PlanOptions | None = None, *, t_
     """The plan for a captured model. `recapture(m)` captures it again with batches of 1/m the size,
     which a pipelined plan is made for (its graph runs one microbatch at a time); without it the
     search does not pipeline. `problems`: a dict that several calls with the same capture and options
-    but another strategy share (autopar.compare), so the priced problem is built and priced once."""
+    but another strategy share (autopar.compare), so the priced problem is built and priced once.
+
+    Python's cyclic collector is paused meanwhile (capture/gc_paused.py): the search's tables of every op
+    (~10k on a 126-layer model) would make it walk the capture's millions of objects again and again."""
+    with gc_paused():
+        return _plan_captured(cap, mesh, options, t_capture=t_capture, tie_blocks=tie_blocks, recapture=recapture,
+                              problems=problems, **keywords)
+
+
+def _plan_captured(cap: Captured, mesh, options: PlanOptions | None = None, *, t_capture=0.0, tie_blocks=True,
+                   recapture=None, problems: dict | None = None, **keywords) -> Plan:
     if options is not None and keywords:
         raise AutoparError(f"plan_captured takes its options as a PlanOptions or as keywords, not both: "
                            f"{sorted(keywords)}")

@@ -33,6 +33,7 @@ from .._compat import storage_id, symint_hint, trace_lock
 from ..errors import CaptureError
 from .cache import cached_capture
 from .export import AUTO, BUFFER, OP, PARAM, Captured, canonical_names, capture
+from .gc_paused import gc_paused
 from .traced_layers import (TRACED, NotRepeated, TracedLayers, check_repeat, moved_name, name_strides, placeholder_name,
                             renamed_block, section_of, split_name, traced_blocks)
 
@@ -65,11 +66,12 @@ def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO, exam
     if not stacks:
         return capture(model, example_inputs, dynamic_shapes, example_kwargs)
     try:
-        # under the trace lock: another thread's capture must not see the shortened model
-        with trace_lock, _shortened(model, stacks):
-            cap = cached_capture(capture, model, example_inputs, dynamic_shapes, example_kwargs)
-        for path, length in stacks.items():
-            cap = expand_stack(cap, path, length)
+        with gc_paused():
+            # under the trace lock: another thread's capture must not see the shortened model
+            with trace_lock, _shortened(model, stacks):
+                cap = cached_capture(capture, model, example_inputs, dynamic_shapes, example_kwargs)
+            for path, length in stacks.items():
+                cap = expand_stack(cap, path, length)
         _check_tensors(cap, model)
     except (CaptureError, NotRepeated) as e:   # a shortened model that does not trace is no verdict
         log.debug("capturing %s layer by layer: %s", type(model).__name__, e)

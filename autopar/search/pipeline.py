@@ -214,6 +214,16 @@ def device_activations(pipe: PipelinePlan, coord: int) -> float:
                for alive in _interleaved_alive(p, pipe.stages_per_device, pipe.microbatches, coord))
 
 
+@functools.lru_cache(maxsize=1024)
+def alive_counts(p: int, v: int, microbatches: int, rank: int) -> tuple:
+    """(the distinct per-stage counts of microbatches in flight that _interleaved_alive goes through, those of them
+    no other count exceeds on every stage): over the latter, the peak device_activations takes where no stage keeps
+    less than nothing (stage_costs._device_activations: a device's memory, for every device of every cut tried)."""
+    every = tuple(dict.fromkeys(tuple(a) for a in _interleaved_alive(p, v, microbatches, rank)))
+    most = tuple(a for a in every if not any(b != a and all(x <= y for x, y in zip(a, b)) for b in every))
+    return every, most
+
+
 def _interleaved_alive(p: int, v: int, microbatches: int, rank: int):
     """The microbatches each local stage of device `rank` holds after each forward, in the order torch's
     ScheduleInterleaved1F1B runs them: a warm-up of forwards, then one forward and one backward a step, then

@@ -36,7 +36,7 @@ from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time,
                           regather_saving, zero_collectives)
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective
-from .pipeline import IDLE_SHARE, INTERLEAVED, PipelinePlan, _interleaved_alive, device_activations
+from .pipeline import IDLE_SHARE, INTERLEAVED, PipelinePlan, alive_counts, device_activations
 
 
 @dataclass
@@ -420,19 +420,10 @@ def _device_activations(pipe: PipelinePlan, coord: int) -> float:
     if pipe.schedule != INTERLEAVED:
         return device_activations(pipe, coord)
     stages = [pipe.stages[s] for s in pipe.stages_on(coord)]
-    every, most = _alive_counts(pipe.num_stages // pipe.stages_per_device, pipe.stages_per_device,
+    every, most = alive_counts(pipe.num_stages // pipe.stages_per_device, pipe.stages_per_device,
                                 pipe.microbatches, coord)
     counts = most if all(st.activations >= 0 for st in stages) else every
     return max(sum(n * st.activations for n, st in zip(alive, stages)) for alive in counts)
-
-
-@functools.lru_cache(maxsize=1024)
-def _alive_counts(p: int, v: int, microbatches: int, rank: int) -> tuple:
-    """(the distinct per-stage counts of microbatches in flight that pipeline._interleaved_alive goes through,
-    those of them no other count exceeds on every stage)."""
-    every = tuple(dict.fromkeys(tuple(a) for a in _interleaved_alive(p, v, microbatches, rank)))
-    most = tuple(a for a in every if not any(b != a and all(x <= y for x, y in zip(a, b)) for b in every))
-    return every, most
 
 
 def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float):
