@@ -310,9 +310,15 @@ class _Expansion:
         args = fx.node.map_arg(template.args, self.lookup(shift))
         kwargs = fx.node.map_arg(template.kwargs, self.lookup(shift))
         target = name if template.op == "placeholder" else template.target
-        node = self.graph.create_node(template.op, target, args, kwargs, name=name, type_expr=template.type)
+        # made bare, then wired: create_node walks an op's arguments for raw symbolic sizes to warn of, which
+        # the template's were checked for when traced, and thousands of copies make that a third of a second
+        node = self.graph.create_node(template.op, target, name=name, type_expr=template.type)
         if node.name != name:
             raise NotRepeated(f"{name} would clash with another node's name")
+        if kwargs:
+            node.kwargs = kwargs
+        if args:
+            node.args = args
         node.meta = dict(template.meta)
         node.meta["val"] = self.storages.moved(template.meta.get("val"), shift)
         node_info = self.cap.info[template.name]
