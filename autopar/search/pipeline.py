@@ -30,6 +30,8 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from ..capture.blocks import block_nodes
 from ..capture.export import Captured
 from ..errors import PipelineError
@@ -220,8 +222,10 @@ def alive_counts(p: int, v: int, microbatches: int, rank: int) -> tuple:
     no other count exceeds on every stage): over the latter, the peak device_activations takes where no stage keeps
     less than nothing (stage_costs._device_activations: a device's memory, for every device of every cut tried)."""
     every = tuple(dict.fromkeys(tuple(a) for a in _interleaved_alive(p, v, microbatches, rank)))
-    most = tuple(a for a in every if not any(b != a and all(x <= y for x, y in zip(a, b)) for b in every))
-    return every, most
+    counts = np.array(every, dtype=np.int64).reshape(len(every), v)
+    covers = (counts[None, :, :] >= counts[:, None, :]).all(axis=2)   # [a, b]: b holds as many as a on every stage
+    np.fill_diagonal(covers, False)   # the counts are distinct: another one covering a exceeds it somewhere
+    return every, tuple(a for a, covered in zip(every, covers.any(axis=1)) if not covered)
 
 
 def _interleaved_alive(p: int, v: int, microbatches: int, rank: int):
