@@ -75,27 +75,19 @@ def own_param_dtypes(model: torch.nn.Module) -> dict:
     return {name: p.dtype for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def frozen_params(model: torch.nn.Module) -> frozenset:
-    """The names of the parameters the model does not train (requires_grad False), as the model holds them."""
-    return frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
-
-
 def at_compute_dtype(capture_fn, model: torch.nn.Module, dtype: torch.dtype | None):
     """`capture_fn(model, example_inputs, dynamic_shapes, example_kwargs)`, tracing the model with its floating weights and
-    inputs in `dtype` (unless None or the model's own) and recording it (`Captured.compute_dtype`, `.param_dtypes`),
-    and the parameters the model holds frozen as it is called (`.frozen_params`: read off the model itself, as a
-    capture cache's or a shortened trace's copies do not carry requires_grad)."""
+    inputs in `dtype` and recording it (`Captured.compute_dtype`, `.param_dtypes`); `capture_fn` itself
+    when `dtype` is None or the model's own. (The weights traced in `dtype` keep their requires_grad: the
+    capture's `frozen_params` are the model's.)"""
     own = own_param_dtypes(model)
-    same = dtype is None or {d for d in own.values() if d.is_floating_point} <= {dtype}
+    if dtype is None or {d for d in own.values() if d.is_floating_point} <= {dtype}:
+        return capture_fn
 
     def traced(model, example_inputs, dynamic_shapes, example_kwargs=None):
-        frozen = frozen_params(model)
-        if same:
-            cap = capture_fn(model, example_inputs, dynamic_shapes, example_kwargs)
-            return dataclasses.replace(cap, frozen_params=frozen)
         # the lock around the swap too: a thread tracing the same model must not see it half restored
         with trace_lock, traced_in(model, dtype):
             cap = capture_fn(model, cast_inputs(example_inputs, dtype), dynamic_shapes,
                              cast_kwargs(example_kwargs or {}, dtype))
-        return dataclasses.replace(cap, compute_dtype=dtype, param_dtypes=own, frozen_params=frozen)
+        return dataclasses.replace(cap, compute_dtype=dtype, param_dtypes=own)
     return traced

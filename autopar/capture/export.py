@@ -69,7 +69,8 @@ class Captured:
     compute_dtype: Any = None
     param_dtypes: dict = field(default_factory=dict)
     # the parameters (by name) the model did not train when captured (requires_grad False): they take no
-    # gradient, no optimizer state and no gradient reduction (compute_dtype.at_compute_dtype records them)
+    # gradient, no optimizer state and no gradient reduction. Read off the model (frozen_params), as a cached or
+    # shortened capture's (repeat.py) values do not carry requires_grad
     frozen_params: frozenset = frozenset()
 
     def nodes(self):
@@ -219,7 +220,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=AUTO, 
             lo, hi = _tighter(lo, _as_int(vr.lower), max), _tighter(hi, _as_int(vr.upper), min)
             ranges[rename[expr]] = (lo, hi)
     aliases = {a: c for a, c in canonical.items() if a != c}
-    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], keys, constants, aliases, ranges)
+    return Captured(ep, graph, info, symbols, hints, [n.name for n in input_nodes], keys, constants, aliases, ranges,
+                    frozen_params=frozen_params(model))
 
 
 def _export(model, example_inputs: tuple, example_kwargs: dict, dynamic_shapes):
@@ -364,6 +366,11 @@ def _as_int(bound):
         return int(bound)
     except (TypeError, ValueError, AttributeError, OverflowError):
         return None
+
+
+def frozen_params(model: torch.nn.Module) -> frozenset:
+    """The names of the parameters the model does not train (requires_grad False), every alias of a tied one."""
+    return frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad)
 
 
 def canonical_names(model: torch.nn.Module) -> dict[str, str]:

@@ -32,7 +32,7 @@ from torch import nn
 from .._compat import storage_id, symint_hint, trace_lock
 from ..errors import CaptureError
 from .cache import cached_capture
-from .export import AUTO, BUFFER, OP, PARAM, Captured, canonical_names, capture
+from .export import AUTO, BUFFER, OP, PARAM, Captured, canonical_names, capture, frozen_params
 from .gc_paused import gc_paused
 from .traced_layers import (TRACED, NotRepeated, TracedLayers, check_repeat, moved_name, name_strides, placeholder_name,
                             renamed_block, section_of, split_name, traced_blocks)
@@ -78,7 +78,8 @@ def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO, exam
         return capture(model, example_inputs, dynamic_shapes, example_kwargs)
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
-    return dataclasses.replace(cap, exported=RepeatedProgram(cap.exported, state))
+    # the copied layers' weights are frozen as the whole model's are (the shortened model named only its own)
+    return dataclasses.replace(cap, exported=RepeatedProgram(cap.exported, state), frozen_params=frozen_params(model))
 
 
 # --------------------------------------------------------------------------- stacks in the model
