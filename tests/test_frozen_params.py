@@ -178,3 +178,22 @@ def test_a_plan_made_with_other_weights_frozen(strategy):
     plan = autopar.plan(frozen, (x,), {"dp": 2}, hardware="cpu", strategy=strategy)
     for said in run_threaded(2, _parallelize_with, trained, x, plan):
         assert isinstance(said, str) and "requires_grad False" in said, said
+
+
+def test_a_pipelined_plan_holds_no_gradient_for_a_frozen_held_weight():
+    """FSDP under a pipeline that keeps weights whole for the step (reshard_after_forward=False) holds each trained
+    weight's whole gradient beside it, summed over the microbatches; a frozen weight takes none."""
+    from autopar.testing import pipeline_batch, pipeline_gpt
+    x, _ = pipeline_batch()
+
+    def grads(frozen: bool):
+        model = pipeline_gpt()
+        if frozen:
+            model.requires_grad_(False)
+            model.lm_head.requires_grad_(True)   # something to train
+        return autopar.plan(model, (x,), {"pp": 2, "dp": 2}, hardware="cpu", strategy="fsdp", pipeline_axis="pp",
+                            schedule="1f1b", microbatches=2, reshard_after_forward=False).predicted.memory.grads
+
+    head = pipeline_gpt().lm_head.weight
+    # at most the head's gradient, whole and in its shard, on the device that holds it
+    assert grads(True) <= 2 * head.numel() * head.element_size() < grads(False)

@@ -28,7 +28,7 @@ import cost_models as cm
 
 from ..capture.export import BUFFER, INPUT, OP, PARAM, Captured
 from ..cost.buckets import partial_gradients
-from ..cost.predict import Memory, Predicted, redistribution_collectives
+from ..cost.predict import COMPILE_REGIONS, Memory, Predicted, redistribution_collectives
 from ..cost.checkpointing import recomputed_ops, rerun_ops
 from ..cost.problem import checkpoint_model
 from ..cost.terms import (activation_bytes, collectives_bytes, collectives_time, copied_kept_bytes, first_meta,
@@ -198,7 +198,7 @@ def op_costs(prob, basis: OpBasis, held: bool = False, stacks=()) -> OpCosts:
         if inside and order[first] in rec.passed and not held_weight:   # a rerun block runs its forward
             colls = colls + [c for c in colls if c.phase == "forward"]   # redistributions again
         if held_weight:
-            colls = _held(colls, state_parts, r.producer)
+            colls = _held(colls, state_parts, r.producer, r.producer in prob.grad_nodes)
             gathers = [c for c in colls if c.kind in (ALL_GATHER, REDUCE_SCATTER)]
             if gathers:
                 b, t = once[first]
@@ -292,15 +292,16 @@ def _bucket_all_reduces(prob, name: str, meta, s, axes) -> list:
     return [Collective(ALL_REDUCE, a, nbytes, "backward", f"gradient of {name}", name) for a in axes]
 
 
-def _held(colls: list, state_parts: dict, param: str) -> list:
+def _held(colls: list, state_parts: dict, param: str, trained: bool = True) -> list:
     """A weight held whole for the step: one forward all-gather and one gradient reduce-scatter per step (no
     gather again in backward), and its stage holds the weight whole and its gradient whole (summed over the
-    microbatches) besides the shard: `state_parts` grows by both. Returns the collectives it still runs."""
+    microbatches; none where the weight is frozen, not `trained`) besides the shard: `state_parts` grows by both.
+    Returns the collectives it still runs."""
     gathers = [c for c in colls if c.kind == ALL_GATHER and c.phase == "forward"]
     # the last gather's output: the weight whole, in the dtype it is gathered in (the compute dtype); its
     # gradient accumulates in that dtype too, as FSDP2's unsharded gradients do
     whole = max(float(c.full_bytes) for c in gathers)
-    grad_whole = whole
+    grad_whole = whole if trained else 0.0
     weight, master, grad, opt, update = state_parts[param]
     state_parts[param] = (weight + whole, master, grad + grad_whole, opt, update)
     return [c for c in colls if not (c.kind == ALL_GATHER and c.phase == "backward")]
@@ -458,7 +459,7 @@ def device_prediction(prob, costs: OpCosts, pipe: PipelinePlan, transient: float
     return Predicted(mem, comm_bytes, comm_time, compute, pipe.step_time + optimizer_time,
                      {cm.SEND_RECV: m * (sum(sends) + sum(recvs))},
                      {a: comm_time[a] - hidden[a] for a in mesh.axis_names}, optimizer_time,
-                     pipe.step_time + optimizer_time)
+                     pipe.step_time + optimizer_time, dict.fromkeys(COMPILE_REGIONS, 0.0))
 
 
 def idle_window(prob, stages, coord: int, schedule: str) -> float:
