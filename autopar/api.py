@@ -23,6 +23,7 @@ from .plan_result import Plan
 from .plan_options import PlanOptions
 from .plan_schedule import schedule_of, stage_cut
 from .planner import plan_captured
+from .progress import shown
 from .runtime.collectives import AxisGroup, Comm
 from .runtime.devices import mesh_device
 from .runtime.module import OtherMode, ParallelModule
@@ -35,7 +36,7 @@ log = logging.getLogger("autopar")   # progress (INFO), as planner.py's
 
 
 def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict | None = None,
-         dynamic_shapes=AUTO, trace_every_layer: bool = False, **options) -> Plan:
+         dynamic_shapes=AUTO, trace_every_layer: bool = False, progress: bool | None = None, **options) -> Plan:
     """Plan how to split `model` over `mesh`, without running it or touching a process group.
 
     `mesh` is a DeviceMesh with named axes or a mapping {axis_name: size}; the
@@ -52,41 +53,57 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict |
     last (autopar.capture.repeat), so depth adds little time. `trace_every_layer=True`
     traces every layer, for a model whose alike layers run different code
     (e.g. a per-layer attention type in its config).
+    `progress`: None (the default) writes what planning is doing to stderr when that is a terminal and
+    planning has taken over 2 s, so a quick plan or a log stays quiet; True always, False never
+    (autopar/progress.py).
     See docs/ARCHITECTURE.md.
     """
-    opts = PlanOptions.from_keywords("autopar.plan", options)   # bad values fail before the capture (seconds)
+    opts = PlanOptions.from_keywords("autopar.plan", options,   # bad values fail before the capture (seconds)
+                                     "example_kwargs=, dynamic_shapes=, trace_every_layer=, progress=")
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     check_request(mesh_spec(mesh), opts.pipeline_axis, opts.microbatches, opts.schedule,
                   _first_batch(example_inputs, example_kwargs), opts.stages_per_device)
-    cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, opts.precision, dynamic_shapes,
-                                         trace_every_layer)
-    return plan_captured(cap, mesh, opts, t_capture=t_capture, recapture=recapture)
+    start = time.perf_counter()
+    with shown(progress, start=start):
+        cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, opts.precision, dynamic_shapes,
+                                             trace_every_layer)
+        return _timed(plan_captured(cap, mesh, opts, t_capture=t_capture, recapture=recapture), start)
+
+
+def _timed(p: Plan, start: float) -> Plan:
+    """`p` with the wall seconds since `start` in its stats ("planning_seconds", which print(plan) shows beside
+    each stage's): the stages alone leave out the searches whose plan was not taken (other pipelines)."""
+    p.stats["planning_seconds"] = time.perf_counter() - start
+    return p
 
 
 def compare(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict | None = None, strategies=None,
-            dynamic_shapes=AUTO, trace_every_layer: bool = False, **options) -> dict:
+            dynamic_shapes=AUTO, trace_every_layer: bool = False, progress: bool | None = None, **options) -> dict:
     """Each strategy's plan for one model and mesh, from one capture: {strategy: the Plan, or the
     AutoparError saying why that strategy does not apply here (a tp degree that does not divide the
     heads, a memory_limit it cannot meet)}. The table engineers draw by hand before a launch.
 
     `strategies`: "auto" and every named strategy by default. `example_kwargs` and the other options are
-    autopar.plan's (hardware, memory_limit, precision, optimizer, ...), the same for every strategy.
+    autopar.plan's (hardware, memory_limit, precision, optimizer, progress, ...), the same for every strategy.
+    Each plan's planning_seconds (stats, print(plan)) is the capture's and its own search's.
     """
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     opts = PlanOptions.from_keywords("autopar.compare", options, "example_kwargs=, strategies=, dynamic_shapes=, "
-                                                                 "trace_every_layer=")
-    cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, opts.precision, dynamic_shapes,
-                                         trace_every_layer)
+                                                                 "trace_every_layer=, progress=")
     out = {}
     strategies = strategies or STRATEGIES
     problems: dict = {}   # one priced problem for every strategy (planner.plan_captured)
-    for i, strategy in enumerate(strategies):
-        log.info("strategy %s (%d of %d)", strategy, i + 1, len(strategies))
-        try:
-            out[strategy] = plan_captured(cap, mesh, replace(opts, strategy=strategy), t_capture=t_capture,
-                                          recapture=recapture, problems=problems)
-        except AutoparError as e:
-            out[strategy] = e
+    with shown(progress):
+        cap, t_capture, recapture = _capture(model, example_inputs, example_kwargs, opts.precision, dynamic_shapes,
+                                             trace_every_layer)
+        for i, strategy in enumerate(strategies):
+            log.info("strategy %s (%d of %d)", strategy, i + 1, len(strategies))
+            start = time.perf_counter() - t_capture
+            try:
+                out[strategy] = _timed(plan_captured(cap, mesh, replace(opts, strategy=strategy), t_capture=t_capture,
+                                                     recapture=recapture, problems=problems), start)
+            except AutoparError as e:
+                out[strategy] = e
     return out
 
 
@@ -168,14 +185,15 @@ def _for_planning(recapture):
 
 def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwargs: dict | None = None,
                 plan: Plan | None = None, dynamic_shapes=AUTO, record_comm: bool = False,
-                **plan_kwargs) -> ParallelModule:
+                progress: bool | None = None, **plan_kwargs) -> ParallelModule:
     """Run on every rank: returns this rank's module, holding only its shards.
 
     `example_inputs` and `example_kwargs` are global (whole-batch) example
     inputs, positional and keyword (as autopar.plan takes them); the returned
     module takes this rank's shard of each, called the same way:
     `pm(*plan.local_inputs(*args), **plan.local_kwargs(**kwargs))`.
-    `record_comm=True` logs every collective (model.comm.log) for audits.
+    `record_comm=True` logs every collective (model.comm.log) for audits. `progress`: as autopar.plan's,
+    shown by rank 0, which plans (the other ranks would only repeat it).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -187,7 +205,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
         raise MeshError("torch.distributed is not initialized; run under torchrun and call "
                         "init_device_mesh first")
     opts = PlanOptions.from_keywords("autopar.parallelize", plan_kwargs,   # before the capture, which takes seconds
-                                     "example_kwargs=, plan=, dynamic_shapes=, record_comm=")
+                                     "example_kwargs=, plan=, dynamic_shapes=, record_comm=, progress=")
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
     spec = mesh_spec(mesh)
     capture_fn = _running_capture(model, plan.precision if plan is not None else opts.precision)
@@ -197,9 +215,11 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
     # while rank 0 plans
     recapture = _recapture(capture_fn, model, example_inputs, example_kwargs, dynamic_shapes)
     if plan is None:
-        if opts.pipeline_axis is None:
-            recapture(1)
-        plan = _plan_on_rank0(lambda: recapture(1), mesh, opts, _for_planning(recapture))
+        start = time.perf_counter()
+        with shown(progress if dist.get_rank() == 0 else False, start=start):
+            if opts.pipeline_axis is None:
+                recapture(1)
+            plan = _plan_on_rank0(lambda: recapture(1), mesh, opts, _for_planning(recapture), start)
     cap = recapture(plan.pipeline.microbatches if plan.pipeline is not None else 1)
     _check_plan_matches(plan, cap, spec)
     _check_runtime_precision(plan, cap)
@@ -267,7 +287,7 @@ def _with_schedule(plan: Plan, cap: Captured, grad_nodes: set) -> Plan:
     return replace(plan, schedule=schedule_of(cap, plan, grad_nodes))
 
 
-def _plan_on_rank0(whole_batch_capture, mesh, opts: PlanOptions, recapture) -> Plan:
+def _plan_on_rank0(whole_batch_capture, mesh, opts: PlanOptions, recapture, start: float) -> Plan:
     """Rank 0 captures the model, plans and broadcasts the plan, so ranks cannot disagree (and plan once,
     not N times); the others capture what the plan they receive runs.
 
@@ -279,10 +299,12 @@ def _plan_on_rank0(whole_batch_capture, mesh, opts: PlanOptions, recapture) -> P
     if dist.get_rank() == 0:
         try:
             cap = whole_batch_capture()
+            t_capture = time.perf_counter() - start   # the capture is all that ran since `start`
             # threaded ranks share torch's tracing state: a SymInt's arithmetic in the planner would reach the
             # tracer of a rank still capturing, so no rank traces while rank 0 plans (a no-op across processes)
             with trace_lock:
-                message[0] = ("plan", plan_captured(cap, mesh, opts, recapture=recapture).to_json())
+                message[0] = ("plan", _timed(plan_captured(cap, mesh, opts, t_capture=t_capture, recapture=recapture),
+                                             start).to_json())
         except AutoparError as e:
             message[0] = ("error", e)
     dist.broadcast_object_list(message, src=0)

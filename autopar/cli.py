@@ -15,9 +15,7 @@ Exit status: 0 done; 1 no plan fits (the message says what would); 2 bad input (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import pathlib
 import sys
 import time
@@ -30,6 +28,7 @@ import cost_models as cm
 from .api import compare, plan
 from .errors import AutoparError, InfeasiblePlanError, UnsupportedOpWarning
 from .plan_result import Plan
+from .progress import say, shown
 from .search.classics import STRATEGIES
 from .whatif import max_batch
 
@@ -157,36 +156,6 @@ def _options(args) -> dict:
     return options
 
 
-def _progress(message: str, start: float) -> None:
-    print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
-
-
-class _Progress(logging.Handler):
-    """The library's progress messages (logger "autopar", INFO) as _progress lines: a search that takes
-    seconds says what it is doing (capturing, each strategy, each solve) while it does it."""
-
-    def __init__(self, start: float):
-        super().__init__(logging.INFO)
-        self.start = start
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno < logging.WARNING:
-            _progress(record.getMessage(), self.start)
-
-
-@contextlib.contextmanager
-def _progress_shown(start: float):
-    logger = logging.getLogger("autopar")
-    handler, level = _Progress(start), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def _planned(fn, *args, **kwargs):
     """fn(*args, **kwargs), its warnings summed up on stderr: an op without a sharding rule (it runs
     replicated) warns once per op, and a big model has dozens."""
@@ -210,17 +179,17 @@ def _model(args, what: str) -> tuple:
     start = time.perf_counter()
     config = load_config(args.model)
     model = build(config)
-    _progress(f"{_describe(config, model)}; planning {what} for batch {args.batch} x seq {args.seq} on "
-              f"{_mesh_text(args.mesh)} ({args.hardware})", start)
+    say(f"{_describe(config, model)}; planning {what} for batch {args.batch} x seq {args.seq} on "
+        f"{_mesh_text(args.mesh)} ({args.hardware})", start)
     return model, _inputs(config, args), start
 
 
 def _plan(args) -> int:
     model, inputs, start = _model(args, f"strategy {args.strategy}")
-    with _progress_shown(start):
+    with shown(True, start=start):   # from the start, terminal or log: the command is run to watch it plan
         p = _planned(plan, model, (), args.mesh, example_kwargs=inputs, strategy=args.strategy,
                      pipeline_axis=args.pipeline, **_options(args))
-    _progress("planned", start)
+    say("planned", start)
     print(p)
     tokens = args.batch * args.seq
     print(f"\ntokens/s: {tokens / p.predicted.step_time:,.0f} predicted ({tokens} tokens a step, "
@@ -258,9 +227,9 @@ def _largest_batch(p: Plan, memory) -> str:
 
 def _compare(args) -> int:
     model, inputs, start = _model(args, "every strategy")
-    with _progress_shown(start):
+    with shown(True, start=start):   # from the start, terminal or log: the command is run to watch it plan
         plans = _planned(compare, model, (), args.mesh, example_kwargs=inputs, **_options(args))
-    _progress("planned", start)
+    say("planned", start)
     print(compare_table(plans, args.batch * args.seq, args.memory))
     if args.plot:
         _plot(plans, args.plot, args.memory)

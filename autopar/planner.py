@@ -271,6 +271,7 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     _check_batch_divisible(cap, spec, roles)
     check_tensor_parallel_divisibility(cap, roles)
     check_context_divisibility(cap, roles)
+    log.info("strategy %s: sharding rules (the layouts each op may take)", strategy)
     t0 = time.perf_counter()
     prob, policy, opt, hw = _problem(cap, env, checkpointing)
     if checkpointing in ("full", "per-op", "per-layer") and not prob.stacks:

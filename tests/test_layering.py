@@ -28,7 +28,7 @@ STAGES = [
               "autopar.plan_schedule", "autopar.plan_result", "autopar.planner")),
     ("runtime", ("autopar.runtime",)),
     ("questions", ("autopar.whatif", "autopar.audit", "autopar.calibrate", "autopar.checkpoint", "autopar.plots")),   # of a finished plan or module
-    ("api", ("autopar.api",)),
+    ("api", ("autopar.api", "autopar.progress")),
     ("cli", ("autopar.cli", "autopar.__main__")),          # the `autopar` command, over the api
     ("package", ("autopar",)),                            # autopar/__init__.py: the public names
 ]
