@@ -19,19 +19,19 @@ os.environ["AUTOPAR_CAPTURE_CACHE"] = "0"
 import autopar  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from search_time import _model  # noqa: E402
+from search_time import PIPELINE_405B, _model  # noqa: E402   (search_time.py --targets times it too)
 
 
 def main():
-    checkpointing = sys.argv[1] if len(sys.argv) > 1 else "auto"
-    model, tokens = _model("405b", 126, 2048, 8192)
+    case = PIPELINE_405B
+    options = dict(case["options"], checkpointing=sys.argv[1] if len(sys.argv) > 1 else "auto")
+    model, tokens = _model(case["model"], case["layers"], case["batch"], case["seq"])
     wall, cpu = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
-        plan = autopar.plan(model, (tokens,), {"dp": 64, "pp": 16, "tp": 8}, hardware="h100",
-                            precision="bf16-mixed", memory_limit="80GB", strategy="fsdp+tp", pipeline_axis="pp",
-                            schedule="interleaved-1f1b", microbatches=32, checkpointing=checkpointing,
-                            time_limit=1800)
+        plan = autopar.plan(model, (tokens,), case["mesh"], hardware=case["hardware"],
+                            memory_limit=case["memory_limit"], pipeline_axis=case["pipeline_axis"], time_limit=1800,
+                            **options)
     print(f"planned in {time.perf_counter() - wall:.1f} s wall, {time.process_time() - cpu:.1f} s CPU")
     for line in str(plan).splitlines():
         if line.startswith(("predicted per device", "pipeline over", "communication per step", "compute ")):

@@ -4,18 +4,21 @@
     python benchmarks/search_time.py --layers 8,80                     # growth with depth
     python benchmarks/search_time.py --model 70b --layers 80 --mesh a=16,b=8,c=8 --batch 64
     python benchmarks/search_time.py --compare                         # autopar compare: every strategy
-    python benchmarks/search_time.py --targets    # issue 36's rows: 8B on 8x8; 70B on 16x8x8; 405B on 4 axes
-                                                  # pipelined; compare on 8B; 8B at 32/80/126 layers
+    python benchmarks/search_time.py --demo                            # the README's demo (examples/train_gpt.py)
+    python benchmarks/search_time.py --targets    # issue 53's rows: 8B on 8x8; 70B on 16x8x8; 405B as
+                                                  # dp64 x pp16 x tp8 interleaved; 405B on 4 axes pipeline
+                                                  # auto; compare on 8B; the demo; 8B at 80/126 layers
 
-Each case runs in a child process of its own, so its peak resident memory (ru_maxrss) is its own.
-It prints one summary row per case (seconds end to end, capture included; peak memory), then the
-stages of each: capture, problem build (rules, edges, activation model), every ILP solved (the role
-assignment, checkpointing kind, re-gather / reshard variant, its size, build and HiGHS seconds),
-the pipeline cuts, and the predictions. Timings, so a benchmark, not a test; on a shared machine,
-compare figures from one run only.
-
-HiGHS's answers are not taken from the solve cache (autopar/search/solve_cache.py) here: the point is
-to time the search. Set AUTOPAR_SOLVE_CACHE=1 to time a plan made again.
+Each case runs twice, each time in a child process of its own, so its peak resident memory (ru_maxrss) is
+its own: cold, then warm. Cold: the capture cache (autopar/capture/cache.py) and the solve cache
+(autopar/search/solve_cache.py) are on but empty, in a temporary directory, so nothing comes from them and
+the run fills them, as a user's first plan does. Warm: the same request again over the caches it filled,
+as a plan made again (a script run twice, a changed print) is. It prints one summary row per case (seconds
+end to end, capture included, and peak memory, cold and warm), then the stages of each run: capture,
+problem build (rules, edges, activation model), every ILP solved (the role assignment, checkpointing kind,
+re-gather / reshard variant, its size, build and HiGHS seconds), the pipeline cuts, and the predictions.
+Timings, so a benchmark, not a test (tests/test_plan_time.py holds loose bounds on the demo); on a shared
+machine, compare figures from one run only.
 """
 import argparse
 import json
@@ -24,6 +27,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -31,13 +35,24 @@ import torch
 
 import autopar
 
-os.environ.setdefault("AUTOPAR_SOLVE_CACHE", "0")   # inherited by each case's child process
-
 SHAPES = {  # published Llama-3 shapes
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8),
     "405b": dict(hidden_size=16384, intermediate_size=53248, num_attention_heads=128, num_key_value_heads=8),
 }
+
+# the README's demo, as examples/train_gpt.py plans it: a 2-layer GPT (vocab 64, 16 tokens, 4 heads, width 32),
+# batch 32, on a 2 x 2 CPU mesh under a 1 MiB limit that makes "auto" split the batch and the weights
+DEMO = dict(model="demo", layers=2, mesh={"x": 2, "y": 2}, batch=32, seq=16, hardware="cpu", memory_limit="1MiB",
+            dynamic_shapes="auto")
+
+# issue 52's configuration: Llama 3.1 405B as it ran in production, 8192 H100s as dp 64 x pp 16 x tp 8,
+# interleaved 1F1B with 32 microbatches of 1 x 8192 tokens, bf16-mixed, 80 GB (benchmarks/plan_405b_pipeline.py
+# plans it alone and prints its summary)
+PIPELINE_405B = dict(model="405b", layers=126, mesh={"dp": 64, "pp": 16, "tp": 8}, batch=2048, seq=8192,
+                     hardware="h100", memory_limit="80GB", dynamic_shapes="auto", pipeline_axis="pp",
+                     options=dict(strategy="fsdp+tp", schedule="interleaved-1f1b", microbatches=32,
+                                  precision="bf16-mixed", checkpointing="auto"))
 
 
 class _Stages(logging.Handler):
@@ -53,6 +68,12 @@ class _Stages(logging.Handler):
 
 
 def _model(model_name: str, layers: int, batch: int, seq: int):
+    if model_name == "demo":
+        from autopar.testing import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=64, block_size=seq, n_layer=layers, n_head=4, n_embd=32)
+        return GPT(config), torch.randint(0, config.vocab_size, (batch, seq))
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=128256, num_hidden_layers=layers, max_position_embeddings=8192,
@@ -71,15 +92,11 @@ def _model(model_name: str, layers: int, batch: int, seq: int):
     return Logits(), torch.randint(0, cfg.vocab_size, (batch, seq), device="meta")
 
 
-def plan_once(model_name: str, layers: int, mesh: dict, batch: int, seq: int, hardware: str, memory_limit=None,
-              dynamic_shapes="auto", pipeline_axis=None):
-    model, tokens = _model(model_name, layers, batch, seq)
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
-        plan = autopar.plan(model, (tokens,), mesh, hardware=hardware, memory_limit=memory_limit,
-                            time_limit=1800, dynamic_shapes=dynamic_shapes, pipeline_axis=pipeline_axis)
-    return plan, time.perf_counter() - start
+def _options(case: dict) -> dict:
+    """autopar.plan's options for a case: no time limit worth the name (the point is to time the search)
+    unless the case gives its own."""
+    return {"hardware": case["hardware"], "memory_limit": case["memory_limit"], "time_limit": 1800,
+            "dynamic_shapes": case["dynamic_shapes"], **case.get("options", {})}
 
 
 def run_case(case: dict) -> dict:
@@ -89,20 +106,20 @@ def run_case(case: dict) -> dict:
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     mesh = dict(case["mesh"])
+    model, tokens = _model(case["model"], case["layers"], case["batch"], case["seq"])
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        if case.get("compare"):
+            plans = autopar.compare(model, (tokens,), mesh, **_options(case))
+        else:
+            plan = autopar.plan(model, (tokens,), mesh, pipeline_axis=case.get("pipeline_axis"), **_options(case))
+    total = time.perf_counter() - start
     if case.get("compare"):
-        model, tokens = _model(case["model"], case["layers"], case["batch"], case["seq"])
-        start = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
-            plans = autopar.compare(model, (tokens,), mesh, hardware=case["hardware"],
-                                    memory_limit=case["memory_limit"], time_limit=1800)
-        total = time.perf_counter() - start
         plan = next((p for p in plans.values() if isinstance(p, autopar.Plan)), None)
         summary = {"strategies": {k: (type(v).__name__ if isinstance(v, Exception) else
                                       round(v.predicted.step_time, 4)) for k, v in plans.items()}}
     else:
-        plan, total = plan_once(case["model"], case["layers"], mesh, case["batch"], case["seq"], case["hardware"],
-                                case["memory_limit"], case["dynamic_shapes"], case.get("pipeline_axis"))
         summary = {"roles": plan.stats["axis_roles"], "checkpointed": dict(plan.checkpointed),
                    "pipeline": bool(plan.pipeline)}
     stats = plan.stats if plan is not None else {}
@@ -112,10 +129,10 @@ def run_case(case: dict) -> dict:
             "predict_seconds": stats.get("predict_seconds", 0.0)}
 
 
-def _in_child(case: dict, timeout: float) -> dict:
+def _in_child(case: dict, timeout: float, env: dict) -> dict:
     try:
         out = subprocess.run([sys.executable, __file__, "--one", json.dumps(case)], capture_output=True, text=True,
-                             timeout=timeout)
+                             timeout=timeout, env={**os.environ, **env})
     except subprocess.TimeoutExpired:
         return {**case, "error": f"not done after {timeout:.0f} s (stopped)"}
     if out.returncode:
@@ -123,33 +140,53 @@ def _in_child(case: dict, timeout: float) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def cold_and_warm(case: dict, timeout: float) -> dict:
+    """The case planned cold (both caches on, empty: the run fills them), then warm over what it filled."""
+    with tempfile.TemporaryDirectory(prefix="autopar-search-time-") as where:
+        env = {"AUTOPAR_CAPTURE_CACHE": "1", "AUTOPAR_CACHE_DIR": os.path.join(where, "captures"),
+               "AUTOPAR_SOLVE_CACHE": "1", "AUTOPAR_SOLVE_CACHE_DIR": os.path.join(where, "solves")}
+        cold = _in_child(case, timeout, env)
+        warm = _in_child(case, timeout, env) if "error" not in cold else {**case, "error": "cold run failed"}
+    return {"case": case, "cold": cold, "warm": warm}
+
+
 def _label(case: dict) -> str:
     mesh = "x".join(str(n) for n in case["mesh"].values())
-    what = "compare" if case.get("compare") else ("pipeline auto" if case.get("pipeline_axis") else "plan")
+    what = "compare" if case.get("compare") else ("pipeline " + case["pipeline_axis"] if case.get("pipeline_axis")
+                                                  else "plan")
+    if case.get("options", {}).get("schedule"):
+        what += f" {case['options']['schedule']}"
     return f"{case['model']} {case['layers']}L {mesh} {what}"
 
 
 def _print_summary(results: list) -> None:
-    header = f"{'case':>30} {'nodes':>6} {'total s':>8} {'capture':>8} {'peak GB':>8}  result"
+    header = (f"{'case':>40} {'nodes':>6} {'cold s':>8} {'cold GB':>8} {'warm s':>8} {'warm GB':>8} {'capture':>8}"
+              "  result")
     print(header)
     print("-" * len(header))
     for r in results:
-        if "error" in r:
-            print(f"{_label(r):>30}  failed: {r['error']}")
+        cold, warm = r["cold"], r["warm"]
+        if "error" in cold:
+            print(f"{_label(r['case']):>40}  failed: {cold['error']}")
             continue
-        result = r.get("strategies") or f"{r['roles']}" + (f" checkpointed {r['checkpointed']}" if r["checkpointed"]
-                                                            else "") + (" pipelined" if r["pipeline"] else "")
-        print(f"{_label(r):>30} {r['nodes'] or '':>6} {r['total_seconds']:>8.2f} {r['capture_seconds']:>8.2f} "
-              f"{r['peak_rss_bytes'] / 2**30:>8.2f}  {result}")
+        result = cold.get("strategies") or f"{cold['roles']}" + (
+            f" checkpointed {cold['checkpointed']}" if cold["checkpointed"] else "") + (
+            " pipelined" if cold["pipeline"] else "")
+        warm_text = (f"{warm['total_seconds']:>8.2f} {warm['peak_rss_bytes'] / 2**30:>8.2f}" if "error" not in warm
+                     else f"{'failed':>17}")
+        print(f"{_label(r['case']):>40} {cold['nodes'] or '':>6} {cold['total_seconds']:>8.2f} "
+              f"{cold['peak_rss_bytes'] / 2**30:>8.2f} {warm_text} {cold['capture_seconds']:>8.2f}  {result}")
+        if "error" in warm:
+            print(f"{'':>40}  warm run failed: {warm['error']}")
 
 
-def _print_stages(r: dict) -> None:
+def _print_stages(r: dict, run: str) -> None:
     if "error" in r:
         return
     ilps = [s for s in r["stages"] if s["stage"] == "ilp"]
     pipes = [s for s in r["stages"] if s["stage"] == "pipeline"]
-    print(f"\n{_label(r)}: capture {r['capture_seconds']:.2f} s, problem build {r['rules_seconds']:.2f} s, "
-          f"{len(ilps)} ILPs {sum(s['build_seconds'] for s in ilps):.2f} s built + "
+    print(f"\n{_label(r)}, {run}: {r['total_seconds']:.2f} s, capture {r['capture_seconds']:.2f} s, problem build "
+          f"{r['rules_seconds']:.2f} s, {len(ilps)} ILPs {sum(s['build_seconds'] for s in ilps):.2f} s built + "
           f"{sum(s['solve_seconds'] for s in ilps):.2f} s HiGHS, "
           + (f"{len(pipes)} pipeline cuts {sum(s['seconds'] for s in pipes):.2f} s, " if pipes else "")
           + f"predict {r['predict_seconds']:.2f} s (of the plan returned)")
@@ -168,6 +205,17 @@ def _mesh(text: str) -> dict:
     return {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
 
 
+def targets(base: dict) -> list:
+    """Issue 53's rows (and issue 36's 8B depths)."""
+    cases = [dict(base, model="8b", layers=32, mesh=_mesh("dp=8,tp=8"), batch=16),
+             dict(base, model="70b", layers=80, mesh=_mesh("a=16,b=8,c=8"), batch=64),
+             PIPELINE_405B,
+             dict(base, model="405b", layers=126, mesh=_mesh("a=16,b=16,c=8,d=8"), batch=256, pipeline_axis="auto"),
+             dict(base, model="8b", layers=32, mesh=_mesh("dp=8,tp=8"), batch=16, compare=True),
+             DEMO]
+    return cases + [dict(base, model="8b", layers=n, mesh=_mesh("dp=8,tp=8"), batch=16) for n in (80, 126)]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="8b", choices=sorted(SHAPES))
@@ -182,8 +230,9 @@ def main():
                    help="capture with every dim as in the example (dynamic_shapes=None); the default lets "
                         "batch and sequence vary, which export takes longer to trace")
     p.add_argument("--compare", action="store_true", help="time autopar.compare (every strategy) instead")
-    p.add_argument("--targets", action="store_true", help="run the cases issue 36 sets targets for")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds a case may take (default: 1800)")
+    p.add_argument("--demo", action="store_true", help="time the README's demo plan (examples/train_gpt.py) only")
+    p.add_argument("--targets", action="store_true", help="run the cases issue 53 sets targets for")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take (default: 1800)")
     p.add_argument("--one", help=argparse.SUPPRESS)   # a case as JSON, run in this process (the child)
     args = p.parse_args()
     if args.one:
@@ -192,29 +241,30 @@ def main():
     base = dict(seq=args.seq, hardware=args.hardware, memory_limit=args.memory_limit,
                 dynamic_shapes=None if args.static else "auto")
     if args.targets:
-        cases = [dict(base, model="8b", layers=32, mesh=_mesh("dp=8,tp=8"), batch=16),
-                 dict(base, model="70b", layers=80, mesh=_mesh("a=16,b=8,c=8"), batch=64),
-                 dict(base, model="405b", layers=126, mesh=_mesh("a=16,b=16,c=8,d=8"), batch=256,
-                      pipeline_axis="auto"),
-                 dict(base, model="8b", layers=32, mesh=_mesh("dp=8,tp=8"), batch=16, compare=True)]
-        cases += [dict(base, model="8b", layers=n, mesh=_mesh("dp=8,tp=8"), batch=16) for n in (80, 126)]
+        cases = targets(base)
+    elif args.demo:
+        cases = [DEMO]
     else:
         cases = [dict(base, model=args.model, layers=int(n), mesh=_mesh(args.mesh), batch=args.batch,
                       pipeline_axis=args.pipeline_axis, compare=args.compare) for n in args.layers.split(",")]
     results = []
     for case in cases:
-        results.append(_in_child(case, args.timeout))
-        print(f"... {_label(case)}: {results[-1].get('total_seconds', float('nan')):.2f} s", flush=True)
+        results.append(cold_and_warm(case, args.timeout))
+        cold, warm = results[-1]["cold"], results[-1]["warm"]
+        print(f"... {_label(case)}: cold {cold.get('total_seconds', float('nan')):.2f} s, "
+              f"warm {warm.get('total_seconds', float('nan')):.2f} s", flush=True)
     print()
     _print_summary(results)
     for r in results:
-        _print_stages(r)
-    depth = [r for r in results if "error" not in r and not r.get("compare") and r["model"] == "8b"
-             and r["mesh"] == _mesh("dp=8,tp=8") and not r.get("pipeline_axis")]
+        _print_stages(r["cold"], "cold")
+        _print_stages(r["warm"], "warm")
+    depth = [r["cold"] for r in results if "error" not in r["cold"] and not r["case"].get("compare")
+             and r["case"]["model"] == "8b" and r["case"]["mesh"] == _mesh("dp=8,tp=8")
+             and not r["case"].get("pipeline_axis")]
     if len({r["layers"] for r in depth}) > 1:
         lo, hi = min(depth, key=lambda r: r["layers"]), max(depth, key=lambda r: r["layers"])
-        print(f"\n8b on 8x8: {hi['layers']} layers take {hi['total_seconds'] / lo['total_seconds']:.2f}x the time "
-              f"and {hi['peak_rss_bytes'] / lo['peak_rss_bytes']:.2f}x the memory of {lo['layers']}")
+        print(f"\n8b on 8x8, cold: {hi['layers']} layers take {hi['total_seconds'] / lo['total_seconds']:.2f}x the "
+              f"time and {hi['peak_rss_bytes'] / lo['peak_rss_bytes']:.2f}x the memory of {lo['layers']}")
 
 
 if __name__ == "__main__":
