@@ -17,9 +17,9 @@ import plan_golden  # noqa: E402
 
 def _plan_and_searches(monkeypatch, exhaustive: bool):
     calls = []
-    real = ilp._solve
-    # (roles, whether under the limit) of every ILP
-    monkeypatch.setattr(ilp, "_solve", lambda *a, **k: calls.append((a[1].roles, a[2] is not None)) or real(*a, **k))
+    real = ilp._program
+    # (roles, whether under the limit) of every ILP built
+    monkeypatch.setattr(ilp, "_program", lambda *a, **k: calls.append((a[1].roles, a[2] is not None)) or real(*a, **k))
     if exhaustive:   # the search as before bounds: every assignment under the limit, in order
         monkeypatch.setattr(planner, "searches_free_first", lambda *a, **k: False)
     model, inputs = plan_golden._gpt()

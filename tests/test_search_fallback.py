@@ -106,28 +106,35 @@ def test_a_tiny_time_limit_gets_the_greedy_plan_valid_and_no_better_than_the_ilp
 def test_the_gap_is_measured_against_a_lower_bound_on_the_ilp(monkeypatch, highs_reports_bound):
     """HiGHS stops without a plan (simulated: its result is replaced by a time-limit one). With a
     dual bound from HiGHS, the gap is measured against it; without one (what scipy reports when
-    HiGHS has no plan yet), against the LP relaxation's optimum."""
+    HiGHS has no plan yet), against the LP relaxation's optimum, which the search solves first."""
     model, x = _mlp()
     cap = capture(model, (x,))
-    real_milp = search.milp
+    real_milp, real_linprog = search.milp, search.linprog
     bounds, relaxations = [], []
+
+    def relaxed(*args, **kwargs):
+        res = real_linprog(*args, **kwargs)
+        relaxations.append(res.fun)
+        return res
 
     def stopped(*args, **kwargs):
         res = real_milp(*args, **kwargs)
-        if not np.any(kwargs["integrality"]):   # the LP relaxation, asked for a bound
-            relaxations.append(res.fun)
-            return res
         bounds.append(res.mip_dual_bound)
         return OptimizeResult(x=None, fun=None, status=1, success=False, message="Time limit reached.",
                               mip_dual_bound=res.mip_dual_bound if highs_reports_bound else None, mip_gap=None)
 
+    monkeypatch.setattr(search, "linprog", relaxed)
     monkeypatch.setattr(search, "milp", stopped)
+    # the relaxation is not taken as the answer where integral: HiGHS must branch, and stop
+    monkeypatch.setattr(search, "integral", lambda res, integer: False)
     plan, searched = _planned(cap, MESH)
     monkeypatch.undo()
     (prob, roles), = searched
     assert plan.stats["status"] == GREEDY
-    bound = (bounds[0] if highs_reports_bound else relaxations[0]) / search.TIME_SCALE
-    assert bool(relaxations) != highs_reports_bound   # the LP runs only when HiGHS gives no bound
+    # the last branch and bound is over the whole program (the one over the variables reduced costs left
+    # stopped first): its dual bound, or the relaxation's optimum
+    bound = (bounds[-1] if highs_reports_bound else relaxations[0]) / search.TIME_SCALE
+    assert len(relaxations) == 1 and len(bounds) == 2
     assert plan.stats["mip_gap"] == bound_gap(plan.stats["objective_seconds"], bound)
     assert 0.0 <= plan.stats["mip_gap"] <= 1.0
     _assert_valid(plan, prob, roles, None)
@@ -182,8 +189,9 @@ def test_planning_is_deterministic_and_every_rank_gets_rank_0s_plan():
 def test_no_time_limit_is_accepted_and_a_bad_one_is_a_plan_error(monkeypatch):
     model, x = _mlp()
     seen = []
-    real = search.milp
-    monkeypatch.setattr(search, "milp", lambda *a, **k: seen.append(k["options"]) or real(*a, **k))
+    real_milp, real_linprog = search.milp, search.linprog
+    monkeypatch.setattr(search, "milp", lambda *a, **k: seen.append(k["options"]) or real_milp(*a, **k))
+    monkeypatch.setattr(search, "linprog", lambda *a, **k: seen.append(k["options"]) or real_linprog(*a, **k))
     unlimited = autopar.plan(model, (x,), MESH, hardware="cpu", time_limit=None)
     assert seen and all("time_limit" not in o for o in seen)   # HiGHS gets no clock to ration by
     assert _without_timings(unlimited) == _without_timings(autopar.plan(model, (x,), MESH, hardware="cpu"))

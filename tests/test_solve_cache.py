@@ -22,12 +22,13 @@ MESH = {"a": 2, "b": 2}
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """An empty cache of this test's own, and a count of HiGHS's runs."""
+    """An empty cache of this test's own, and a count of HiGHS's runs (branch and bound, or a relaxation)."""
     monkeypatch.setenv("AUTOPAR_SOLVE_CACHE", "1")
     monkeypatch.setenv("AUTOPAR_SOLVE_CACHE_DIR", str(tmp_path))
     runs = []
-    real = ilp.milp
-    monkeypatch.setattr(ilp, "milp", lambda *a, **k: runs.append(1) or real(*a, **k))
+    real_milp, real_linprog = ilp.milp, ilp.linprog   # a search solves its program's relaxation first
+    monkeypatch.setattr(ilp, "milp", lambda *a, **k: runs.append(1) or real_milp(*a, **k))
+    monkeypatch.setattr(ilp, "linprog", lambda *a, **k: runs.append(1) or real_linprog(*a, **k))
     return tmp_path, runs
 
 
@@ -72,8 +73,10 @@ def test_the_key_is_the_program_not_the_order_its_entries_came_in():
 
 def test_an_answer_cut_short_by_the_clock_is_not_kept(cache, monkeypatch):
     where, _ = cache
-    monkeypatch.setattr(ilp, "milp", lambda *a, **k: OptimizeResult(
-        x=None, fun=None, status=1, success=False, message="Time limit reached.", mip_dual_bound=None, mip_gap=None))
+    stopped = lambda *a, **k: OptimizeResult(   # noqa: E731
+        x=None, fun=None, status=1, success=False, message="Time limit reached.", mip_dual_bound=None, mip_gap=None)
+    monkeypatch.setattr(ilp, "milp", stopped)
+    monkeypatch.setattr(ilp, "linprog", stopped)   # the relaxation, solved first
     _plan()   # the greedy's plan
     assert not list(where.glob("*.npz"))
 

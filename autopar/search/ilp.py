@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from ..capture.export import PARAM
 from ..cost.checkpointing import KINDS, NONE, recomputed_ops, rerun_blocks, rerun_ops
@@ -32,7 +32,7 @@ from ..sharding.redistribute import UnsupportedRedistribution
 from .classics import Roles, allow_edge, allowed_flags
 from . import solve_cache
 from .greedy import bound_gap, greedy
-from .solution import GREEDY_NO_BOUND, INFEASIBLE, OPTIMAL, TIME_LIMIT, Solution
+from .solution import GREEDY_NO_BOUND, INFEASIBLE, OPTIMAL, PRUNED, TIME_LIMIT, Solution
 
 # one DEBUG record per ILP solved, its figures in `record.stage` (benchmarks/search_time.py tabulates them)
 log = logging.getLogger(__name__)
@@ -88,19 +88,98 @@ class _ILP:
     def num_rows(self) -> int:
         return len(self.lb)
 
-    def solve(self, objective, time_limit, gap):
-        ri = np.concatenate([np.asarray(self.ri, dtype=np.int64)] + [c[0] for c in self.chunks])
-        ci = np.concatenate([np.asarray(self.ci, dtype=np.int64)] + [c[1] for c in self.chunks])
-        data = np.concatenate([np.asarray(self.data, dtype=float)] + [c[2] for c in self.chunks])
+    def _matrix(self):
+        if getattr(self, "_built", None) is None:
+            ri = np.concatenate([np.asarray(self.ri, dtype=np.int64)] + [c[0] for c in self.chunks])
+            ci = np.concatenate([np.asarray(self.ci, dtype=np.int64)] + [c[1] for c in self.chunks])
+            data = np.concatenate([np.asarray(self.data, dtype=float)] + [c[2] for c in self.chunks])
+            self._built = (sp.csr_array((data, (ri, ci)), shape=(len(self.lb), len(self.cost))),
+                           np.array(self.lb, float), np.array(self.ub, float))
+        return self._built
+
+    def relax(self, objective, time_limit):
+        """The program with integrality dropped, by the dual simplex: its optimum is a lower bound on the
+        program's, its reduced costs say how much each variable would add off its bound (solve uses them),
+        and where its basic solution sets every binary to 0 or 1 it is the program's optimum itself -- as
+        for most searches without a memory limit. HiGHS's presolve is off: on these programs it took
+        twice the simplex's own time (measured on the README demo's 2-layer GPT on 2 x 2, 17346 variables:
+        0.1-0.2 s without it, 0.3-0.55 s with it)."""
+        A, row_lower, row_upper = self._matrix()
         n = len(self.cost)
-        A = sp.csr_array((data, (ri, ci)), shape=(len(self.lb), n))
+        c, lower, upper = np.array(objective, dtype=float), np.zeros(n), np.array(self.upper, dtype=float)
+        options = {"presolve": False} if time_limit is None else {"presolve": False, "time_limit": time_limit}
+        key = (solve_cache.program_key(c, np.zeros(n), lower, upper, A, row_lower, row_upper,
+                                       {**options, "method": "highs-ds"}) if solve_cache.cache_dir() else None)
+        res = solve_cache.load(key) if key else None
+        if res is not None and res.status == 0 and getattr(res, "reduced_at_lower", None) is not None:
+            return res
+        eq = row_lower == row_upper
+        le, ge = np.isfinite(row_upper) & ~eq, np.isfinite(row_lower) & ~eq
+        res = linprog(c, A_ub=sp.vstack([A[le], -A[ge]]).tocsr(), b_ub=np.concatenate([row_upper[le], -row_lower[ge]]),
+                      A_eq=A[eq], b_eq=row_upper[eq], bounds=np.stack([lower, upper], axis=1), method="highs-ds",
+                      options=options)
+        if res.status == 0:
+            res.reduced_at_lower, res.reduced_at_upper = res.lower.marginals, -res.upper.marginals
+        if key:
+            solve_cache.store(key, res)
+        return res
+
+    def solve(self, objective, time_limit, gap, relaxed=None):
+        """The program's optimum within `gap`. Where the relaxation (`relaxed`, if the caller has it) is
+        integral, that; else HiGHS's branch and bound over the variables whose reduced costs leave them a
+        chance: a variable whose reduced cost exceeds margin M adds more than M to any plan that moves it
+        off its bound, so where the best plan of the program without those costs at most relaxation + M,
+        it is the best plan of the whole program (reduced-cost fixing). M starts at REDUCED_MARGIN of the
+        relaxation's optimum and grows fourfold while the smaller program's best is above it.
+
+        Measured on the README demo (2 x 2, 1 MiB; 17346 variables; 1% margin keeps 2300-2700): each
+        search under the limit in 0.15-0.3 s, relaxation included, against 1.3-4.5 s for HiGHS's branch
+        and bound over the whole program, which spent most of it in presolve and heuristics finding a
+        first plan; the same plans."""
+        relaxed = relaxed if relaxed is not None else self.relax(objective, time_limit)
+        if relaxed.status == 2 or integral(relaxed, self.integer):
+            return relaxed   # infeasible without integrality: infeasible with it too
+        if relaxed.status == 0:
+            margin = REDUCED_MARGIN
+            while margin < 1.0:
+                ceiling = float(relaxed.fun) + margin * max(abs(float(relaxed.fun)), 1e-9)
+                res = self._solve_fixed(objective, time_limit, gap, relaxed, ceiling)
+                if res.x is not None and res.fun <= ceiling * (1 + 1e-9):
+                    return res
+                if res.status not in (0, 2):   # out of time: the whole program, as before
+                    break
+                margin *= 4
+        return self._run(objective, time_limit, gap, None)
+
+    def _solve_fixed(self, objective, time_limit, gap, relaxed, ceiling):
+        """The program with every variable whose reduced cost exceeds ceiling - relaxation fixed at its bound
+        (those at 0 dropped), its answer laid out over all variables."""
+        slack = ceiling - float(relaxed.fun)
+        x = np.asarray(relaxed.x)
+        at_zero = (x <= INTEGRAL_TOLERANCE) & (relaxed.reduced_at_lower > slack)
+        at_one = (x >= 1 - INTEGRAL_TOLERANCE) & (relaxed.reduced_at_upper > slack) & (np.asarray(self.upper) == 1)
+        keep = np.flatnonzero(~at_zero)
+        res = self._run(objective, time_limit, gap, (keep, at_one[keep]))
+        if res.x is not None:
+            full = np.zeros(len(self.cost))
+            full[keep] = res.x
+            res.x = full
+        return res
+
+    def _run(self, objective, time_limit, gap, kept):
+        """HiGHS's branch and bound over the program, or over its columns kept[0] with kept[1] of them fixed at 1."""
+        A, row_lower, row_upper = self._matrix()
         # a finite time limit makes HiGHS ration its effort by the clock (measured: a 7 s solve under a 60 s
         # or 120 s limit returned either of two equally cheap plans, by the machine's load); without one
         # the same program always gets the same answer
         options = {"mip_rel_gap": gap} if time_limit is None else {"mip_rel_gap": gap, "time_limit": time_limit}
         c, integrality = np.array(objective, dtype=float), np.array(self.integer)
-        lower, upper = np.zeros(n), np.array(self.upper, dtype=float)
-        row_lower, row_upper = np.array(self.lb, float), np.array(self.ub, float)
+        upper = np.array(self.upper, dtype=float)
+        lower = np.zeros(len(c))
+        if kept is not None:
+            columns, ones = kept
+            c, integrality, upper, A = c[columns], integrality[columns], upper[columns], A[:, columns]
+            lower = np.where(ones, 1.0, 0.0)
         key = (solve_cache.program_key(c, integrality, lower, upper, A, row_lower, row_upper, options)
                if solve_cache.cache_dir() else None)
         res = solve_cache.load(key) if key else None
@@ -110,6 +189,21 @@ class _ILP:
             if key:
                 solve_cache.store(key, res)
         return res
+
+
+def integral(res, integer) -> bool:
+    """Whether a relaxation's answer is optimal and sets every integer variable to a whole number."""
+    if res.status != 0 or res.x is None:
+        return False
+    x = np.asarray(res.x)[np.asarray(integer, dtype=bool)]
+    return bool(np.all(np.abs(x - np.round(x)) <= INTEGRAL_TOLERANCE))
+
+
+# HiGHS's own mip_feasibility_tolerance: how far from a whole number its branch and bound accepts a binary
+INTEGRAL_TOLERANCE = 1e-6
+# the first margin of reduced-cost fixing, of the relaxation's optimum (_ILP.solve): the README demo's
+# searches under a limit end 0.1-0.8% above their relaxations, Llama-3-8B's on 8 x 8 (measure)
+REDUCED_MARGIN = 0.01
 
 
 @dataclass
@@ -560,19 +654,44 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
             # and re-gathering only take layouts away or reprice them, so none of their searches can
             # find one either
             return free
-    sols = [_solve(base, roles, memory_limit, time_limit, minimize_memory, gap, kind, memo) for kind in kinds]
+    def programs(prob_, kinds_):
+        return [_program(prob_, roles, memory_limit, time_limit, minimize_memory, gap, kind, memo) for kind in kinds_]
+
+    sols = _cheapest(programs(base, kinds))
     best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     if decide and limited:
         again = [next(iter(best.checkpointed.values()), NONE)] if best.choice else kinds
         # each memory-saving choice alone, then all of them
         variants = [{field: True} for field in decide] + ([{field: True for field in decide}] if len(decide) > 1 else [])
-        for variant in variants:
-            sols += [_solve(replace(base, **variant), roles, memory_limit, time_limit, minimize_memory, gap, kind, memo)
-                     for kind in again]
+        sols += _cheapest([p for variant in variants for p in programs(replace(base, **variant), again)],
+                          best.objective if best.choice else float("inf"))
         best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     best.solve_seconds = sum(sol.solve_seconds for sol in sols + counted)
     best.build_seconds = sum(sol.build_seconds for sol in sols + counted)
     return best
+
+
+def _cheapest(programs: list, incumbent: float = float("inf")) -> list[Solution]:
+    """The solutions of several programs (in their order), each solved only where it may beat the best found:
+    every program's relaxation is solved first (a lower bound on its optimum, and where integral the
+    optimum itself), then the programs from the lowest bound up, and one whose bound is within its gap of
+    the best plan so far (`incumbent` to start with, seconds) is not branched on: its plan could be no
+    faster than that one by more than the gap the search promises anyway (issue 53: plans may change within
+    the gap). Measured on the README demo (2-layer GPT, 2 x 2, 1 MiB): 5 of its 8 searches under the limit
+    end at their bound, and the search takes a third of the time it took branching on all of them."""
+    bounds = [p.bound() for p in programs]
+    sols: list = [None] * len(programs)
+    for i in sorted(range(len(programs)), key=lambda i: (bounds[i], i)):
+        p = programs[i]
+        if incumbent < float("inf") and bounds[i] >= incumbent * (1 - p.gap):
+            sols[i] = Solution({}, (), float("inf"), p.relax_seconds, PRUNED, len(p.ilp.cost), p.ilp.num_rows,
+                               build_seconds=p.build_seconds)
+            _log(p, p.relax_seconds, PRUNED, True)
+            continue
+        sols[i] = _finish(p)
+        if sols[i].choice:
+            incumbent = min(incumbent, sols[i].objective)
+    return sols
 
 
 def searches_free_first(prob: Problem, memory_limit, minimize_memory: bool, checkpointing: str) -> bool:
@@ -594,6 +713,46 @@ def free_search(prob: Problem, roles: Roles, time_limit: float | None, gap: floa
                   memo)
 
 
+@dataclass
+class _Program:
+    """One search's integer program, built (_program), and what reading its answer back needs."""
+    prob: Problem
+    roles: Roles
+    memory_limit: float | None
+    time_limit: float | None
+    minimize_memory: bool
+    gap: float
+    ilp: _ILP
+    xvars: dict
+    bvars: list
+    stacks: list
+    reserve: float
+    build_seconds: float
+    relaxed: object = None        # the relaxation's answer, once solved (bound)
+    relax_seconds: float = 0.0
+
+    @property
+    def objective(self):
+        return self.ilp.mem if self.minimize_memory else self.ilp.cost
+
+    def bound(self) -> float:
+        """A lower bound on the program's optimum, in the Solution's units (seconds, or bytes with
+        minimize_memory): its relaxation's optimum, solved once; inf where that is infeasible."""
+        if self.relaxed is None:
+            t0 = time.perf_counter()
+            self.relaxed = self.ilp.relax(self.objective, self.time_limit)
+            self.relax_seconds = time.perf_counter() - t0
+        if self.relaxed.status == 2:
+            return float("inf")
+        if self.relaxed.status != 0 or self.relaxed.fun is None:
+            return 0.0   # out of time: no bound (costs are never negative)
+        return _unscaled(self, float(self.relaxed.fun))
+
+
+def _unscaled(program: _Program, fun: float) -> float:
+    return fun / MEM_SCALE + program.reserve if program.minimize_memory else fun / TIME_SCALE
+
+
 def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None,
            minimize_memory: bool, gap: float, kind: str, memo: RoleMemo | None = None) -> Solution:
     """Cheapest plan under the roles and memory limit (or, with minimize_memory, the least memory).
@@ -603,6 +762,12 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     of every stack in prob.stacks (NONE, SELECTIVE or FULL). `memo`: what searches
     under the same roles share (RoleMemo).
     """
+    return _finish(_program(prob, roles, memory_limit, time_limit, minimize_memory, gap, kind, memo))
+
+
+def _program(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None,
+             minimize_memory: bool, gap: float, kind: str, memo: RoleMemo | None = None) -> _Program:
+    """The integer program of one search (see _solve), built but not solved."""
     t_build = time.perf_counter()
     ilp = _ILP()
     xvars = _node_vars(prob, roles, ilp)
@@ -629,23 +794,41 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
         nonzero = np.flatnonzero(mem)
         ilp.rows(1, np.zeros(len(nonzero), dtype=np.int64), nonzero, mem[nonzero], -np.inf,
                  (memory_limit - reserve) * MEM_SCALE)
-    t0 = time.perf_counter()
-    built = t0 - t_build
-    res = ilp.solve(ilp.mem if minimize_memory else ilp.cost, time_limit, gap)
-    elapsed = time.perf_counter() - t0
+    return _Program(prob, roles, memory_limit, time_limit, minimize_memory, gap, ilp, xvars, bvars, stacks, reserve,
+                    time.perf_counter() - t_build)
+
+
+def _log(program: _Program, seconds: float, status, relaxation: bool) -> None:
+    """One DEBUG record per search, its figures in `record.stage` (benchmarks/search_time.py tabulates them)."""
+    prob, ilp = program.prob, program.ilp
     nvar, nrow = len(ilp.cost), ilp.num_rows
-    log.debug("ilp: %d variables, %d rows, built in %.2f s, solved in %.2f s", nvar, nrow, built, elapsed,
-              extra={"stage": {"stage": "ilp", "roles": ",".join(str(r or "any") for r in roles.roles),
-                               "checkpointing": kind, "regather": bool(prob.regather_activations),
-                               "reshard": reshards(prob), "limited": memory_limit is not None or minimize_memory,
-                               "variables": nvar, "rows": nrow, "build_seconds": built, "solve_seconds": elapsed,
-                               "status": int(res.status)}})
+    log.debug("ilp: %d variables, %d rows, built in %.2f s, solved in %.2f s", nvar, nrow, program.build_seconds,
+              seconds, extra={"stage": {
+                  "stage": "ilp", "roles": ",".join(str(r or "any") for r in program.roles.roles),
+                  "checkpointing": program.stacks[0].kind if program.stacks else NONE,
+                  "regather": bool(prob.regather_activations), "reshard": reshards(prob),
+                  "limited": program.memory_limit is not None or program.minimize_memory, "variables": nvar,
+                  "rows": nrow, "build_seconds": program.build_seconds, "solve_seconds": seconds,
+                  "relaxation": relaxation, "status": status}})
+
+
+def _finish(program: _Program) -> Solution:
+    """Solve a built program (its relaxation first, see _ILP.solve) and read its answer back as a Solution."""
+    prob, roles, ilp, xvars = program.prob, program.roles, program.ilp, program.xvars
+    memory_limit, time_limit, minimize_memory = program.memory_limit, program.time_limit, program.minimize_memory
+    stacks, reserve, built = program.stacks, program.reserve, program.build_seconds
+    program.bound()   # (timed on its own: relax_seconds)
+    t0 = time.perf_counter()
+    res = ilp.solve(program.objective, time_limit, program.gap, program.relaxed)
+    elapsed = time.perf_counter() - t0 + program.relax_seconds
+    nvar, nrow = len(ilp.cost), ilp.num_rows
+    _log(program, elapsed, int(res.status), res is program.relaxed)
     if res.x is None:
         # stopped at the time limit, not infeasible; the greedy never recomputes, so not under "full"
         if res.status == 1 and not minimize_memory and not stacks:
-            fallback = _fallback(prob, roles, memory_limit, res, ilp, time_limit)
+            fallback = _fallback(prob, roles, memory_limit, res, program.relaxed)
             if fallback is not None:
-                fallback.solve_seconds = time.perf_counter() - t0
+                fallback.solve_seconds = time.perf_counter() - t0 + program.relax_seconds
                 fallback.num_variables, fallback.num_constraints, fallback.build_seconds = nvar, nrow, built
                 return fallback
         return Solution({}, (), float("inf"), elapsed, INFEASIBLE if res.status == 2 else res.message,
@@ -657,8 +840,8 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
         if id(vs) not in picked:
             picked[id(vs)] = max((i for i, v in enumerate(vs) if v is not None), key=lambda i: x[vs[i]])
         choice[name] = picked[id(vs)]
-    batch_axes = tuple(a for a, b in enumerate(bvars) if x[b] > 0.5)
-    objective = float(res.fun) / MEM_SCALE + reserve if minimize_memory else float(res.fun) / TIME_SCALE
+    batch_axes = tuple(a for a, b in enumerate(program.bvars) if x[b] > 0.5)
+    objective = _unscaled(program, float(res.fun))
     status = OPTIMAL if res.status == 0 else TIME_LIMIT
     sol = Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, {st.path: st.kind for st in stacks},
@@ -667,31 +850,22 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
     return sol
 
 
-def _fallback(prob: Problem, roles: Roles, memory_limit, res, ilp: _ILP, time_limit: float) -> Solution | None:
+def _fallback(prob: Problem, roles: Roles, memory_limit, res, relaxed) -> Solution | None:
     """HiGHS stopped at its time limit with no plan: the greedy's (greedy.py), or None if it finds
     none within the memory limit either. Its mip_gap is its distance from a lower bound on the
     ILP's optimum: HiGHS's dual bound, or else -- scipy reports none when HiGHS has no solution
-    yet -- the LP relaxation's optimum; status GREEDY_NO_BOUND (mip_gap 1: costs are never
-    negative, so 0 is the only bound) if that runs out of time too."""
+    yet -- the LP relaxation's optimum (`relaxed`, solved before HiGHS branched); status GREEDY_NO_BOUND
+    (mip_gap 1: costs are never negative, so 0 is the only bound) if that ran out of time too."""
     sol = greedy(prob, roles, memory_limit)
     if sol is None:
         return None
     sol.regather_activations = bool(prob.regather_activations)
     sol.reshard_after_forward = reshards(prob)
     bound = getattr(res, "mip_dual_bound", None)
+    if (bound is None or not np.isfinite(bound)) and relaxed.status == 0 and relaxed.fun is not None:
+        bound = float(relaxed.fun)
     if bound is None or not np.isfinite(bound):
-        bound = _relaxation_bound(ilp, time_limit)
-    if bound is None:
         sol.status, sol.mip_gap = GREEDY_NO_BOUND, 1.0
     else:
         sol.mip_gap = bound_gap(sol.objective, bound / TIME_SCALE)
     return sol
-
-
-def _relaxation_bound(ilp: _ILP, time_limit: float) -> float | None:
-    """The optimum of the ILP with integrality dropped (a lower bound on it, in its units), or None."""
-    import copy
-    relaxed = copy.copy(ilp)   # shares the rows; only the integrality differs
-    relaxed.integer = [0] * len(ilp.integer)
-    lp = relaxed.solve(ilp.cost, time_limit, 0.0)
-    return float(lp.fun) if lp.status == 0 and lp.fun is not None else None

@@ -12,6 +12,8 @@ TIME_LIMIT = "time limit reached"
 INFEASIBLE = "infeasible"
 GREEDY = "greedy"                        # HiGHS ran out of time; the greedy's plan, gap to HiGHS's bound
 GREEDY_NO_BOUND = "greedy (no bound)"    # ... and no lower bound was found to measure the gap against
+# a search not branched on: its relaxation proved it no faster than a plan found, within the gap (ilp._cheapest)
+PRUNED = "pruned by its bound"
 
 
 @dataclass

@@ -5,7 +5,8 @@ Planning one model on one mesh with the same options builds the same integer pro
 suite planning one toy model in many files. HiGHS takes most of a plan's time, so its answers are
 kept on disk, as capture/cache.py keeps traced layers.
 
-Why it is safe: the key is a SHA-256 of everything `scipy.optimize.milp` reads -- the objective, the
+Why it is safe: the key is a SHA-256 of everything `scipy.optimize.milp` (or, for a program's
+relaxation, `linprog`) reads -- the objective, the
 integrality, the variables' bounds, the constraint matrix (in canonical CSR form) and its row bounds,
 the options -- and the version of scipy, which ships HiGHS. A hit is an answer HiGHS gave to this very
 program. Only answers HiGHS finished are kept (an optimum within the gap asked for, or a proof of
@@ -62,7 +63,7 @@ def program_key(c, integrality, lower, upper, A, row_lower, row_upper, options: 
 
 def load(key: str):
     """The stored answer to the program `key` names, as milp returns one (x, fun, status, message,
-    mip_gap, mip_dual_bound), or None."""
+    mip_gap, mip_dual_bound; and for a relaxation, its reduced costs), or None."""
     directory = cache_dir()
     if directory is None:
         return None
@@ -75,6 +76,8 @@ def load(key: str):
             res = SimpleNamespace(x=x, fun=float(entry["fun"]) if x is not None else None,
                                   status=int(entry["status"]), message=str(entry["message"]),
                                   mip_gap=float(entry["mip_gap"]), mip_dual_bound=float(entry["mip_dual_bound"]))
+            if "reduced_at_lower" in entry.files:   # a relaxation's answer (search/ilp.py's _ILP.relax)
+                res.reduced_at_lower, res.reduced_at_upper = entry["reduced_at_lower"], entry["reduced_at_upper"]
     except FileNotFoundError:
         return None
     except Exception as e:   # empty, truncated, a flipped bit (EOFError, BadZipFile, zlib.error, ...): a miss,
@@ -85,7 +88,7 @@ def load(key: str):
 
 
 def store(key: str, res) -> None:
-    """Keep `res` (milp's answer) under `key` where HiGHS finished; any error writing is ignored (the
+    """Keep `res` (milp's answer, or a relaxation's with its reduced costs) under `key` where HiGHS finished; any error writing is ignored (the
     cache only saves time)."""
     directory = cache_dir()
     if directory is None or int(res.status) not in _FINISHED:
@@ -97,6 +100,9 @@ def store(key: str, res) -> None:
                   mip_gap=float(getattr(res, "mip_gap", 0.0) or 0.0),
                   mip_dual_bound=float(getattr(res, "mip_dual_bound", np.nan) if
                                        getattr(res, "mip_dual_bound", None) is not None else np.nan))
+    if getattr(res, "reduced_at_lower", None) is not None:
+        fields.update(reduced_at_lower=np.asarray(res.reduced_at_lower, dtype=float),
+                      reduced_at_upper=np.asarray(res.reduced_at_upper, dtype=float))
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
