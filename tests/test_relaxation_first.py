@@ -90,7 +90,7 @@ def _plan(model, x, monkeypatch=None, whole=False):
     with `whole`, as searched before issue 53: every program branched on whole, none pruned."""
     with pytest.MonkeyPatch.context() as mp:
         if whole:
-            mp.setattr(ilp._ILP, "solve", lambda self, objective, time_limit, gap, relaxed=None:
+            mp.setattr(ilp._ILP, "solve", lambda self, objective, time_limit, gap, relaxed=None, whole=False:
                        self._run(objective, time_limit, gap, None))
             mp.setattr(ilp._Program, "bound", lambda self: 0.0)
         with warnings.catch_warnings():

@@ -124,7 +124,7 @@ class _ILP:
             solve_cache.store(key, res)
         return res
 
-    def solve(self, objective, time_limit, gap, relaxed=None):
+    def solve(self, objective, time_limit, gap, relaxed=None, whole=False):
         """The program's optimum within `gap`. Where the relaxation (`relaxed`, if the caller has it) is
         integral, that; else HiGHS's branch and bound over the variables whose reduced costs leave them a
         chance: a variable whose reduced cost exceeds margin M adds more than M to any plan that moves it
@@ -135,11 +135,13 @@ class _ILP:
         Measured on the README demo (2 x 2, 1 MiB; 17346 variables; 1% margin keeps 2300-2700): each
         search under the limit in 0.15-0.3 s, relaxation included, against 1.3-4.5 s for HiGHS's branch
         and bound over the whole program, which spent most of it in presolve and heuristics finding a
-        first plan; the same plans."""
+        first plan; the same plans.
+
+        `whole`: branch over the whole program where the relaxation is not integral (see _Program.whole)."""
         relaxed = relaxed if relaxed is not None else self.relax(objective, time_limit)
         if relaxed.status == 2 or integral(relaxed, self.integer):
             return relaxed   # infeasible without integrality: infeasible with it too
-        if relaxed.status == 0:
+        if relaxed.status == 0 and not whole:
             margin = REDUCED_MARGIN
             while margin < 1.0:
                 ceiling = float(relaxed.fun) + margin * max(abs(float(relaxed.fun)), 1e-9)
@@ -263,6 +265,7 @@ def _node_prices(prob: Problem, name: str, i: int) -> tuple[float, float]:
     return prices
 
 
+
 def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
     """b[a]: every user input and the output split their batch dim on exactly the axes with b[a] = 1."""
     bvars, pinned = [], roles.batch_axes()
@@ -366,7 +369,9 @@ class _EdgeTable:
 def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key: tuple, src_groups: dict,
                 dst_groups: dict) -> _EdgeTable:
     """The priced pairs of a tied edge, memoised by all their prices depend on: a role assignment's
-    searches (no limit, each recompute kind, each memory-saving choice) ask again of most edges."""
+    searches (no limit, each recompute kind, each memory-saving choice) ask again of most edges. The
+    collectives' seconds (_base_table) are shared by every search whose edge signatures are alike; what a
+    rerun adds, and the bytes a memory-saving choice keeps, are priced over them only where they apply."""
     cap = prob.cap
     alike: dict = {}   # repeats that cost the same: signature -> [one of them, how many, how many rerun]
     for member in edges:
@@ -379,8 +384,18 @@ def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key
     table = memo.tables.get(key)
     if table is not None:
         return table
-    alike = [(sig, member, n, m) for sig, (member, n, m) in alike.items()]
-    e = edges[0]
+    base = _base_table(prob, memo, pair_key, alike, src_groups, dst_groups)
+    cost, pairs = base.cost, base.pairs
+    rerun_alike = [(sig, member, m) for sig, (member, _, m) in alike.items() if m]
+    if rerun_alike:
+        rerun_key = ("rerun", pair_key, tuple((sig, m) for sig, _, m in rerun_alike))
+        extra = memo.tables.get(rerun_key)
+        if extra is None:
+            extra = memo.tables[rerun_key] = np.array([
+                sum(m * recompute_edge_cost(prob, member, p, dst_key, gp, zero_axes, sig)
+                    for sig, member, m in rerun_alike) * TIME_SCALE
+                for (p, zero_axes), (dst_key, gp) in pairs])
+        cost = cost + extra
     # repeats whose op pays for the activation it gathers: the module keeps the shard (regather_saving)
     keepers = _by_weight_shape(prob, [m for m in edges if kept is not None and (m.consumer, m.index) in kept.payers
                                       and m.consumer not in rerun])
@@ -393,41 +408,64 @@ def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key
     also = prob.saved.also_kept
     copiers = _by_weight_shape(prob, [m for m in edges if (m.consumer, m.index) in also
                                       and m.consumer not in rerun and also[(m.consumer, m.index)] not in rerun])
-    src_index = {key: i for i, key in enumerate(src_groups)}
-    dst_index = {key: i for i, key in enumerate(dst_groups)}
-    cost, memory, src, dst, gathered = [], [], [], [], []
+    memory = np.zeros(len(pairs))
+    if keepers or holders or copiers:
+        for j, ((p, zero_axes), (dst_key, gp)) in enumerate(pairs):
+            kept_bytes = 0
+            if keepers:
+                kept_bytes += sum(n * regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst_key, gp,
+                                                      prob.mesh, prob.grad_nodes) for m, n in keepers)
+            if copiers:
+                kept_bytes += sum(n * copied_kept_bytes(cap, prob.saved, m.producer, ((m.consumer, m.index),), p,
+                                                        dst_key, gp, prob.mesh) for m, n in copiers)
+            if holders:
+                kept_bytes += sum(n * kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst_key,
+                                                        prob.grad_nodes, prob.mesh) for m, n in holders)
+            memory[j] = float(kept_bytes) * MEM_SCALE
+    table = memo.tables[key] = _EdgeTable(cost, memory, base.src, base.dst, base.gathered)
+    return table
+
+
+@dataclass(frozen=True)
+class _BaseTable:
+    """An edge's layout pairs that can be redistributed, and the seconds of their collectives (every repeat's)."""
+    pairs: list         # ((output layout, ZeRO axes), (input layout, partial-gradient axes)) per pair
+    cost: np.ndarray    # TIME_SCALE-scaled seconds per pair
+    src: np.ndarray
+    dst: np.ndarray
+    gathered: list      # (pair index, MiB of the weight it gathers whole)
+
+
+def _base_table(prob: Problem, memo: RoleMemo, pair_key: tuple, alike: dict, src_groups: dict,
+                dst_groups: dict) -> _BaseTable:
+    key = ("base", pair_key, tuple((sig, n) for sig, (_, n, _) in alike.items()))
+    table = memo.tables.get(key)
+    if table is not None:
+        return table
+    cap = prob.cap
+    e = next(iter(alike.values()))[0]
+    members = [(sig, member, n) for sig, (member, n, _) in alike.items()]
+    src_index = {k: i for i, k in enumerate(src_groups)}
+    dst_index = {k: i for i, k in enumerate(dst_groups)}
+    pairs, cost, src, dst, gathered = [], [], [], [], []
     # (this loop runs once per variable, ~60k for Llama-3-8B on 8 x 8: what does not vary is hoisted)
-    rerun_alike = [(sig, member, m) for sig, member, _, m in alike if m]
     is_weight = cap.info[e.producer].kind == PARAM
     for src_key, k in memo.pairs[pair_key]:
         p, zero_axes = src_key
         dst_key, gp = k
         try:
-            c = sum(n * edge_cost(prob, member, p, dst_key, gp, zero_axes, sig) for sig, member, n, _ in alike)
+            c = sum(n * edge_cost(prob, member, p, dst_key, gp, zero_axes, sig) for sig, member, n in members)
         except UnsupportedRedistribution:
             continue
-        if rerun_alike:
-            c += sum(m * recompute_edge_cost(prob, member, p, dst_key, gp, zero_axes, sig)
-                     for sig, member, m in rerun_alike)
-        kept_bytes = 0
-        if keepers:
-            kept_bytes += sum(n * regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst_key, gp,
-                                                  prob.mesh, prob.grad_nodes) for m, n in keepers)
-        if copiers:
-            kept_bytes += sum(n * copied_kept_bytes(cap, prob.saved, m.producer, ((m.consumer, m.index),), p, dst_key,
-                                                    gp, prob.mesh) for m, n in copiers)
-        if holders:
-            kept_bytes += sum(n * kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst_key,
-                                                    prob.grad_nodes, prob.mesh) for m, n in holders)
         if is_weight:
             gb = float(gathered_weight_bytes(cap, e.producer, p, dst_key, prob.mesh))
             if gb:
                 gathered.append((len(cost), gb * MEM_SCALE))
+        pairs.append((src_key, k))
         cost.append(c * TIME_SCALE)
-        memory.append(float(kept_bytes) * MEM_SCALE)
         src.append(src_index[src_key])
         dst.append(dst_index[k])
-    table = memo.tables[key] = _EdgeTable(np.array(cost), np.array(memory), np.array(src, dtype=np.int32),
+    table = memo.tables[key] = _BaseTable(pairs, np.array(cost), np.array(src, dtype=np.int32),
                                           np.array(dst, dtype=np.int32), gathered)
     return table
 
@@ -735,6 +773,19 @@ class _Program:
     def objective(self):
         return self.ilp.mem if self.minimize_memory else self.ilp.cost
 
+    @property
+    def whole(self) -> bool:
+        """Whether HiGHS branches over the whole program where the relaxation is not integral: in a search
+        without a memory limit. Plans the search prices alike are common there (an FSDP-split weight and one
+        kept whole with ZeRO-1 or -2 move the same bytes: every collective is priced as waited for), and the
+        prediction, which hides some collectives behind compute (cost/overlap.py), can set them apart:
+        Llama-3-8B's shape on 8 x 8, three plans of one objective, 63.3, 64.6 and 65.0 ms predicted. The
+        smaller program's answer is another of them, by chance as much as the whole program's; until the search
+        prices what the prediction hides, the whole program's choice is kept where it costs little (these
+        relaxations are mostly integral: the README demo's, the named strategies'; where not, 0.3-0.5 s
+        more on Llama-3-8B's). Under a limit the smaller program answers."""
+        return self.memory_limit is None and not self.minimize_memory
+
     def bound(self) -> float:
         """A lower bound on the program's optimum, in the Solution's units (seconds, or bytes with
         minimize_memory): its relaxation's optimum, solved once; inf where that is infeasible."""
@@ -751,6 +802,7 @@ class _Program:
 
 def _unscaled(program: _Program, fun: float) -> float:
     return fun / MEM_SCALE + program.reserve if program.minimize_memory else fun / TIME_SCALE
+
 
 
 def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None,
@@ -819,7 +871,7 @@ def _finish(program: _Program) -> Solution:
     stacks, reserve, built = program.stacks, program.reserve, program.build_seconds
     program.bound()   # (timed on its own: relax_seconds)
     t0 = time.perf_counter()
-    res = ilp.solve(program.objective, time_limit, program.gap, program.relaxed)
+    res = ilp.solve(program.objective, time_limit, program.gap, program.relaxed, program.whole)
     elapsed = time.perf_counter() - t0 + program.relax_seconds
     nvar, nrow = len(ilp.cost), ilp.num_rows
     _log(program, elapsed, int(res.status), res is program.relaxed)
