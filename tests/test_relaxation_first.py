@@ -3,7 +3,6 @@ integral it is the answer; else HiGHS branches only over the variables whose red
 chance, widening that margin until the answer lies inside it; and a program whose relaxation is no better
 than a plan already found is not branched on. None of it may return a plan slower than branching over
 the whole of every program would, by more than the gap the search promises."""
-import json
 import warnings
 
 import numpy as np
@@ -90,7 +89,7 @@ def _plan(model, x, monkeypatch=None, whole=False):
     with `whole`, as searched before issue 53: every program branched on whole, none pruned."""
     with pytest.MonkeyPatch.context() as mp:
         if whole:
-            mp.setattr(ilp._ILP, "solve", lambda self, objective, time_limit, gap, relaxed=None, whole=False:
+            mp.setattr(ilp._ILP, "solve", lambda self, objective, time_limit, gap, relaxed=None:
                        self._run(objective, time_limit, gap, None))
             mp.setattr(ilp._Program, "bound", lambda self: 0.0)
         with warnings.catch_warnings():
@@ -109,5 +108,5 @@ def test_the_demo_plan_is_within_the_gap_of_branching_over_every_program_whole(m
     whole = _plan(model, x, whole=True)
     assert fast.stats["objective_seconds"] <= whole.stats["objective_seconds"] * (1 + 1e-3)
     assert fast.predicted.memory.total <= 2**20
-    # the same plan, here (a plan may differ within the gap; the demo's has one optimum)
-    assert json.loads(fast.to_json())["node_strategies"] == json.loads(whole.to_json())["node_strategies"]
+    # the layouts may differ (the demo's two axes cost alike: which splits the batch is a tie), the prediction not
+    assert fast.predicted.step_time == pytest.approx(whole.predicted.step_time, rel=1e-3)

@@ -24,8 +24,9 @@ from ..cost.layer_groups import alive_spans, layer_of
 from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
                             memory_reserve, node_memory, node_recompute_time, node_time, recompute_edge_cost,
                             regather_model, repeat_memory, reshards, tied_edges)
-from ..cost.terms import (copied_kept_bytes, first_meta, gathered_weight_bytes, is_saved, kept_weight_bytes,
-                          output_bytes, read_bytes, reduce_itemsize, regather_saving, regathers)
+from ..cost.terms import (collectives_time, copied_kept_bytes, first_meta, gathered_weight_bytes, is_saved,
+                          kept_weight_bytes, output_bytes, read_bytes, reduce_itemsize, regather_saving, regathers,
+                          zero_collectives)
 from ..errors import InfeasiblePlanError
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import UnsupportedRedistribution
@@ -124,7 +125,7 @@ class _ILP:
             solve_cache.store(key, res)
         return res
 
-    def solve(self, objective, time_limit, gap, relaxed=None, whole=False):
+    def solve(self, objective, time_limit, gap, relaxed=None):
         """The program's optimum within `gap`. Where the relaxation (`relaxed`, if the caller has it) is
         integral, that; else HiGHS's branch and bound over the variables whose reduced costs leave them a
         chance: a variable whose reduced cost exceeds margin M adds more than M to any plan that moves it
@@ -135,13 +136,11 @@ class _ILP:
         Measured on the README demo (2 x 2, 1 MiB; 17346 variables; 1% margin keeps 2300-2700): each
         search under the limit in 0.15-0.3 s, relaxation included, against 1.3-4.5 s for HiGHS's branch
         and bound over the whole program, which spent most of it in presolve and heuristics finding a
-        first plan; the same plans.
-
-        `whole`: branch over the whole program where the relaxation is not integral (see _Program.whole)."""
+        first plan; the same plans. The smaller programs are branched to a tight gap (SMALL_PROGRAM_GAP)."""
         relaxed = relaxed if relaxed is not None else self.relax(objective, time_limit)
         if relaxed.status == 2 or integral(relaxed, self.integer):
             return relaxed   # infeasible without integrality: infeasible with it too
-        if relaxed.status == 0 and not whole:
+        if relaxed.status == 0:
             margin = REDUCED_MARGIN
             while margin < 1.0:
                 ceiling = float(relaxed.fun) + margin * max(abs(float(relaxed.fun)), 1e-9)
@@ -161,7 +160,7 @@ class _ILP:
         at_zero = (x <= INTEGRAL_TOLERANCE) & (relaxed.reduced_at_lower > slack)
         at_one = (x >= 1 - INTEGRAL_TOLERANCE) & (relaxed.reduced_at_upper > slack) & (np.asarray(self.upper) == 1)
         keep = np.flatnonzero(~at_zero)
-        res = self._run(objective, time_limit, gap, (keep, at_one[keep]))
+        res = self._run(objective, time_limit, min(gap, SMALL_PROGRAM_GAP), (keep, at_one[keep]))
         if res.x is not None:
             full = np.zeros(len(self.cost))
             full[keep] = res.x
@@ -203,6 +202,9 @@ def integral(res, integer) -> bool:
 
 # HiGHS's own mip_feasibility_tolerance: how far from a whole number its branch and bound accepts a binary
 INTEGRAL_TOLERANCE = 1e-6
+# the gap HiGHS closes on the smaller programs of reduced-cost fixing: they are small enough to branch to near
+# the optimum, so that the search's tie-breaks (AT_STEP_TIE_BREAK) decide between plans it prices alike
+SMALL_PROGRAM_GAP = 1e-6
 # the first margin of reduced-cost fixing, of the relaxation's optimum (_ILP.solve): the README demo's
 # searches under a limit end 0.1-0.8% above their relaxations, Llama-3-8B's on 8 x 8 (measure)
 REDUCED_MARGIN = 0.01
@@ -261,8 +263,30 @@ def _node_prices(prob: Problem, name: str, i: int) -> tuple[float, float]:
     prices = prob.node_cost_cache.get(key)
     if prices is None:
         s = prob.strategies[name].strategies[i]
-        prices = prob.node_cost_cache[key] = (node_time(prob, name, s), node_memory(prob, name, s))
+        prices = prob.node_cost_cache[key] = (node_time(prob, name, s) + _at_step_tie_break(prob, name, s),
+                                              node_memory(prob, name, s))
     return prices
+
+
+# of the seconds of ZeRO's collectives that run at the optimizer step, what the search adds (_at_step_tie_break)
+AT_STEP_TIE_BREAK = 1e-3
+
+
+def _at_step_tie_break(prob: Problem, name: str, s) -> float:
+    """A little more for ZeRO's collectives at the optimizer step (ZeRO-1's reduce and both levels' gather of the
+    updated weight) than the search's price. The search prices every collective as waited for, so a weight FSDP
+    splits (gathered in forward), one kept whole under ZeRO-2 (reduced in backward, gathered at the step) and one
+    under ZeRO-1 (both at the step) move the same bytes in the same time: equal plans to it. The prediction hides
+    what runs beside compute (cost/overlap.py), nothing at the step: Llama-3-70B on 16 x 8 x 8 had two plans of
+    one objective 1478 and 1576 ms apart as predicted, Llama-3-8B's shape on 8 x 8 three, 63.3-65.0 ms. Which
+    one HiGHS returned was chance. A thousandth of those collectives' seconds moves a plan by less than the
+    search's gap and, with the smaller programs branched to a tight gap (_ILP.solve), picks the overlapped one."""
+    info = prob.cap.info[name]
+    if info.kind != PARAM or not s.zero or name not in prob.grad_nodes or not prob.hardware.comm_overlaps_compute:
+        return 0.0
+    colls = [c for c in zero_collectives(name, first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
+             if c.phase == "optimizer"]
+    return AT_STEP_TIE_BREAK * float(collectives_time(colls, prob.mesh, prob.links))
 
 
 
@@ -768,23 +792,13 @@ class _Program:
     build_seconds: float
     relaxed: object = None        # the relaxation's answer, once solved (bound)
     relax_seconds: float = 0.0
+    # variables that only bound others from above (the ZeRO-2 buckets' hold, then the transient peak), in the
+    # order they read each other: no cost of their own, so an answer may leave them above what they bound
+    bounds: list = field(default_factory=list)
 
     @property
     def objective(self):
         return self.ilp.mem if self.minimize_memory else self.ilp.cost
-
-    @property
-    def whole(self) -> bool:
-        """Whether HiGHS branches over the whole program where the relaxation is not integral: in a search
-        without a memory limit. Plans the search prices alike are common there (an FSDP-split weight and one
-        kept whole with ZeRO-1 or -2 move the same bytes: every collective is priced as waited for), and the
-        prediction, which hides some collectives behind compute (cost/overlap.py), can set them apart:
-        Llama-3-8B's shape on 8 x 8, three plans of one objective, 63.3, 64.6 and 65.0 ms predicted. The
-        smaller program's answer is another of them, by chance as much as the whole program's; until the search
-        prices what the prediction hides, the whole program's choice is kept where it costs little (these
-        relaxations are mostly integral: the README demo's, the named strategies'; where not, 0.3-0.5 s
-        more on Llama-3-8B's). Under a limit the smaller program answers."""
-        return self.memory_limit is None and not self.minimize_memory
 
     def bound(self) -> float:
         """A lower bound on the program's optimum, in the Solution's units (seconds, or bytes with
@@ -838,7 +852,8 @@ def _program(prob: Problem, roles: Roles, memory_limit: float | None, time_limit
             by_weight += [(e.producer, e.consumer, gathered) for e in edges]
     layers = [] if prob.pipelined else gathered_layers(prob, by_weight)
     _transient_rows(prob, ilp, xvars, gathered_at, transient, layers)
-    _backward_start_rows(prob, ilp, xvars, transient, _zero_bucket_rows(prob, ilp, xvars))
+    hold = _zero_bucket_rows(prob, ilp, xvars)
+    _backward_start_rows(prob, ilp, xvars, transient, hold)
     _recompute_terms(prob, stacks, ilp, xvars, transient, layers)
     reserve = memory_reserve(prob)
     if memory_limit is not None and not minimize_memory:
@@ -847,7 +862,7 @@ def _program(prob: Problem, roles: Roles, memory_limit: float | None, time_limit
         ilp.rows(1, np.zeros(len(nonzero), dtype=np.int64), nonzero, mem[nonzero], -np.inf,
                  (memory_limit - reserve) * MEM_SCALE)
     return _Program(prob, roles, memory_limit, time_limit, minimize_memory, gap, ilp, xvars, bvars, stacks, reserve,
-                    time.perf_counter() - t_build)
+                    time.perf_counter() - t_build, bounds=[v for v in (hold, transient) if v is not None])
 
 
 def _log(program: _Program, seconds: float, status, relaxation: bool) -> None:
@@ -871,7 +886,7 @@ def _finish(program: _Program) -> Solution:
     stacks, reserve, built = program.stacks, program.reserve, program.build_seconds
     program.bound()   # (timed on its own: relax_seconds)
     t0 = time.perf_counter()
-    res = ilp.solve(program.objective, time_limit, program.gap, program.relaxed, program.whole)
+    res = ilp.solve(program.objective, time_limit, program.gap, program.relaxed)
     elapsed = time.perf_counter() - t0 + program.relax_seconds
     nvar, nrow = len(ilp.cost), ilp.num_rows
     _log(program, elapsed, int(res.status), res is program.relaxed)
@@ -898,8 +913,29 @@ def _finish(program: _Program) -> Solution:
     sol = Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, {st.path: st.kind for st in stacks},
                    bool(prob.regather_activations), reshards(prob))
+    x = _lowest_bounds(ilp, np.array(x, dtype=float), program.bounds)
     sol.memory = float(np.dot(ilp.mem, x)) / MEM_SCALE + reserve   # the search's own measure of the plan
     return sol
+
+
+def _lowest_bounds(ilp: _ILP, x: np.ndarray, variables: list) -> np.ndarray:
+    """`x` with each of `variables` at the least value its rows allow given the others: a search without a memory
+    limit gives them no cost, so its answer may hold any value above, and the memory the search measures for the
+    plan (Solution.memory: whether the fastest plan already meets a limit, ilp.solve) would be too high."""
+    A, row_lower, row_upper = ilp._matrix()
+    A = A.tocsc()
+    for var in variables:
+        rows = A.indices[A.indptr[var]:A.indptr[var + 1]]
+        coefs = A.data[A.indptr[var]:A.indptr[var + 1]]
+        others = A[rows] @ x - coefs * x[var]   # each row's activity without the variable (A[rows] is CSC: fine)
+        need = [0.0]
+        for a, act, lo, hi in zip(coefs, others, row_lower[rows], row_upper[rows]):
+            if a < 0 and np.isfinite(hi):
+                need.append((act - hi) / -a)
+            elif a > 0 and np.isfinite(lo):
+                need.append((lo - act) / a)
+        x[var] = max(need)
+    return x
 
 
 def _fallback(prob: Problem, roles: Roles, memory_limit, res, relaxed) -> Solution | None:
