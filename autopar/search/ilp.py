@@ -48,6 +48,7 @@ class _ILP:
 
     def __init__(self):
         self.cost, self.mem, self.integer = [], [], []
+        self.tie = []                      # per variable: what the search adds to its cost to break ties (TIME_SCALE)
         self.upper = []
         self.lb, self.ub = [], []          # per row
         self.ri, self.ci, self.data = [], [], []   # the rows' entries, one by one
@@ -55,6 +56,7 @@ class _ILP:
 
     def var(self, cost=0.0, mem=0.0, integer=True, upper=1.0) -> int:
         self.cost.append(cost)
+        self.tie.append(0.0)
         self.mem.append(mem)
         self.integer.append(1 if integer else 0)
         self.upper.append(upper)
@@ -64,6 +66,7 @@ class _ILP:
         """Continuous variables in [0, 1], one per entry; returns the first one's index."""
         first = len(self.cost)
         self.cost.extend(cost.tolist())
+        self.tie.extend([0.0] * len(cost))
         self.mem.extend(mem.tolist())
         self.integer.extend([0] * len(cost))
         self.upper.extend([1.0] * len(cost))
@@ -112,7 +115,7 @@ class _ILP:
         key = (solve_cache.program_key(c, np.zeros(n), lower, upper, A, row_lower, row_upper,
                                        {**options, "method": "highs-ds"}) if solve_cache.cache_dir() else None)
         res = solve_cache.load(key) if key else None
-        if res is not None and res.status == 0 and getattr(res, "reduced_at_lower", None) is not None:
+        if res is not None and (res.status == 2 or getattr(res, "reduced_at_lower", None) is not None):
             return res
         eq = row_lower == row_upper
         le, ge = np.isfinite(row_upper) & ~eq, np.isfinite(row_lower) & ~eq
@@ -125,10 +128,10 @@ class _ILP:
             solve_cache.store(key, res)
         return res
 
-    def solve(self, objective, time_limit, gap, relaxed=None):
+    def solve(self, objective, time_limit, gap, relaxed=None, spent=0.0):
         """The program's optimum within `gap`. Where the relaxation (`relaxed`, if the caller has it) is
         integral, that; else HiGHS's branch and bound over the variables whose reduced costs leave them a
-        chance: a variable whose reduced cost exceeds margin M adds more than M to any plan that moves it
+        chance: a 0/1 variable whose reduced cost exceeds margin M adds more than M to any plan that sets it
         off its bound, so where the best plan of the program without those costs at most relaxation + M,
         it is the best plan of the whole program (reduced-cost fixing). M starts at REDUCED_MARGIN of the
         relaxation's optimum and grows fourfold while the smaller program's best is above it.
@@ -136,29 +139,47 @@ class _ILP:
         Measured on the README demo (2 x 2, 1 MiB; 17346 variables; 1% margin keeps 2300-2700): each
         search under the limit in 0.15-0.3 s, relaxation included, against 1.3-4.5 s for HiGHS's branch
         and bound over the whole program, which spent most of it in presolve and heuristics finding a
-        first plan; the same plans. The smaller programs are branched to a tight gap (SMALL_PROGRAM_GAP)."""
-        relaxed = relaxed if relaxed is not None else self.relax(objective, time_limit)
+        first plan; the same plans. The smaller programs are branched to a tight gap (SMALL_PROGRAM_GAP).
+
+        `time_limit` bounds the whole of it, relaxation included (`spent` seconds of it already), not each
+        call; if the clock stops the last try without a plan, the best plan a smaller program found is
+        returned (status 1: its gap is measured against the relaxation)."""
+        start = time.perf_counter() - spent
+        left = ((lambda: max(time_limit - (time.perf_counter() - start), 1e-3)) if time_limit is not None
+                else (lambda: None))
+        relaxed = relaxed if relaxed is not None else self.relax(objective, left())
         if relaxed.status == 2 or integral(relaxed, self.integer):
             return relaxed   # infeasible without integrality: infeasible with it too
+        found = None   # the best plan a smaller program found above its ceiling
         if relaxed.status == 0:
             margin = REDUCED_MARGIN
             while margin < 1.0:
                 ceiling = float(relaxed.fun) + margin * max(abs(float(relaxed.fun)), 1e-9)
-                res = self._solve_fixed(objective, time_limit, gap, relaxed, ceiling)
+                res = self._solve_fixed(objective, left(), gap, relaxed, ceiling)
                 if res.x is not None and res.fun <= ceiling * (1 + 1e-9):
                     return res
+                if res.x is not None and (found is None or res.fun < found.fun):
+                    found = res
                 if res.status not in (0, 2):   # out of time: the whole program, as before
                     break
                 margin *= 4
-        return self._run(objective, time_limit, gap, None)
+        res = self._run(objective, left(), gap, None)
+        if res.x is None and found is not None:
+            found.status = 1
+            found.mip_gap = (found.fun - float(relaxed.fun)) / max(abs(found.fun), 1e-12)
+            return found
+        return res
 
     def _solve_fixed(self, objective, time_limit, gap, relaxed, ceiling):
-        """The program with every variable whose reduced cost exceeds ceiling - relaxation fixed at its bound
-        (those at 0 dropped), its answer laid out over all variables."""
+        """The program with every 0/1 variable whose reduced cost exceeds ceiling - relaxation fixed at its bound
+        (those at 0 dropped), its answer laid out over all variables. Only 0/1 variables: a continuous one
+        without an upper bound (the transient peak, the buckets' hold) may move by less than 1, and so add less
+        than its reduced cost."""
         slack = ceiling - float(relaxed.fun)
         x = np.asarray(relaxed.x)
-        at_zero = (x <= INTEGRAL_TOLERANCE) & (relaxed.reduced_at_lower > slack)
-        at_one = (x >= 1 - INTEGRAL_TOLERANCE) & (relaxed.reduced_at_upper > slack) & (np.asarray(self.upper) == 1)
+        binary = np.asarray(self.upper) == 1
+        at_zero = (x <= INTEGRAL_TOLERANCE) & (relaxed.reduced_at_lower > slack) & binary
+        at_one = (x >= 1 - INTEGRAL_TOLERANCE) & (relaxed.reduced_at_upper > slack) & binary
         keep = np.flatnonzero(~at_zero)
         res = self._run(objective, time_limit, min(gap, SMALL_PROGRAM_GAP), (keep, at_one[keep]))
         if res.x is not None:
@@ -223,7 +244,7 @@ class RoleMemo:
 def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
     """x[v, s]: one binary per allowed strategy (None where the roles forbid it); exactly one is 1."""
     cap, mesh = prob.cap, prob.mesh
-    xvars, times = {}, {}
+    xvars, times, ties = {}, {}, {}
     for name, ns in prob.strategies.items():
         info = cap.info[name]
         first = prob.canonical.get(name)
@@ -235,10 +256,11 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
             for mem, var in zip(repeat_memory(prob, name, first), vs):
                 if var is not None:
                     ilp.cost[var] += times[first][var] * TIME_SCALE
+                    ilp.tie[var] += ties[first][var]
                     ilp.mem[var] += mem * MEM_SCALE
             xvars[name] = vs
             continue
-        vs, times[name] = [], {}
+        vs, times[name], ties[name] = [], {}, {}
         for i, (s, ok) in enumerate(zip(ns.strategies, allowed_flags(prob, roles, name))):
             if not ok:
                 vs.append(None)
@@ -246,6 +268,7 @@ def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
             t, mem = _node_prices(prob, name, i)
             vs.append(ilp.var(t * TIME_SCALE, mem * MEM_SCALE))
             times[name][vs[-1]] = t
+            ties[name][vs[-1]] = ilp.tie[vs[-1]] = _tie_price(prob, name, i) * TIME_SCALE
         if all(v is None for v in vs):
             raise InfeasiblePlanError(
                 f"no strategy of node {name!r} (module {info.module_path or '<root>'}) fits the requested "
@@ -263,9 +286,18 @@ def _node_prices(prob: Problem, name: str, i: int) -> tuple[float, float]:
     prices = prob.node_cost_cache.get(key)
     if prices is None:
         s = prob.strategies[name].strategies[i]
-        prices = prob.node_cost_cache[key] = (node_time(prob, name, s) + _at_step_tie_break(prob, name, s),
-                                              node_memory(prob, name, s))
+        prices = prob.node_cost_cache[key] = (node_time(prob, name, s), node_memory(prob, name, s))
     return prices
+
+
+def _tie_price(prob: Problem, name: str, i: int) -> float:
+    """Seconds the search adds to strategy i of a node to break ties (_at_step_tie_break), once per problem; the
+    plan's objective leaves them out (_finish)."""
+    key = ("tie", name, i)
+    tie = prob.node_cost_cache.get(key)
+    if tie is None:
+        tie = prob.node_cost_cache[key] = _at_step_tie_break(prob, name, prob.strategies[name].strategies[i])
+    return tie
 
 
 # of the seconds of ZeRO's collectives that run at the optimizer step, what the search adds (_at_step_tie_break)
@@ -415,7 +447,8 @@ def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key
     cost, pairs = base.cost, base.pairs
     rerun_alike = [(sig, member, m) for sig, (member, _, m) in alike.items() if m]
     if rerun_alike:
-        rerun_key = ("rerun", pair_key, tuple((sig, m) for sig, _, m in rerun_alike))
+        rerun_key = ("rerun", pair_key, tuple((sig, n) for sig, (_, n, _) in alike.items()),
+                     tuple((sig, m) for sig, _, m in rerun_alike))   # (aligned to that base table's pairs)
         extra = memo.tables.get(rerun_key)
         if extra is None:
             extra = memo.tables[rerun_key] = np.array([
@@ -732,7 +765,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
         # each memory-saving choice alone, then all of them
         variants = [{field: True} for field in decide] + ([{field: True for field in decide}] if len(decide) > 1 else [])
         sols += _cheapest([p for variant in variants for p in programs(replace(base, **variant), again)],
-                          best.objective if best.choice else float("inf"))
+                          best.priced if best.choice else float("inf"))
         best = min(sols, key=lambda sol: sol.objective if sol.choice else float("inf"))
     best.solve_seconds = sum(sol.solve_seconds for sol in sols + counted)
     best.build_seconds = sum(sol.build_seconds for sol in sols + counted)
@@ -758,7 +791,7 @@ def _cheapest(programs: list, incumbent: float = float("inf")) -> list[Solution]
             continue
         sols[i] = _finish(p)
         if sols[i].choice:
-            incumbent = min(incumbent, sols[i].objective)
+            incumbent = min(incumbent, sols[i].priced)
     return sols
 
 
@@ -804,7 +837,10 @@ class _Program:
 
     @property
     def objective(self):
-        return self.ilp.mem if self.minimize_memory else self.ilp.cost
+        """What HiGHS minimises: memory, or time with the search's tie-break (_at_step_tie_break)."""
+        if self.minimize_memory:
+            return self.ilp.mem
+        return np.asarray(self.ilp.cost, dtype=float) + np.asarray(self.ilp.tie, dtype=float)
 
     def bound(self) -> float:
         """A lower bound on the program's optimum, in the Solution's units (seconds, or bytes with
@@ -892,7 +928,7 @@ def _finish(program: _Program) -> Solution:
     stacks, reserve, built = program.stacks, program.reserve, program.build_seconds
     program.bound()   # (timed on its own: relax_seconds)
     t0 = time.perf_counter()
-    res = ilp.solve(program.objective, time_limit, program.gap, program.relaxed)
+    res = ilp.solve(program.objective, time_limit, program.gap, program.relaxed, program.relax_seconds)
     elapsed = time.perf_counter() - t0 + program.relax_seconds
     nvar, nrow = len(ilp.cost), ilp.num_rows
     _log(program, elapsed, int(res.status), res is program.relaxed)
@@ -914,13 +950,15 @@ def _finish(program: _Program) -> Solution:
             picked[id(vs)] = max((i for i, v in enumerate(vs) if v is not None), key=lambda i: x[vs[i]])
         choice[name] = picked[id(vs)]
     batch_axes = tuple(a for a, b in enumerate(program.bvars) if x[b] > 0.5)
-    objective = _unscaled(program, float(res.fun))
+    # the plan's own time, without the tie-break; `priced`, with it, is what the search compares
+    objective = _unscaled(program, float(res.fun) if minimize_memory else float(np.dot(ilp.cost, x)))
     status = OPTIMAL if res.status == 0 else TIME_LIMIT
     sol = Solution(choice, batch_axes, objective, elapsed, status, nvar, nrow,
                    float(getattr(res, "mip_gap", 0.0) or 0.0), built, {st.path: st.kind for st in stacks},
                    bool(prob.regather_activations), reshards(prob))
     x = _lowest_bounds(ilp, np.array(x, dtype=float), program.bounds)
     sol.memory = float(np.dot(ilp.mem, x)) / MEM_SCALE + reserve   # the search's own measure of the plan
+    sol.priced = _unscaled(program, float(res.fun))
     return sol
 
 
@@ -961,5 +999,7 @@ def _fallback(prob: Problem, roles: Roles, memory_limit, res, relaxed) -> Soluti
     if bound is None or not np.isfinite(bound):
         sol.status, sol.mip_gap = GREEDY_NO_BOUND, 1.0
     else:
-        sol.mip_gap = bound_gap(sol.objective, bound / TIME_SCALE)
+        # the bound is of the priced objective (tie-break included): the greedy's plan priced alike
+        tie = sum(_tie_price(prob, name, i) for name, i in sol.choice.items())
+        sol.mip_gap = bound_gap(sol.objective + tie, bound / TIME_SCALE)
     return sol

@@ -34,3 +34,4 @@ class Solution:
     memory: float = 0.0              # bytes per device as the search measures the plan (ilp.solve)
     context: str = ""                # auto: whether it tried a context axis, and why it took it or not
     named: str = ""                  # auto: the named strategies its answer was held against (planner._against_named)
+    priced: float = 0.0              # the objective as the search minimised it, its tie-break included (ilp._finish)
