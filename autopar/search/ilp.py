@@ -93,12 +93,18 @@ class _ILP:
         return len(self.lb)
 
     def _matrix(self):
+        """The rows as a CSR matrix and their bounds, made once the program is built. The rows' entries as
+        they were added go then, and the columns' lists become arrays: solve relaxes every program of a search
+        before it branches on any (_cheapest), so several are held at once."""
         if getattr(self, "_built", None) is None:
             ri = np.concatenate([np.asarray(self.ri, dtype=np.int64)] + [c[0] for c in self.chunks])
             ci = np.concatenate([np.asarray(self.ci, dtype=np.int64)] + [c[1] for c in self.chunks])
             data = np.concatenate([np.asarray(self.data, dtype=float)] + [c[2] for c in self.chunks])
             self._built = (sp.csr_array((data, (ri, ci)), shape=(len(self.lb), len(self.cost))),
                            np.array(self.lb, float), np.array(self.ub, float))
+            self.ri = self.ci = self.data = self.chunks = None   # no row may be added after this
+            self.cost, self.mem, self.tie = (np.asarray(v, dtype=float) for v in (self.cost, self.mem, self.tie))
+            self.upper, self.integer = np.asarray(self.upper, dtype=float), np.asarray(self.integer)
         return self._built
 
     def relax(self, objective, time_limit):
