@@ -248,8 +248,8 @@ def _program(spans: _Spans, cuts: list, table: "_SpanTable", fits, kept, num_sta
     if memory_limit is not None:
         bs, ba = _banded(table.state, W, 0.0), _banded(table.acts, W, 0.0)
     need_before = need_after = np.zeros(n)
-    if bound > 0:
-        scale = (1 - _ROUNDING) / bound
+    scale = (1 - _ROUNDING) / bound if bound > 0 else math.inf
+    if math.isfinite(scale):   # (a bound so small its inverse overflows, ~1e-308 s, bounds no stage count: 0 * inf)
         need_before = np.ceil((table.t_at - table.t_at[0]) * scale)   # the fewest stages of at most `bound` to cut j
         need_after = np.ceil((table.t_at[-1] - table.t_at) * scale)   # ... from cut j to the end
     slowest = np.full((N + 1, n + W), inf)   # (stages, W + cut index) -> slowest stage so far; W infinite first
