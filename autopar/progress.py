@@ -34,14 +34,11 @@ def say(message: str, start: float, stream=None) -> None:
 def describe(record: logging.LogRecord) -> str:
     """A record as one line: a stage's figures (search/ilp.py, planner.py) in words, else its message."""
     stage = getattr(record, "stage", None)
-    if isinstance(stage, dict) and stage.get("stage") == "ilp":
-        try:
-            status = stage.get("status")   # a number is HiGHS's; words say why it was not solved
-            return (f"ILP (roles {stage['roles']}, checkpointing {stage['checkpointing']}): {stage['variables']} "
-                    f"variables, {stage['rows']} rows; costs built in {stage['build_seconds']:.2f} s, solve "
-                    f"{stage['solve_seconds']:.2f} s" + (f" ({status})" if isinstance(status, str) else ""))
-        except (KeyError, TypeError, ValueError):   # figures of another shape: the message says it too
-            pass
+    if isinstance(stage, dict) and stage.get("stage") == "ilp":   # (search/ilp.py's _log: every figure there)
+        status = stage["status"]   # a number is HiGHS's; words say why it was not solved
+        return (f"ILP (roles {stage['roles']}, checkpointing {stage['checkpointing']}): {stage['variables']} "
+                f"variables, {stage['rows']} rows; costs built in {stage['build_seconds']:.2f} s, solve "
+                f"{stage['solve_seconds']:.2f} s" + (f" ({status})" if isinstance(status, str) else ""))
     return record.getMessage()
 
 

@@ -115,8 +115,7 @@ def test_the_demo_plan_is_within_the_gap_of_branching_over_every_program_whole(m
 def test_an_unbounded_variable_is_never_fixed_by_its_reduced_cost():
     """The buckets' hold and the transient peak are continuous and unbounded above: one may move by less than 1,
     so add less than its reduced cost. Fixed at 0 (as a binary would be), this program answered 100.5 where its
-    optimum is 100 (the reviewer's case: ZeRO-2's weight costs 0.03 MiB of hold, which the other strategy
-    saves at 0.5 s)."""
+    optimum is 100 (ZeRO-2's weight costs 0.03 MiB of hold, which the other strategy saves for 0.5 s more)."""
     prog = ilp._ILP()
     for t, m in [(100.0, 1.1), (100.5, 1.0)]:
         fast, slow = prog.var(0.0, m), prog.var(t, 0.0)

@@ -99,6 +99,10 @@ def test_a_tiny_time_limit_gets_the_greedy_plan_valid_and_no_better_than_the_ilp
     # ILP can only do better)
     best = search.solve(prob, roles, limit)
     assert best.status == "optimal"
+    # the greedy's plan is priced as the search prices its own (ilp._cheapest prunes other searches by it):
+    # left at 0 it would prune every search after it
+    again = search.solve(prob, roles, limit, time_limit=1e-6)
+    assert again.status in (GREEDY, GREEDY_NO_BOUND) and again.priced >= again.objective > 0
     assert plan.stats["objective_seconds"] >= best.objective * (1 - best.mip_gap) - 1e-15
 
 

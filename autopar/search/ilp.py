@@ -233,7 +233,7 @@ INTEGRAL_TOLERANCE = 1e-6
 # the optimum, so that the search's tie-breaks (AT_STEP_TIE_BREAK) decide between plans it prices alike
 SMALL_PROGRAM_GAP = 1e-6
 # the first margin of reduced-cost fixing, of the relaxation's optimum (_ILP.solve): the README demo's
-# searches under a limit end 0.1-0.8% above their relaxations, Llama-3-8B's on 8 x 8 (measure)
+# searches under a limit end 0.1-0.8% above their relaxations
 REDUCED_MARGIN = 0.01
 
 
@@ -761,6 +761,7 @@ def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: f
             # and re-gathering only take layouts away or reprice them, so none of their searches can
             # find one either
             return free
+
     def programs(prob_, kinds_):
         return [_program(prob_, roles, memory_limit, time_limit, minimize_memory, gap, kind, memo) for kind in kinds_]
 
@@ -849,8 +850,9 @@ class _Program:
         return np.asarray(self.ilp.cost, dtype=float) + np.asarray(self.ilp.tie, dtype=float)
 
     def bound(self) -> float:
-        """A lower bound on the program's optimum, in the Solution's units (seconds, or bytes with
-        minimize_memory): its relaxation's optimum, solved once; inf where that is infeasible."""
+        """A lower bound on the program's optimum as the search prices it (Solution.priced: seconds with the
+        tie-break, or bytes with minimize_memory): its relaxation's optimum, solved once; inf where that is
+        infeasible."""
         if self.relaxed is None:
             t0 = time.perf_counter()
             self.relaxed = self.ilp.relax(self.objective, self.time_limit)
@@ -864,7 +866,6 @@ class _Program:
 
 def _unscaled(program: _Program, fun: float) -> float:
     return fun / MEM_SCALE + program.reserve if program.minimize_memory else fun / TIME_SCALE
-
 
 
 def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None,
@@ -977,14 +978,13 @@ def _lowest_bounds(ilp: _ILP, x: np.ndarray, variables: list) -> np.ndarray:
     for var in variables:
         rows = A.indices[A.indptr[var]:A.indptr[var + 1]]
         coefs = A.data[A.indptr[var]:A.indptr[var + 1]]
-        others = A[rows] @ x - coefs * x[var]   # each row's activity without the variable (A[rows] is CSC: fine)
-        need = [0.0]
-        for a, act, lo, hi in zip(coefs, others, row_lower[rows], row_upper[rows]):
-            if a < 0 and np.isfinite(hi):
-                need.append((act - hi) / -a)
-            elif a > 0 and np.isfinite(lo):
-                need.append((lo - act) / a)
-        x[var] = max(need)
+        others = A[rows] @ x - coefs * x[var]   # each row's activity without the variable
+        # a <= 0 rows (upper side): var >= (others - upper) / -a; a > 0 rows (lower side): var >= (lower - others) / a
+        lo, hi = row_lower[rows], row_upper[rows]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            need = np.where(coefs < 0, np.where(np.isfinite(hi), (others - hi) / -coefs, 0.0),
+                            np.where(np.isfinite(lo), (lo - others) / coefs, 0.0))
+        x[var] = max(0.0, float(need.max(initial=0.0)))
     return x
 
 
@@ -999,13 +999,13 @@ def _fallback(prob: Problem, roles: Roles, memory_limit, res, relaxed) -> Soluti
         return None
     sol.regather_activations = bool(prob.regather_activations)
     sol.reshard_after_forward = reshards(prob)
+    # priced as the search prices plans (tie-break included): the bound below is of that, and pruning compares it
+    sol.priced = sol.objective + sum(_tie_price(prob, name, i) for name, i in sol.choice.items())
     bound = getattr(res, "mip_dual_bound", None)
     if (bound is None or not np.isfinite(bound)) and relaxed.status == 0 and relaxed.fun is not None:
         bound = float(relaxed.fun)
     if bound is None or not np.isfinite(bound):
         sol.status, sol.mip_gap = GREEDY_NO_BOUND, 1.0
     else:
-        # the bound is of the priced objective (tie-break included): the greedy's plan priced alike
-        tie = sum(_tie_price(prob, name, i) for name, i in sol.choice.items())
-        sol.mip_gap = bound_gap(sol.objective + tie, bound / TIME_SCALE)
+        sol.mip_gap = bound_gap(sol.priced, bound / TIME_SCALE)
     return sol
