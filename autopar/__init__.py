@@ -7,8 +7,8 @@ from .calibrate import Calibration, calibrate
 from .cost.precision import BF16_MIXED, OptimizerSpec, Precision
 from .errors import (AutoparError, CaptureError, DivisibilityWarning, InfeasiblePlanError, InputShapeError, MeshError,
                      PipelineError, PlanError, ShardingError, UnsupportedAutogradError, UnsupportedOpWarning)
-from .plan_options import PlanOptions
-from .plan_result import Plan
+from .planning.options import PlanOptions
+from .planning.result import Plan
 from .runtime.optim.clip_grad import clip_grad_norm_
 from .runtime.module import ParallelModule
 from .runtime.optim.sharded import ShardedOptimizer

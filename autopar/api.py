@@ -19,11 +19,11 @@ from .cost.precision import precision_of
 from .cost.terms import first_meta, needs_grad
 from .errors import AutoparError, CaptureError, MeshError, PlanError
 from .mesh import MeshSpec, mesh_spec
-from .plan_result import Plan
-from .plan_options import PlanOptions
-from .plan_schedule import schedule_of, stage_cut
-from .planner import plan_captured
-from .progress import shown
+from .planning.result import Plan
+from .planning.options import PlanOptions
+from .planning.schedule import schedule_of, stage_cut
+from .planning.planner import plan_captured
+from .planning.progress import shown
 from .runtime.collectives import AxisGroup, Comm
 from .runtime.devices import mesh_device
 from .runtime.module import OtherMode, ParallelModule
@@ -32,7 +32,7 @@ from .runtime.rng import RandomStreams, agreed_seed
 from .search.classics import STRATEGIES
 from .search.pipeline import check_request
 
-log = logging.getLogger("autopar")   # progress (INFO), as planner.py's
+log = logging.getLogger("autopar")   # progress (INFO), as planning/planner.py's
 
 
 def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict | None = None,
@@ -55,7 +55,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dict |
     (e.g. a per-layer attention type in its config).
     `progress`: None (the default) writes what planning is doing to stderr when that is a terminal and
     planning has taken over 2 s, so a quick plan or a log stays quiet; True always, False never
-    (autopar/progress.py).
+    (autopar/planning/progress.py).
     See docs/ARCHITECTURE.md.
     """
     opts = PlanOptions.from_keywords("autopar.plan", options,   # bad values fail before the capture (seconds)
@@ -276,7 +276,7 @@ def _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap: Capt
 
 
 def _with_schedule(plan: Plan, cap: Captured, grad_nodes: set) -> Plan:
-    """`plan` with the schedule its runtime reads (plan_schedule.py): a plan of JSON format 1 has none, so it is
+    """`plan` with the schedule its runtime reads (planning/schedule.py): a plan of JSON format 1 has none, so it is
     made here as that autopar made it at run time; one made for other pipeline stages (a plan whose
     `pipeline` was edited) is made again for these, with a warning."""
     if plan.schedule is not None and plan.schedule.stage_cut == stage_cut(plan.pipeline):

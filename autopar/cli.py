@@ -27,8 +27,8 @@ import cost_models as cm
 
 from .api import compare, plan
 from .errors import AutoparError, InfeasiblePlanError, UnsupportedOpWarning
-from .plan_result import Plan
-from .progress import say, shown
+from .planning.result import Plan
+from .planning.progress import say, shown
 from .search.classics import STRATEGIES
 from .whatif import max_batch
 
@@ -205,7 +205,7 @@ def _plan(args) -> int:
 
 
 def _plot(plans, path: str, memory) -> None:
-    from .plots import memory_figure, schedule_figure
+    from .planning.plots import memory_figure, schedule_figure
     memory_figure(plans, memory).savefig(path)
     print(f"memory per device drawn to {path}")
     if isinstance(plans, Plan) and plans.pipeline is not None:

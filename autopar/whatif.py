@@ -30,8 +30,8 @@ from .capture.export import AUTO, capture
 from .capture.repeat import capture_repeated
 from .cost.precision import precision_of
 from .errors import AutoparError, InfeasiblePlanError
-from .plan_result import Plan
-from .planner import plan_captured
+from .planning.result import Plan
+from .planning.planner import plan_captured
 
 # Doubling the batch more often than this means memory does not really grow with it
 # (a term like 1e-30 * batch); a global batch of 2**64 samples is no batch anyone trains.

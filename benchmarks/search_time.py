@@ -56,7 +56,7 @@ PIPELINE_405B = dict(model="405b", layers=126, mesh={"dp": 64, "pp": 16, "tp": 8
 
 
 class _Stages(logging.Handler):
-    """Collects the figures autopar logs per stage at DEBUG (`record.stage`: search/ilp.py, planner.py)."""
+    """Collects the figures autopar logs per stage at DEBUG (`record.stage`: search/ilp.py, planning/planner.py)."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)

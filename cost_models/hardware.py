@@ -239,7 +239,7 @@ PRESETS = {
     # reduce-scatters by all-reducing the whole buffer: ~4x its all-reduce's time per byte in the
     # model's convention (0.38 against 1.5 GB/s measured), so a tensor-parallel plan keeps Megatron's
     # all-reduces instead of trading each for a reduce-scatter and an all-gather (~25% slower a step
-    # on gloo). Compute as "cpu". The planner's default for a CPU mesh (autopar.planner._hardware).
+    # on gloo). Compute as "cpu". The planner's default for a CPU mesh (autopar.planning.planner._hardware).
     "cpu-gloo": Hardware(
         name="cpu-gloo",   # "cpu..." : saved_tensors.kernel_family reads CPU kernels off the name
         peak_flops={"float32": 1e11, "bfloat16": 1e11},

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import autopar
-from autopar import planner
-from autopar.planner import plan_captured
+from autopar.planning import planner
+from autopar.planning.planner import plan_captured
 from autopar.capture.blocks import find_blocks
 from autopar.capture.export import capture
 from autopar.search.classics import STRATEGIES

@@ -694,7 +694,7 @@ def test_a_ring_is_planned_while_another_thread_traces():
     in CI; planning inside another module's export reproduces that, and the plan must equal one made
     outside."""
     from autopar.capture.export import capture
-    from autopar.planner import plan_captured
+    from autopar.planning.planner import plan_captured
     torch.manual_seed(0)
     cap = capture(_gpt_of(3, 0.0), (torch.randint(0, 32, (2, 12)),))
 

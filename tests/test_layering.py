@@ -17,18 +17,18 @@ import networkx as nx
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# Stages in the order data flows; a module belongs to the first entry that is it or its package.
+# Stages in the order data flows; a module belongs to the entry that is it, else the first that is its package.
 STAGES = [
     ("base", ("autopar.errors", "autopar.mesh", "autopar._compat")),
     ("capture", ("autopar.capture",)),
     ("sharding", ("autopar.sharding",)),
     ("cost", ("autopar.cost",)),
     ("search", ("autopar.search",)),
-    ("plan", ("autopar.plan_options", "autopar.plan_text", "autopar.plan_json", "autopar.plan_inputs",
-              "autopar.plan_schedule", "autopar.plan_result", "autopar.planner")),
+    ("plan", ("autopar.planning",)),                     # but planning.plots and planning.progress, named below
     ("runtime", ("autopar.runtime",)),
-    ("questions", ("autopar.whatif", "autopar.audit", "autopar.calibrate", "autopar.checkpoint", "autopar.plots")),   # of a finished plan or module
-    ("api", ("autopar.api", "autopar.progress")),
+    ("questions", ("autopar.whatif", "autopar.audit", "autopar.calibrate", "autopar.checkpoint",
+                   "autopar.planning.plots")),   # of a finished plan or module
+    ("api", ("autopar.api", "autopar.planning.progress")),
     ("cli", ("autopar.cli", "autopar.__main__")),          # the `autopar` command, over the api
     ("package", ("autopar",)),                            # autopar/__init__.py: the public names
 ]
@@ -72,9 +72,13 @@ def imports_of(name: str, path: pathlib.Path, known: dict) -> list[tuple[str, in
 
 
 def stage_of(name: str) -> int | None:
-    """Index into STAGES of the module `name`, or None if it is in none."""
+    """Index into STAGES of the module `name`, or None if it is in none: the entry naming the module itself
+    wins over one naming its package (autopar.planning.progress is api's, the rest of autopar.planning plan's)."""
     for i, (_, prefixes) in enumerate(STAGES):
-        if any(name == p or (p != "autopar" and name.startswith(p + ".")) for p in prefixes):
+        if name in prefixes:
+            return i
+    for i, (_, prefixes) in enumerate(STAGES):
+        if any(p != "autopar" and name.startswith(p + ".") for p in prefixes):
             return i
     return None
 
@@ -124,6 +128,26 @@ def test_cost_models_does_not_import_autopar():
     back = [(m, t) for m, p in module_names(REPO / "cost_models").items()
             for t, _ in imports_of(m, p, known) if t.startswith("autopar")]
     assert not back, back
+
+
+def test_the_plan_has_its_own_room_and_autopar_plan_stays_the_function():
+    """The plan's modules live in autopar/planning/, not autopar/plan/: a subpackage named `plan` would put a
+    module where the function `autopar.plan` is (importing autopar.plan.text sets the package's attribute).
+    Whatever planning module is imported, `autopar.plan` is the API's function; the top of the package keeps
+    only what a user imports or runs."""
+    import importlib
+
+    import autopar
+    import autopar.api
+
+    planning = [m for m in module_names(REPO / "autopar") if m == "autopar.planning" or m.startswith("autopar.planning.")]
+    assert len(planning) > 1, planning
+    for name in sorted(planning):
+        importlib.import_module(name)
+    assert callable(autopar.plan) and autopar.plan is autopar.api.plan
+    assert not (REPO / "autopar" / "plan").exists() and not (REPO / "autopar" / "plan.py").exists()
+    top = sorted(p.name for p in (REPO / "autopar").glob("*.py"))
+    assert len(top) <= 10, top
 
 
 def _package(tmp_path: pathlib.Path, files: dict) -> pathlib.Path:

@@ -214,7 +214,7 @@ def test_selective_needs_an_attention_core():
 
 def _least_memory(model, x, monkeypatch, regather):
     """The least memory any auto plan needs, with re-gathering as the search may choose it, or without."""
-    import autopar.planner as planner
+    import autopar.planning.planner as planner
     with monkeypatch.context() as m:
         if not regather:
             m.setitem(planner.REGATHER, "auto", False)

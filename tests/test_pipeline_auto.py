@@ -22,8 +22,8 @@ from autopar import Plan
 from autopar.api import _capture
 from autopar.capture.export import AUTO as DYNAMIC_AUTO
 from autopar.errors import AutoparError, PipelineError
-from autopar.plan_options import PlanOptions
-from autopar.planner import plan_captured
+from autopar.planning.options import PlanOptions
+from autopar.planning.planner import plan_captured
 from autopar.search.pipeline import stages_per_device_candidates
 from autopar.testing.models import GPT, GPTConfig
 

@@ -1,4 +1,4 @@
-"""The plan's schedule (plan_schedule.py): the runtime's buckets, FSDP layer groups and re-gathered activations,
+"""The plan's schedule (planning/schedule.py): the runtime's buckets, FSDP layer groups and re-gathered activations,
 decided with the plan, saved in its JSON (format 2), and read by the runtime.
 
 The schedule must be the grouping the plan prices (its collectives name each bucket's and group's weights);
@@ -16,7 +16,7 @@ import torch
 import autopar
 from autopar.capture.export import capture
 from autopar.errors import PlanError
-from autopar.plan_schedule import Bucket, Schedule
+from autopar.planning.schedule import Bucket, Schedule
 from autopar.testing import GPT, GPTConfig, gpt_loss, run_threaded, single_device_reference
 
 STEPS, LR = 2, 1e-2

@@ -55,7 +55,7 @@ def test_refused_layout_pairs_are_cached_as_reasons_not_exceptions():
     import torch
 
     from autopar.capture.export import capture
-    from autopar.planner import plan_captured
+    from autopar.planning.planner import plan_captured
     from autopar.testing import GPT, GPTConfig
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Pictures of a plan (autopar/plots.py): memory bars per strategy, and a pipeline's schedule."""
+"""Pictures of a plan (autopar/planning/plots.py): memory bars per strategy, and a pipeline's schedule."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import autopar
 from autopar.testing import GPT, GPTConfig
 
 pytest.importorskip("matplotlib")
-from autopar.plots import PARTS, memory_figure, schedule_figure, schedule_timeline  # noqa: E402
+from autopar.planning.plots import PARTS, memory_figure, schedule_figure, schedule_timeline  # noqa: E402
 
 
 def _gpt():

@@ -1,4 +1,4 @@
-"""Progress while planning (autopar/progress.py), and the planning time print(plan) shows.
+"""Progress while planning (autopar/planning/progress.py), and the planning time print(plan) shows.
 
 A plan that takes under AFTER seconds prints nothing; on a terminal one that takes longer shows its stages;
 progress=True shows them anywhere, progress=False nowhere; a user's logging set-up is left as it was.
@@ -10,8 +10,8 @@ import warnings
 import torch
 
 import autopar
-from autopar import progress as progress_module
-from autopar.progress import Progress, shown
+from autopar.planning import progress as progress_module
+from autopar.planning.progress import Progress, shown
 from autopar.testing import GPT, GPTConfig
 
 

@@ -150,7 +150,7 @@ def test_the_tie_break_stays_out_of_the_plans_objective():
     """ZeRO's collectives at the step cost the search a thousandth more (ilp._at_step_tie_break); the objective a plan
     reports is its time as priced without it, as the greedy prices a choice."""
     from autopar.capture.export import capture
-    from autopar import planner
+    from autopar.planning import planner
     from autopar.search.classics import axis_roles
     from autopar.search.greedy import objective
     torch.manual_seed(0)

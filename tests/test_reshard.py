@@ -20,7 +20,7 @@ import autopar
 from autopar.api import _capture
 from autopar.capture.export import AUTO
 from autopar.errors import PlanError
-from autopar.planner import plan_captured
+from autopar.planning.planner import plan_captured
 from autopar.testing import GPT, GPTConfig, gpt_loss, parallel_record, run_threaded, single_device_reference
 
 STEPS = 3

@@ -8,7 +8,7 @@ import pathlib
 import warnings
 
 import autopar
-from autopar import planner
+from autopar.planning import planner
 from autopar.search import ilp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))

@@ -11,9 +11,9 @@ import torch
 from scipy.optimize import OptimizeResult
 
 import autopar
-from autopar import planner
+from autopar.planning import planner
 from autopar.search import ilp as search
-from autopar.planner import plan_captured
+from autopar.planning.planner import plan_captured
 from autopar.capture.export import INPUT, OUTPUT, capture
 from autopar.cost.terms import first_meta
 from autopar.search.solution import GREEDY, GREEDY_NO_BOUND

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopar
-from autopar import planner
+from autopar.planning import planner
 from autopar.cost.predict import group_redistributions, transient_bytes
 from autopar.errors import PipelineError
 from autopar.search.stage_costs import device_prediction, op_basis, op_costs

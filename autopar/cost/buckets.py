@@ -5,7 +5,7 @@ replicated on a data axis in flat buckets after their last use in backward,
 as DDP does; the plan's list of collectives must show those buckets, not one
 all-reduce per weight, or its bytes per call and its latency terms would not
 be what the module does. The prediction and the plan's schedule
-(plan_schedule.py, which the runtime runs) call the functions here, so they
+(planning/schedule.py, which the runtime runs) call the functions here, so they
 cannot disagree. The rewriter also asks here whether the buckets can apply
 the batch mean's 1/n (bucket_grad_scale), which the outputs' gradient
 otherwise gets (output_grad_scale).

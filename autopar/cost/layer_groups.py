@@ -11,7 +11,7 @@ one reduce-scatter backward) apart from gradient sums on other axes (a
 norm weight whose input is split along the sequence over tp gets partial
 gradients there): the group all-reduces its reduce-scattered shard over
 those axes, one collective per layer instead of one per weight, on 1/n of
-the bytes. The plan's schedule (plan_schedule.py, which the runtime's
+the bytes. The plan's schedule (planning/schedule.py, which the runtime's
 runtime/reduction/layer_groups.py runs) and the prediction (`grouped`) call
 the same functions, so the plan lists the collectives the module launches.
 """

@@ -20,7 +20,7 @@ planner price each and keep the fastest.
 
 The planning of a pipeline reads in three steps: stage_costs.py prices each
 op of the chosen layout and what crosses each point of the graph;
-stage_partition.py cuts the graph into stages; planner.py tries pipeline
+stage_partition.py cuts the graph into stages; planning/planner.py tries pipeline
 axes and microbatch counts and keeps the fastest plan. runtime/pipeline/stages.py
 runs the result.
 """

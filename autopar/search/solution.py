@@ -1,6 +1,6 @@
 """What a search returns: one strategy per node, the batch axes, and how the search ended.
 
-The status strings live here, not in a solver, because the plan reports them (plan_result.py)
+The status strings live here, not in a solver, because the plan reports them (planning/result.py)
 and must not depend on which solver ran.
 """
 from __future__ import annotations

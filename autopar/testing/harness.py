@@ -351,7 +351,7 @@ def _swaps_not_sent(plan, rank: int) -> dict:
     other ranks' (cost/terms.ring_collectives), and the middle rank of an odd axis swaps none."""
     import cost_models as cm
     from autopar.cost.terms import SWAPPED_ROWS, skips_swaps
-    from autopar.plan_inputs import coordinates
+    from autopar.planning.inputs import coordinates
     coords = coordinates(plan, rank)
     out: dict = {}
     for c in plan.collectives:

@@ -221,7 +221,7 @@ class _Rewriter:
         self.casts = weight_casts(cap, plan)
         self.pipelined = plan.pipeline is not None
         # (op, input index) whose input autograd keeps: where a gather feeds one, the plan keeps the shard and
-        # gathers again in backward (regather.py); its layer groups and buckets too (plan_schedule.py)
+        # gathers again in backward (regather.py); its layer groups and buckets too (planning/schedule.py)
         self.schedule = plan.schedule
         self.reshard = plan.reshard_after_forward
         self.groups: dict = {}   # index in plan.schedule.layer_groups -> LayerGroup
@@ -298,7 +298,7 @@ class _Rewriter:
         return self.g.call_module(mod_name, (self.env[producer.name],))
 
     def _join_group(self, module: RedistributeModule, producer: str, steps: list, cast) -> None:
-        """Serve `module`'s gather from the plan's layer group of its weight (plan_schedule.LayerGroup)."""
+        """Serve `module`'s gather from the plan's layer group of its weight (planning.schedule.LayerGroup)."""
         info = self.cap.info[producer]
         if producer in self.deferred:   # the group would own a gradient the buckets must also see: one is lost
             raise PlanError(f"{info.target_name!r} is both gathered with its layer and bucketed on mesh axes "

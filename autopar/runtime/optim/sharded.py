@@ -96,7 +96,7 @@ class ShardedOptimizer:
         module.zero_optimizer = self
 
     def _zero_buckets(self, module, level: int) -> ZeroBuckets:
-        """The gradient buckets of one ZeRO level, as the plan lists them (plan_schedule.py), over the weights
+        """The gradient buckets of one ZeRO level, as the plan lists them (planning/schedule.py), over the weights
         that get a gradient here. A bucket's rows are equal slices of its weights: one whose flat size does not
         divide by its axis cannot be in one (cost/buckets.zero_buckets keeps such weights out)."""
         plan, out, zero = module.plan, [], {z.name: z for z in self.zero_params}

@@ -17,7 +17,7 @@ this module does what DDP's reducer does:
 Buckets hold weights of one (axes, dtypes) kind, in the reverse order of their
 first use in forward -- the order backward makes their gradients -- up to
 `bucket_bytes` each: the plan lists them (plan.schedule.grad_buckets, made by
-plan_schedule.py with cost/buckets.assign_buckets) and this module runs them. Under `accumulating()` (no_sync, and a pipeline's
+planning/schedule.py with cost/buckets.assign_buckets) and this module runs them. Under `accumulating()` (no_sync, and a pipeline's
 microbatches) gradients are summed locally and reduced once by `flush()`.
 
 The counts of uses still to arrive only time the launches: a gradient that
@@ -124,7 +124,7 @@ def returned_gradient_error(name: str, reduction: str) -> UnsupportedAutogradErr
 class GradBuckets:
     """The bucketed reductions of one ParallelModule's weights whose gradients the graph leaves partial.
 
-    `buckets`: the plan's buckets on this device (plan_schedule.Schedule.grad_buckets), in launch order:
+    `buckets`: the plan's buckets on this device (planning.schedule.Schedule.grad_buckets), in launch order:
     (mesh axis indices, [(name, parameter, reduce dtype)] in the order backward makes their gradients)."""
 
     def __init__(self, buckets: list, comm: Comm, grad_scale: float = 1.0):
@@ -134,7 +134,7 @@ class GradBuckets:
         self.slots: list[_Slot] = []
         self.buckets: list[_Bucket] = []
         self._slot_of: dict[str, int] = {}
-        for axes, entries in buckets:   # the plan's (plan_schedule.py): the module launches what the plan lists
+        for axes, entries in buckets:   # the plan's (planning/schedule.py): the module launches what the plan lists
             dtypes = {dt for _, _, dt in entries}
             if len(dtypes) > 1:
                 raise PlanError(f"weights {[n for n, _, _ in entries][:3]} share a gradient bucket but reduce in "

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from .cost.buckets import DEFAULT_BUCKET_BYTES
-from .cost.checkpointing import check_mode
-from .cost.precision import optimizer_spec, precision_of
-from .errors import AutoparError, PlanError
+from ..cost.buckets import DEFAULT_BUCKET_BYTES
+from ..cost.checkpointing import check_mode
+from ..cost.precision import optimizer_spec, precision_of
+from ..errors import AutoparError, PlanError
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A Plan as JSON: what `plan.to_json()` writes and `Plan.from_json` reads (FORMAT_VERSION).
 
-Reads only a Plan's fields, and gives fields back, so it imports nothing of plan_result.py.
+Reads only a Plan's fields, and gives fields back, so it imports nothing of result.py.
 """
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from dataclasses import asdict
 import sympy
 from sympy.printing.str import StrPrinter
 
-from .cost.buckets import DEFAULT_BUCKET_BYTES
-from .cost.predict import Memory, Predicted
-from .errors import PlanError
-from .mesh import MeshSpec
-from .plan_schedule import Schedule
-from .search.pipeline import PipelinePlan
-from .sharding.strategies import Strategy
+from ..cost.buckets import DEFAULT_BUCKET_BYTES
+from ..cost.predict import Memory, Predicted
+from ..errors import PlanError
+from ..mesh import MeshSpec
+from ..search.pipeline import PipelinePlan
+from ..sharding.strategies import Strategy
+from .schedule import Schedule
 
-# 2: the schedule (plan_schedule.py); 1 still reads, without it. 3: the pipeline's stages_per_device (v, searched
+# 2: the schedule (schedule.py); 1 still reads, without it. 3: the pipeline's stages_per_device (v, searched
 # under interleaving); 2 still reads, its interleaved plans at v = 2
 FORMAT_VERSION = 3
 READS = (1, 2, 3)
@@ -72,7 +72,7 @@ def _fused_time(p: dict, f) -> dict:
 
 def plan_fields(text: str) -> dict:
     """The fields of the Plan `text` holds, for Plan(**fields); collectives as dicts of CollectiveRecord's
-    fields (plan_result.py makes the records: this module imports nothing of it)."""
+    fields (result.py makes the records: this module imports nothing of it)."""
     d = json.loads(text)
     if d.get("format_version") not in READS:
         raise PlanError(f"plan JSON has format_version {d.get('format_version')}, this autopar reads "

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .errors import PlanError
-from .mesh import MeshSpec
-from .sharding.placement import chunk_index, dim_factor, shard_full_tensor
+from ..errors import PlanError
+from ..mesh import MeshSpec
+from ..sharding.placement import chunk_index, dim_factor, shard_full_tensor
 
 
 def local_inputs(plan, global_inputs: tuple, rank: int | None) -> tuple:

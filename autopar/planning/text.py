@@ -1,14 +1,14 @@
 """A Plan as text: the table `print(plan)` shows (Plan.__str__ calls render).
 
-Reads only a Plan's fields, so it imports nothing of plan_result.py.
+Reads only a Plan's fields, so it imports nothing of result.py.
 """
 from __future__ import annotations
 
 from cost_models import format_bytes
 
-from .search.pipeline import PipelinePlan
-from .search.solution import GREEDY, GREEDY_NO_BOUND, OPTIMAL, TIME_LIMIT
-from .sharding.placement import format_placements
+from ..search.pipeline import PipelinePlan
+from ..search.solution import GREEDY, GREEDY_NO_BOUND, OPTIMAL, TIME_LIMIT
+from ..sharding.placement import format_placements
 
 
 def render(plan) -> str:
@@ -136,7 +136,7 @@ def backward_lines(plan) -> list:
 
 
 def schedule_line(schedule) -> str:
-    """How the runtime groups the reductions and gathers (plan_schedule.py), counted; "" when it groups none."""
+    """How the runtime groups the reductions and gathers (schedule.py), counted; "" when it groups none."""
     parts = []
     per_device = [len(bs) for bs in schedule.grad_buckets.values()]
     if any(per_device):

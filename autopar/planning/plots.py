@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import cost_models as cm
 
-from .errors import AutoparError
-from .plan_result import Plan
-from .search.pipeline import GPIPE, ONE_F_ONE_B
+from ..errors import AutoparError
+from ..search.pipeline import GPIPE, ONE_F_ONE_B
+from .result import Plan
 
 PARTS = ("params", "master", "grads", "optimizer", "activations", "transient")   # Memory's fields, stacked
 # forward, backward: a stage's time per microbatch splits as the cost model prices it (backward = 2 forwards)

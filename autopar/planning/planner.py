@@ -5,7 +5,7 @@ each assignment of roles to mesh axes (search/ilp.py, greedy fallback), price th
 (cost/predict.py), and -- when pipelining is asked for -- do the same per pipeline axis and
 microbatch count on a graph captured at microbatch size, cut it into stages
 (search/stage_partition.py), and keep the fastest plan that fits. api.py checks the user's
-arguments and calls plan_captured; plan_result.py holds what comes out.
+arguments and calls plan_captured; result.py holds what comes out.
 """
 from __future__ import annotations
 
@@ -16,32 +16,32 @@ from dataclasses import dataclass, replace
 import cost_models as cm
 from cost_models.hardware import resolve_hardware
 
-from .capture.blocks import find_blocks
-from .capture.export import PARAM, Captured
-from .capture.gc_paused import gc_paused
-from .cost.checkpointing import checkpointable_stacks
-from .cost.liveness import backward_start, live_sets
-from .cost.precision import optimizer_spec
-from .cost.precision import param_bytes as param_bytes_of
-from .cost.precision import precision_of
-from .cost.predict import group_redistributions, predict, transient_bytes
-from .cost.problem import Problem, build_edges
-from .cost.terms import SDPA, first_meta, needs_grad, saved_outputs
-from .errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
-from .mesh import MeshSpec, mesh_spec
-from .plan_options import PlanOptions, reshard_after
-from .plan_result import Plan, Searched, make_plan
-from .search.classics import (CONTEXT, PIPE, Roles, axis_roles, check_context_divisibility, check_promised_splits,
+from ..capture.blocks import find_blocks
+from ..capture.export import PARAM, Captured
+from ..capture.gc_paused import gc_paused
+from ..cost.checkpointing import checkpointable_stacks
+from ..cost.liveness import backward_start, live_sets
+from ..cost.precision import optimizer_spec
+from ..cost.precision import param_bytes as param_bytes_of
+from ..cost.precision import precision_of
+from ..cost.predict import group_redistributions, predict, transient_bytes
+from ..cost.problem import Problem, build_edges
+from ..cost.terms import SDPA, first_meta, needs_grad, saved_outputs
+from ..errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
+from ..mesh import MeshSpec, mesh_spec
+from ..search.classics import (CONTEXT, PIPE, Roles, axis_roles, check_context_divisibility, check_promised_splits,
                               check_tensor_parallel_divisibility, role_assignments, with_pipeline)
-from .search.ilp import RoleMemo, free_search, searches_free_first, solve
-from .search.pipeline import (AUTO, MIN_STAGES_PER_DEVICE, check_depth, check_request, least_bubble,
+from ..search.ilp import RoleMemo, free_search, searches_free_first, solve
+from ..search.pipeline import (AUTO, MIN_STAGES_PER_DEVICE, check_depth, check_request, least_bubble,
                               microbatch_candidates, num_layers, schedule_candidates, schedule_fits,
                               stages_per_device_candidates)
-from .search.solution import INFEASIBLE, Solution
-from .search.stage_costs import device_prediction, op_basis, op_costs
-from .search.stage_partition import partition, step_floor
-from .sharding.op_spec import op_name
-from .sharding.strategies import all_strategies, batch_outputs
+from ..search.solution import INFEASIBLE, Solution
+from ..search.stage_costs import device_prediction, op_basis, op_costs
+from ..search.stage_partition import partition, step_floor
+from ..sharding.op_spec import op_name
+from ..sharding.strategies import all_strategies, batch_outputs
+from .options import PlanOptions, reshard_after
+from .result import Plan, Searched, make_plan
 
 # progress of a search (INFO): the command line shows it; a script shows it with
 # logging.basicConfig(level=logging.INFO), or logging.getLogger("autopar").setLevel(logging.INFO) and a handler

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .capture.export import INPUT, PARAM, Captured
-from .cost.activations import activation_model
-from .cost.buckets import assign_buckets, deferred_axes, params_by_first_use, partial_gradients, zero_buckets
-from .cost.layer_groups import group_key, groupable
-from .cost.precision import precision_of
-from .cost.terms import first_meta
-from .sharding.op_spec import tensor_args
-from .sharding.placement import local_shape, numel
-from .sharding.redistribute import plan_steps
+from ..capture.export import INPUT, PARAM, Captured
+from ..cost.activations import activation_model
+from ..cost.buckets import assign_buckets, deferred_axes, params_by_first_use, partial_gradients, zero_buckets
+from ..cost.layer_groups import group_key, groupable
+from ..cost.precision import precision_of
+from ..cost.terms import first_meta
+from ..sharding.op_spec import tensor_args
+from ..sharding.placement import local_shape, numel
+from ..sharding.redistribute import plan_steps
 
 
 @dataclass(frozen=True)

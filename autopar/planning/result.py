@@ -3,8 +3,8 @@
 It names placements by graph node and parameter, so the rewriter on any rank
 applies the same plan to its own capture of the same model. This module holds the
 data and makes it (make_plan); the Plan's other jobs each have a module:
-plan_text.py (the table `print(plan)` shows), plan_json.py (to_json / from_json),
-plan_inputs.py (a rank's share of a batch, with torch).
+text.py (the table `print(plan)` shows), json_io.py (to_json / from_json),
+inputs.py (a rank's share of a batch, with torch).
 """
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from dataclasses import dataclass, field, replace
 
 from cost_models import describe_links
 
-from . import plan_inputs, plan_json, plan_text
-from .capture.export import PARAM
-from .cost.buckets import DEFAULT_BUCKET_BYTES
-from .cost.precision import OptimizerSpec, Precision
-from .cost.predict import Predicted
-from .cost.problem import Problem
-from .mesh import MeshSpec
-from .plan_schedule import Schedule, schedule_of
-from .search.classics import Roles
-from .search.pipeline import PipelinePlan
-from .search.solution import Solution
+from ..capture.export import PARAM
+from ..cost.buckets import DEFAULT_BUCKET_BYTES
+from ..cost.precision import OptimizerSpec, Precision
+from ..cost.predict import Predicted
+from ..cost.problem import Problem
+from ..mesh import MeshSpec
+from ..search.classics import Roles
+from ..search.pipeline import PipelinePlan
+from ..search.solution import Solution
+from . import inputs as plan_inputs, json_io as plan_json, text as plan_text
+from .schedule import Schedule, schedule_of
 
 
 
@@ -72,7 +72,7 @@ class Plan:
     # () for a plan of a format before keyword inputs, whose inputs are all positional
     input_keys: tuple = ()
     # the runtime's groupings of collectives (buckets, FSDP layer groups, re-gathered activations), decided with
-    # the plan (plan_schedule.py); None for a plan read from JSON of format 1, which parallelize completes
+    # the plan (schedule.py); None for a plan read from JSON of format 1, which parallelize completes
     schedule: Schedule | None = None
     # the global ranks of the DeviceMesh a ParallelModule runs the plan on, laid out like the mesh (nested
     # tuples), so local_inputs cuts by the coordinates the runtime uses; None (a plan not bound to a mesh,
@@ -84,7 +84,7 @@ class Plan:
     # before it was recorded
     links: dict = field(default_factory=dict)
 
-    # ------------------------------------------------------------ inputs (plan_inputs.py)
+    # ------------------------------------------------------------ inputs (inputs.py)
     def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:
         """This rank's shard of each global positional input, as a tuple (of one for a one-input model).
 
@@ -128,7 +128,7 @@ class Plan:
         """This plan, bound to the ranks of a mesh laid out as `rank_grid` (DeviceMesh.mesh.tolist())."""
         return replace(self, rank_grid=plan_inputs.nested_tuple(rank_grid))
 
-    # ------------------------------------------------------------ text (plan_text.py), JSON (plan_json.py)
+    # ------------------------------------------------------------ text (text.py), JSON (json_io.py)
     def __str__(self) -> str:
         return plan_text.render(self)
 
