@@ -48,6 +48,7 @@ class Problem:
     backward_start: object = None                    # liveness.BackwardStart: the gradients backward starts with
     edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
     signature_ids: dict = field(default_factory=dict, repr=False)    # see edge_signature
+    edge_signatures: dict = field(default_factory=dict, repr=False)  # see edge_signature
     stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
                                                      # (a stack's path twice: whole blocks, and their cores)
     checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
@@ -99,10 +100,18 @@ def edge_signature(prob: Problem, e: Edge) -> int:
     """An id of all an edge's cost depends on besides the two layouts: edges with one id cost the same. (An
     int, not the tuple: the search hashes it with every layout pair it prices, ~500k for Llama-3-70B on three
     axes, and the tuple's sympy sizes hash slowly.)"""
+    # (memoised per edge and what of the problem it reads: a search asks it of every repeat of every edge, and
+    # a problem's variants -- re-gathered activations, weights kept whole -- share these dicts)
+    key = (e.producer, e.consumer, e.index, prob.regather_activations and id(prob.saved), reshards(prob))
+    sig = prob.edge_signatures.get(key)
+    if sig is not None:
+        return sig
     meta = first_meta(prob.cap.info[e.producer].meta)
-    described = (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
+    # (the example's sizes, not the symbolic shape: the search prices at the example's sizes, and ints hash fast)
+    described = (meta.hint, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
                  edge_regathers(prob, e), reduce_itemsize(prob.param_bytes, e.producer))
-    return prob.signature_ids.setdefault(described, len(prob.signature_ids))
+    sig = prob.edge_signatures[key] = prob.signature_ids.setdefault(described, len(prob.signature_ids))
+    return sig
 
 
 def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
