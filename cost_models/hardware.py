@@ -44,7 +44,10 @@ class Link:
 
     def for_kind(self, kind: str) -> "Link":
         """The Link a collective of `kind` runs at: its own where calibrated, else this one."""
-        return dict(self.kinds).get(kind, self)
+        for name, link in self.kinds:   # (a loop, not a dict: asked for every collective the search prices)
+            if name == kind:
+                return link
+        return self
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,27 @@ def test_warm_plan_is_the_same_plan(cache_dir, traces):
     assert _plan_json(warm) == _plan_json(cold)
 
 
+def test_a_model_without_a_stack_is_cached_too(cache_dir, traces):
+    """The README's demo GPT has 2 layers, no stack to shorten: it is traced whole, and its capture kept all
+    the same (it was traced on every plan, 1-2 s of a 4 s plan); the warm plan is the cold one."""
+    from autopar.testing import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    x = torch.randint(0, 64, (8, 16))
+    assert not repeat.find_stacks(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        cold = autopar.plan(model, (x,), {"x": 2, "y": 2}, hardware="cpu", memory_limit="1MiB")
+        warm = autopar.plan(model, (x,), {"x": 2, "y": 2}, hardware="cpu", memory_limit="1MiB")
+    assert len(traces) == 1 and len(_entries(cache_dir)) == 1
+    assert _plan_json(warm) == _plan_json(cold)
+    hit = capture_repeated(model, (x,))
+    assert len(traces) == 1 and isinstance(hit.exported, RepeatedProgram) and hit.exported.traced is None
+    assert hit.exported.state_dict.keys() == {n for n, _ in [*model.named_parameters(remove_duplicate=False),
+                                                             *model.named_buffers(remove_duplicate=False)]}
+    assert_same_capture(hit, repeat.capture(model, (x,)))   # against a trace made now
+
+
 def test_a_config_value_no_shape_shows_misses(cache_dir, traces):
     """An epsilon is in no parameter's shape, yet in the graph: a model with another one is traced again."""
     model, x = _llama()

@@ -4,7 +4,8 @@
 layers; torch.export takes seconds for that (more with dynamic dims), the same
 seconds every time a model of one architecture is planned. So the shallow
 capture is kept on disk, the way compile caches keep compiled code, and a warm
-plan rebuilds it in milliseconds; repeat.py then copies its layers as usual. Only
+plan rebuilds it in milliseconds; repeat.py then copies its layers as usual. A model with no
+stack to cut (the README's 2-layer demo GPT) is traced whole and kept the same way. Only
 planning captures come from here (capture_repeated: autopar.plan, compare, the what-ifs);
 `parallelize` traces the whole model every time, as running needs its program.
 

@@ -64,7 +64,12 @@ def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO, exam
         example_inputs = (example_inputs,)
     stacks = find_stacks(model)
     if not stacks:
-        return capture(model, example_inputs, dynamic_shapes, example_kwargs)
+        # a model without a stack is traced whole, and kept in the cache all the same: a small model's
+        # export (1-2 s for the README's 2-layer GPT) is most of its plan's time
+        cap = cached_capture(capture, model, example_inputs, dynamic_shapes, example_kwargs)
+        if cap.exported is not None:   # traced now: the capture as it came
+            return cap
+        return _planning_only(cap, model)
     try:
         with gc_paused():
             # under the trace lock: another thread's capture must not see the shortened model
@@ -76,6 +81,11 @@ def capture_repeated(model: nn.Module, example_inputs, dynamic_shapes=AUTO, exam
     except (CaptureError, NotRepeated) as e:   # a shortened model that does not trace is no verdict
         log.debug("capturing %s layer by layer: %s", type(model).__name__, e)
         return capture(model, example_inputs, dynamic_shapes, example_kwargs)
+    return _planning_only(cap, model)
+
+
+def _planning_only(cap: Captured, model: nn.Module) -> Captured:
+    """`cap` with a RepeatedProgram for its program: the whole model's state, for planning only."""
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     # the copied layers' weights are frozen as the whole model's are (the shortened model named only its own)

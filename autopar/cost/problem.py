@@ -21,8 +21,8 @@ from ..sharding.strategies import NodeStrategies
 from .buckets import DEFAULT_BUCKET_BYTES
 from .checkpointing import checkpointed_model
 from .overlap import ring_hidden
-from .terms import (activation_bytes, collectives_time, edge_collectives, first_meta, node_compute_time,
-                    op_collectives, param_memory, reduce_itemsize, regathers, zero_collectives)
+from .terms import (activation_bytes, collectives_time, edge_collectives, edge_seconds, first_meta,
+                    node_compute_time, op_collectives, param_memory, reduce_itemsize, regathers, zero_collectives)
 
 
 @dataclass
@@ -47,6 +47,8 @@ class Problem:
     live: list = field(default_factory=list)         # (op, storages alive there) per forward op (liveness.py)
     backward_start: object = None                    # liveness.BackwardStart: the gradients backward starts with
     edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
+    signature_ids: dict = field(default_factory=dict, repr=False)    # see edge_signature
+    edge_signatures: dict = field(default_factory=dict, repr=False)  # see edge_signature
     stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
                                                      # (a stack's path twice: whole blocks, and their cores)
     checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
@@ -77,7 +79,7 @@ def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
 def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=(), signature=None) -> float:
     """Seconds of the collectives on edge e for one layout pair (memoised: a deep model asks
     the same question of every layer, and the answer depends only on what the key holds)."""
-    key = (signature or edge_signature(prob, e)) + (src, dst, grad_partial, keep_partial)
+    key = (edge_signature(prob, e) if signature is None else signature, src, dst, grad_partial, keep_partial)
     cost = prob.edge_cost_cache.get(key)
     if cost is None:
         cost = prob.edge_cost_cache[key] = _edge_cost(prob, e, src, dst, grad_partial, keep_partial)
@@ -94,31 +96,41 @@ class _Refused:
     reason: str
 
 
-def edge_signature(prob: Problem, e: Edge) -> tuple:
-    """All an edge's cost depends on besides the two layouts."""
+def edge_signature(prob: Problem, e: Edge) -> int:
+    """An id of all an edge's cost depends on besides the two layouts: edges with one id cost the same. (An
+    int, not the tuple: the search hashes it with every layout pair it prices, ~500k for Llama-3-70B on three
+    axes, and the tuple's sympy sizes hash slowly.)"""
+    # (memoised per edge and what of the problem it reads: a search asks it of every repeat of every edge, and
+    # a problem's variants -- re-gathered activations, weights kept whole -- share these dicts)
+    key = (e.producer, e.consumer, e.index, prob.regather_activations and id(prob.saved), reshards(prob))
+    sig = prob.edge_signatures.get(key)
+    if sig is not None:
+        return sig
     meta = first_meta(prob.cap.info[e.producer].meta)
-    return (meta.shape, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
-            edge_regathers(prob, e),
-            reduce_itemsize(prob.param_bytes, e.producer))
+    # (the example's sizes, not the symbolic shape: the search prices at the example's sizes, and ints hash fast)
+    described = (meta.hint, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
+                 edge_regathers(prob, e), reduce_itemsize(prob.param_bytes, e.producer))
+    sig = prob.edge_signatures[key] = prob.signature_ids.setdefault(described, len(prob.signature_ids))
+    return sig
 
 
 def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
     """Seconds, or why the pair cannot be redistributed (_Refused; cached too: asked again, it is raised again)."""
+    info = prob.cap.info[e.producer]
     try:
-        again = edge_regathers(prob, e)
-        colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
-                                 e.producer in prob.grad_nodes, again, e.consumer, keep_partial=keep_partial,
-                                 reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
+        return edge_seconds(first_meta(info.meta), info.kind == PARAM, src, dst, grad_partial, prob.mesh, prob.links,
+                            e.producer in prob.grad_nodes, edge_regathers(prob, e), keep_partial=keep_partial,
+                            reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
     except UnsupportedRedistribution as err:
         return _Refused(str(err))
-    return float(collectives_time(colls, prob.mesh, prob.links))
 
 
 def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=(), signature=None) -> float:
     """Seconds more that edge e costs when backward reruns its consumer's checkpointed block: its
     forward collectives run again, and a weight gathered whole there is kept by the rerun instead
     of gathered again for backward (so FSDP pays nothing more)."""
-    key = ("recompute",) + (signature or edge_signature(prob, e)) + (src, dst, grad_partial, keep_partial)
+    key = ("recompute", edge_signature(prob, e) if signature is None else signature, src, dst, grad_partial,
+           keep_partial)
     cost = prob.edge_cost_cache.get(key)
     if cost is None:
         colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,

@@ -93,7 +93,12 @@ def chunk_span(size: int, pieces: int, index: int) -> tuple[int, int]:
 
 def uneven_dims(shape: Sequence[int], placements: Placements, axis_sizes: Sequence[int]) -> list[int]:
     """The dims these placements split into pieces of unequal length."""
-    return [d for d, size in enumerate(shape) if size % dim_factor(placements, d, axis_sizes)]
+    return list(_uneven_dims(tuple(shape), tuple(placements), tuple(axis_sizes)))
+
+
+@functools.lru_cache(maxsize=1 << 16)   # the search checks every layout pair of every edge
+def _uneven_dims(shape: tuple, placements: tuple, axis_sizes: tuple) -> tuple:
+    return tuple(d for d, size in enumerate(shape) if size % dim_factor(placements, d, axis_sizes))
 
 
 def can_split_unevenly(shape: Sequence[int], placements: Placements, axis_sizes: Sequence[int]) -> bool:

@@ -69,11 +69,12 @@ class Step:
     before: Placements  # whole placement tuple before the step (for shapes)
     after: Placements
 
-    @property
+    # (cached: plan_steps keeps its Steps, and the search asks their kinds of ~100k layout pairs)
+    @functools.cached_property
     def forward_kind(self) -> str:
         return transition(self.src, self.dst)
 
-    @property
+    @functools.cached_property
     def backward_kind(self) -> str:
         return transition(self.grad_dst, self.grad_src)
 
@@ -174,20 +175,28 @@ def step_collectives(step: Step, shape: Sequence, itemsize: int, axis_sizes: Seq
                      where: str, regather: int = 0, tensor: str = "") -> list[Collective]:
     """The collectives one step launches. `regather`: how many times it is gathered again in backward."""
     out = []
-
-    def full_bytes():
-        # the tensor whole along the axis; where the step splits it, n pieces of the largest
-        # shard: the padded buffer a split that does not divide moves (placement.py)
-        for placements in (step.before, step.after):
-            if is_shard(placements[step.axis]):
-                return numel(local_shape(shape, placements, axis_sizes)) * axis_sizes[step.axis] * itemsize
-        return numel(local_shape(shape, step.before, axis_sizes)) * itemsize
-
     if step.forward_kind in COMMUNICATING:
-        fb = full_bytes()
+        fb = step_full_bytes(step, shape, itemsize, axis_sizes)
         out.append(Collective(step.forward_kind, step.axis, fb, "forward", where, tensor))
         if step.forward_kind == ALL_GATHER:
             out += [Collective(ALL_GATHER, step.axis, fb, "backward", where, tensor) for _ in range(int(regather))]
     if step.backward_kind in COMMUNICATING:
-        out.append(Collective(step.backward_kind, step.axis, full_bytes(), "backward", where, tensor))
+        out.append(Collective(step.backward_kind, step.axis, step_full_bytes(step, shape, itemsize, axis_sizes),
+                              "backward", where, tensor))
     return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def int_step_full_bytes(step: Step, shape: tuple, itemsize: int, axis_sizes: tuple) -> int:
+    """step_full_bytes at sizes that are ints (memoised: the search asks it of ~200k steps a plan, most
+    of them alike)."""
+    return step_full_bytes(step, shape, itemsize, axis_sizes)
+
+
+def step_full_bytes(step: Step, shape: Sequence, itemsize: int, axis_sizes: Sequence[int]):
+    """Bytes of the tensor whole along the step's axis; where the step splits it, n pieces of the largest
+    shard: the padded buffer a split that does not divide moves (placement.py)."""
+    for placements in (step.before, step.after):
+        if is_shard(placements[step.axis]):
+            return numel(local_shape(shape, placements, axis_sizes)) * axis_sizes[step.axis] * itemsize
+    return numel(local_shape(shape, step.before, axis_sizes)) * itemsize
