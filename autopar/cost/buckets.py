@@ -32,7 +32,7 @@ def deferred_axes(cap: Captured, strategies: dict, grad_nodes: set) -> dict:
             if cap.info[n].kind == PARAM}
 
 
-def partial_gradients(cap: Captured, strategies: dict, grad_nodes: set) -> dict:
+def partial_gradients(cap: Captured, strategies: dict, grad_nodes: set, structure: tuple | None = None) -> dict:
     """Node -> the mesh axes on which its gradient is left a partial sum, for the buckets to reduce: the
     weights of `deferred_axes` (first, in order of first use), then the activations between such weights
     and the ops whose split makes the gradient partial.
@@ -44,15 +44,12 @@ def partial_gradients(cap: Captured, strategies: dict, grad_nodes: set) -> dict:
     there would be one blocking all-reduce in the middle of backward; but backward is linear in the
     gradient, so its partial sum can flow on to `wpe.weight` and be reduced in the weight's bucket, with
     the other gradients, where nothing waits for it.
+
+    `structure`: graph_uses(cap), where the caller keeps it between calls on one graph.
     """
     params = {n for n, info in cap.info.items() if info.kind == PARAM and n in grad_nodes
               and strategies.get(n) is not None and not strategies[n].zero_axes}
-    uses: dict = {}
-    for node in cap.graph.nodes:
-        if node.op in ("output", "call_function"):
-            for i, a in enumerate(tensor_args(node)):
-                uses.setdefault(a.name, []).append((node, i))
-    nodes = {node.name: node for node in cap.graph.nodes}
+    uses, args = graph_uses(cap) if structure is None else structure
     sunk = {}   # candidates, then (after the loop) the activations that qualify
     for node in cap.graph.nodes:
         s = strategies.get(node.name)
@@ -60,12 +57,13 @@ def partial_gradients(cap: Captured, strategies: dict, grad_nodes: set) -> dict:
             axes = {x for x, p in enumerate(s.output) if p == R and all(q[x] == R for q in s.inputs)}
             if axes:
                 sunk[node.name] = axes
+    partial: dict = {}   # (id of a strategy, input index) -> its grad_partial: repeated blocks share strategies
     while True:   # drop what fails until nothing does: each pass only removes
-        weights = {n: _partial_uses(uses.get(n, ()), strategies[n].output, strategies, sunk) for n in params}
+        weights = {n: _partial_uses(uses.get(n, ()), strategies[n].output, strategies, sunk, partial) for n in params}
         changed = False
         for name in list(sunk):
-            ok = sunk[name] & _partial_uses(uses.get(name, ()), strategies[name].output, strategies, sunk)
-            for a in tensor_args(nodes[name]):
+            ok = sunk[name] & _partial_uses(uses.get(name, ()), strategies[name].output, strategies, sunk, partial)
+            for a in args[name]:
                 if a.name in grad_nodes:
                     ok &= weights.get(a.name, sunk.get(a.name, set()))
             if ok != sunk[name]:
@@ -77,16 +75,28 @@ def partial_gradients(cap: Captured, strategies: dict, grad_nodes: set) -> dict:
         if not changed:
             break
     found: dict = {}   # weights in order of first use
-    for node in cap.graph.nodes:
-        if node.op in ("output", "call_function"):
-            for a in tensor_args(node):
-                if a.name in params and a.name not in found:
-                    found[a.name] = weights[a.name]
+    for node_args in args.values():
+        for a in node_args:
+            if a.name in params and a.name not in found:
+                found[a.name] = weights[a.name]
     found.update(sunk)
     return {n: tuple(sorted(axes)) for n, axes in found.items() if axes}
 
 
-def _partial_uses(uses, src, strategies: dict, sunk: dict) -> set:
+def graph_uses(cap: Captured) -> tuple:
+    """(node name -> [(consumer node, tensor input index)], output or call_function node name -> its
+    tensor_args, in graph order): what partial_gradients reads of the graph, whatever the layouts."""
+    uses: dict = {}
+    args: dict = {}
+    for node in cap.graph.nodes:
+        if node.op in ("output", "call_function"):
+            args[node.name] = tensor_args(node)
+            for i, a in enumerate(args[node.name]):
+                uses.setdefault(a.name, []).append((node, i))
+    return uses, args
+
+
+def _partial_uses(uses, src, strategies: dict, sunk: dict, partial: dict | None = None) -> set:
     """The axes on which every one of `uses` ((consumer, input index); the tensor's layout `src`) reads the
     tensor whole and replicated and hands its gradient back partial: the consumer splits the axis, or
     is itself in `sunk` there."""
@@ -99,7 +109,13 @@ def _partial_uses(uses, src, strategies: dict, sunk: dict) -> set:
             # a weight gathered for its use (FSDP storage) reduce-scatters its gradient in the graph or
             # with its layer (layer_groups.py), which then owns the gradient: its other axes stay there too
             if not any(is_shard(p) and q == R for p, q in zip(src, dst)):
-                ok = {x for x in set(s.grad_partial(i)) | sunk.get(c.name, set()) if src[x] == R and dst[x] == R}
+                if partial is None:
+                    gp = s.grad_partial(i)
+                else:
+                    gp = partial.get((id(s), i))
+                    if gp is None:
+                        gp = partial[(id(s), i)] = s.grad_partial(i)
+                ok = {x for x in set(gp) | sunk.get(c.name, set()) if src[x] == R and dst[x] == R}
         found = ok if found is None else found & ok
     return found or set()
 

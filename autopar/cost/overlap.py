@@ -84,11 +84,7 @@ def hidden_comm_time(prob, colls: list, op_times: dict, rerun=frozenset()) -> di
         return hidden
     for axis, seconds in ring_hidden(colls, op_times, mesh, prob.links, prob.cap.hints).items():
         hidden[axis] += seconds
-    ops = [n for n in prob.cap.graph.nodes if n.name in prob.cap.info and prob.cap.info[n.name].kind == OP]
-    uses: dict = {}   # weight -> indices of the ops that read it
-    for i, node in enumerate(ops):
-        for a in tensor_args(node):
-            uses.setdefault(a.name, []).append(i)
+    ops, uses = _op_uses(prob)
     gathers: dict = {"forward": [], "backward": []}   # a recompute's gathers are backward's (module docstring)
     at_end, seen_bucket = [], set()   # the collectives backward's end waits for
     for c in colls:
@@ -114,6 +110,19 @@ def hidden_comm_time(prob, colls: list, op_times: dict, rerun=frozenset()) -> di
     for axis, t in step.waited.items():
         hidden[mesh.axis_names[axis]] -= t
     return hidden
+
+
+def _op_uses(prob) -> tuple:
+    """(the graph's ops in order, tensor -> indices of the ops that read it), once per problem."""
+    found = prob.node_cost_cache.get(("op uses",))
+    if found is None:
+        ops = [n for n in prob.cap.graph.nodes if n.name in prob.cap.info and prob.cap.info[n.name].kind == OP]
+        uses: dict = {}   # weight -> indices of the ops that read it
+        for i, node in enumerate(ops):
+            for a in tensor_args(node):
+                uses.setdefault(a.name, []).append(i)
+        found = prob.node_cost_cache[("op uses",)] = (ops, uses)
+    return found
 
 
 def ring_hidden(colls: list, op_times: dict, mesh, links: dict, hints: dict) -> dict:

@@ -17,7 +17,7 @@ from ..capture.blocks import block_nodes
 from ..capture.export import BUFFER, INPUT, OP, PARAM
 from ..sharding.placement import local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, gathers_again, plan_steps
-from .buckets import assign_buckets, params_by_first_use, partial_gradients, zero_buckets
+from .buckets import assign_buckets, graph_uses, params_by_first_use, partial_gradients, zero_buckets
 from .checkpointing import recomputed_ops, rerun_blocks, rerun_ops, stacks_of
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import BUCKET, hidden_comm_time
@@ -41,25 +41,57 @@ class Redistribution:
 
 def group_redistributions(prob, choice) -> list[Redistribution]:
     groups: dict = {}
+    strategies, grad_nodes = prob.strategies, prob.grad_nodes
+    partial: dict = {}   # (id of the consumer's strategy, input index) -> grad_partial: repeats share strategies
+    # each edge's terms.regathers under this problem's choices, kept between predictions (nothing it reads changes)
+    regathers = prob.node_cost_cache.setdefault(("edge regathers", id(prob.saved), bool(prob.regather_activations),
+                                                 reshards(prob)), {})
     for e in prob.edges:
-        u = prob.strategies[e.producer].strategies[choice[e.producer]]
-        v = prob.strategies[e.consumer].strategies[choice[e.consumer]]
+        u = strategies[e.producer].strategies[choice[e.producer]]
+        v = strategies[e.consumer].strategies[choice[e.consumer]]
         src, dst = u.output, v.inputs[e.index]
-        gp = v.grad_partial(e.index) if e.producer in prob.grad_nodes else ()
-        keep = u.zero_axes if e.producer in prob.grad_nodes else ()
+        if e.producer in grad_nodes:
+            gp = partial.get((id(v), e.index))
+            if gp is None:
+                gp = partial[(id(v), e.index)] = v.grad_partial(e.index)
+            keep = u.zero_axes
+        else:
+            gp = keep = ()
         if src == dst and not gp and not keep:
             continue
         key = (e.producer, dst, gp)
         g = groups.setdefault(key, [src, [], 0, keep])
         g[1].append((e.consumer, e.index))
-        g[2] += int(edge_regathers(prob, e))
+        n = regathers.get((e.producer, e.consumer, e.index))
+        if n is None:
+            n = regathers[(e.producer, e.consumer, e.index)] = int(edge_regathers(prob, e))
+        g[2] += n
     # an activation is gathered again once for all its readers (runtime/lowering/regather.py), a weight per reader
     return [Redistribution(p, tuple(g[0]), tuple(d), tuple(gp), tuple(g[1]),
                            g[2] if prob.cap.info[p].kind == PARAM else min(g[2], 1), tuple(g[3]))
             for (p, d, gp), g in groups.items()]
 
 
-def redistribution_collectives(prob, r: Redistribution, symbolic=False) -> list[Collective]:
+def redistribution_collectives(prob, r: Redistribution, symbolic=False, memo: dict | None = None) -> list[Collective]:
+    """`memo`: a dict shared by calls on one problem (the same cap and mesh): a repeated block's
+    redistributions move the same bytes, so their collectives are made once and relabelled."""
+    where = r.consumers[0][0]
+    if memo is None:
+        found = _redistribution_collectives(prob, r, symbolic)
+    else:
+        info = prob.cap.info[r.producer]
+        meta = first_meta(info.meta)
+        key = (id(prob.cap), prob.mesh.axis_sizes, meta.shape, meta.hint, meta.dtype, info.kind == PARAM,
+               r.producer in prob.grad_nodes, reduce_itemsize(prob.param_bytes, r.producer), r.src, r.dst,
+               r.grad_partial, r.keep_partial, r.regather_count, symbolic)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = _redistribution_collectives(prob, r, symbolic)
+    return [Collective(kind, axis, full_bytes, phase, where, r.producer) for kind, axis, full_bytes, phase in found]
+
+
+def _redistribution_collectives(prob, r: Redistribution, symbolic) -> list[tuple]:
+    """redistribution_collectives' (kind, axis, full_bytes, phase), without their labels."""
     where = r.consumers[0][0]
     colls = edge_collectives(r.producer, r.src, r.dst, r.grad_partial, prob.cap, prob.mesh,
                              r.producer in prob.grad_nodes, False, where, symbolic,
@@ -71,7 +103,7 @@ def redistribution_collectives(prob, r: Redistribution, symbolic=False) -> list[
     for _ in range(r.regather_count):
         colls += [Collective(ALL_GATHER, c.axis, c.full_bytes, "backward", where, r.producer)
                   for c in regather]
-    return colls
+    return [(c.kind, c.axis, c.full_bytes, c.phase) for c in colls]
 
 
 @dataclass(frozen=True)
@@ -170,7 +202,10 @@ def bucketed(prob, choice, colls: list) -> list:
     (buckets.py): one all-reduce per bucket and axis, of the bucket's bytes, as the module launches them."""
     strategies = {n: ns.strategies[choice[n]] for n, ns in prob.strategies.items()}
     # the weights the buckets reduce, and the activations whose partial gradients flow on to them
-    deferred = partial_gradients(prob.cap, strategies, prob.grad_nodes)
+    structure = prob.node_cost_cache.get(("graph uses",))
+    if structure is None:
+        structure = prob.node_cost_cache[("graph uses",)] = graph_uses(prob.cap)
+    deferred = partial_gradients(prob.cap, strategies, prob.grad_nodes, structure)
     if not deferred:
         return colls
     out = [c for c in colls if not (c.kind == ALL_REDUCE and c.phase == "backward" and c.axis in deferred.get(c.tensor, ()))]
@@ -343,7 +378,8 @@ def _kept_weights(prob, groups, stacks, symbolic: bool):
 def _redistributions(prob, groups, stacks, rerun: set, symbolic: bool) -> list[Collective]:
     """The collectives of every redistribution, with those a checkpointed block's recompute runs again."""
     region_of = _region_of(stacks)
-    order = {n.name: i for i, n in enumerate(prob.cap.graph.nodes)}
+    order = _node_order(prob)
+    memo = prob.node_cost_cache.setdefault(("redistribution collectives",), {})
     colls = []
     for r in groups:
         regions = {region_of.get(c) for c, _ in r.consumers}
@@ -352,10 +388,18 @@ def _redistributions(prob, groups, stacks, rerun: set, symbolic: bool) -> list[C
             # a weight gathered whole there is kept by the recompute rather than gathered a third time
             r = replace(r, regather_count=0)
             if min((c for c, _ in r.consumers), key=order.get) in rerun:   # it runs before its first reader
-                forward = [c for c in redistribution_collectives(prob, r, symbolic) if c.phase == "forward"]
+                forward = [c for c in redistribution_collectives(prob, r, symbolic, memo) if c.phase == "forward"]
                 colls += [replace(c, phase="recompute") for c in forward]
-        colls += redistribution_collectives(prob, r, symbolic)
+        colls += redistribution_collectives(prob, r, symbolic, memo)
     return colls
+
+
+def _node_order(prob) -> dict:
+    """Node name -> its position in the graph, once per problem."""
+    order = prob.node_cost_cache.get(("node order",))
+    if order is None:
+        order = prob.node_cost_cache[("node order",)] = {n.name: i for i, n in enumerate(prob.cap.graph.nodes)}
+    return order
 
 
 def _gathered_layers(prob, groups, members: dict) -> list:
@@ -440,11 +484,18 @@ def _comm_terms(colls, mesh, links):
     sent = {a: [] for a in mesh.axis_names}
     seconds = {a: [] for a in mesh.axis_names}
     by_kind: dict = {}
+    terms: dict = {}   # (kind, axis, bytes) -> (bytes sent, seconds): repeated blocks repeat their collectives
     for c in colls:
-        a = mesh.axis_names[c.axis]
-        n = cm.bytes_moved(c.kind, c.full_bytes, mesh.axis_sizes[c.axis])
+        # the type too: an int and a float (or a sympy number) of one value are equal keys, not equal answers
+        key = (c.kind, c.axis, type(c.full_bytes), c.full_bytes)
+        found = terms.get(key)
+        if found is None:
+            a = mesh.axis_names[c.axis]
+            found = terms[key] = (a, cm.bytes_moved(c.kind, c.full_bytes, mesh.axis_sizes[c.axis]),
+                                  cm.collective_time(c.kind, c.full_bytes, mesh.axis_sizes[c.axis], links[a]))
+        a, n, t = found
         sent[a].append(n)
-        seconds[a].append(cm.collective_time(c.kind, c.full_bytes, mesh.axis_sizes[c.axis], links[a]))
+        seconds[a].append(t)
         by_kind.setdefault(c.kind, []).append(n)
     return ({a: _total(xs) for a, xs in sent.items()}, {a: _total(xs) for a, xs in seconds.items()},
             {k: _total(xs) for k, xs in by_kind.items()})
@@ -514,9 +565,15 @@ def upper_envelope(exprs: list, best: int = 0):
 
     The Max is built unevaluated: sympy's evaluation would try to prove each argument no larger than
     another (about 1 s for Llama-3-8B's ten), which the coefficients have just settled."""
-    exprs = [sympy.expand(sympy.sympify(e)) for e in exprs]
+    # a repeated block's rows repeat their expressions: each distinct one expanded once (keyed by type too: an
+    # int and a float of one value are equal keys, not equal expressions)
+    expanded: dict = {}
+    exprs = [expanded[(type(e), e)] if (type(e), e) in expanded else
+             expanded.setdefault((type(e), e), sympy.expand(sympy.sympify(e))) for e in exprs]
     try:
-        coeffs = [_coefficients(e) for e in exprs]
+        found: dict = {}
+        coeffs = [found[(type(e), e)] if (type(e), e) in found else found.setdefault((type(e), e), _coefficients(e))
+                  for e in exprs]
     except sympy.PolynomialError:
         return exprs[best] if exprs else 0
     first: dict = {}   # of equal ones, the first stays

@@ -299,14 +299,18 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     if not sol.choice:
         _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing)
     _check_named_strategy(prob, roles, strategy, sol.choice)
+    # id(solution) -> (solution, (numeric prediction, collectives)) of the solutions _against_named predicted
+    predictions: dict = {}
     if strategy == "auto" and sol.choice:
-        sol, roles = _against_named(prob, sol, roles, limit, time_limit, checkpointing)
+        sol, roles = _against_named(prob, sol, roles, limit, time_limit, checkpointing, predictions)
     log.info("strategy %s: searched in %.1f s (%s); predicting", strategy, sol.solve_seconds + sol.build_seconds,
              sol.status)
     t0 = time.perf_counter()
     # as the solution was priced
     prob = replace(prob, regather_activations=sol.regather_activations, reshard_after_forward=sol.reshard_after_forward)
-    pred, colls = predict(prob, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
+    known = predictions.get(id(sol))
+    pred, colls = known[1] if known is not None and known[0] is sol else \
+        predict(prob, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
     sym, _ = predict(prob, sol.choice, symbolic=True, checkpointed=sol.checkpointed)
     t_predict = time.perf_counter() - t0
     searched = Searched(prob, sol, roles, len(candidates), pred, sym, colls, policy, opt, hw,
@@ -371,13 +375,18 @@ def _with_context(prob: Problem, sol, roles: Roles, candidates: list, limit, tim
 HELD_AGAINST = ("fsdp", "fsdp+tp")
 
 
-def _predicted(prob: Problem, sol):
+def _predicted(prob: Problem, sol, predictions: dict | None = None):
+    """The numeric prediction of `sol`, as _flat_plan makes it; kept in `predictions` (id(sol) -> (sol,
+    (prediction, collectives))) for _flat_plan to reuse for the plan it returns."""
     priced = replace(prob, regather_activations=sol.regather_activations,
                      reshard_after_forward=sol.reshard_after_forward)   # as the solution was priced
-    return predict(priced, sol.choice, symbolic=False, checkpointed=sol.checkpointed)[0]
+    found = predict(priced, sol.choice, symbolic=False, checkpointed=sol.checkpointed)
+    if predictions is not None:
+        predictions[id(sol)] = (sol, found)
+    return found[0]
 
 
-def _against_named(prob: Problem, sol, roles: Roles, limit, time_limit, checkpointing):
+def _against_named(prob: Problem, sol, roles: Roles, limit, time_limit, checkpointing, predictions=None):
     """(solution, roles): auto's answer, or the plan of a named strategy in HELD_AGAINST that the prediction
     finds faster. The search prices every collective as waited for, where the prediction hides FSDP's gathers
     behind the layers before them (cost/overlap.py), so the search can take a plan that replicates weights over
@@ -390,7 +399,7 @@ def _against_named(prob: Problem, sol, roles: Roles, limit, time_limit, checkpoi
         return sol, roles   # nothing hides: the search prices the collectives as the prediction does
     if sol.context.startswith("chosen"):
         return sol, roles   # no plan without a context axis is faster, or fits at all (_with_context)
-    own = _predicted(prob, sol).step_time
+    own = _predicted(prob, sol, predictions).step_time
     best = (own, "auto's own search", sol, roles)
     tried = []
     for name in HELD_AGAINST:
@@ -409,7 +418,7 @@ def _against_named(prob: Problem, sol, roles: Roles, limit, time_limit, checkpoi
         if not found.choice:
             tried.append(f"{name} no plan")
             continue
-        pred = _predicted(prob, found)
+        pred = _predicted(prob, found, predictions)
         step = pred.step_time
         tried.append(f"{name} {step * 1e3:.5g} ms")
         if step < best[0] and (limit is None or pred.memory.total <= limit):
