@@ -1,10 +1,10 @@
 """The problem both solvers read: every node's candidate strategies, the edges between them, and
 what each choice costs in seconds and bytes.
 
-The cost stage's product. search/ilp.py turns it into an integer program and search/greedy.py
-walks it in graph order; cost/predict.py prices the one choice they return. The prices are
-memoised on the Problem (a deep model asks the same question of every layer), so one Problem
-serves every role assignment the search tries.
+The cost stage's product. search/formulation.py turns it into an integer program (search/ilp.py
+solves it) and search/greedy.py walks it in graph order; cost/predict.py prices the one choice
+they return. The prices are memoised on the Problem (a deep model asks the same question of every
+layer), so one Problem serves every role assignment the search tries.
 """
 from __future__ import annotations
 

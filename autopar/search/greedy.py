@@ -120,7 +120,7 @@ def objective(prob: Problem, choice: dict) -> float:
 
 
 def allowed_strategies(prob: Problem, roles: Roles) -> dict[str, tuple[int, ...]]:
-    """Per node with variables of its own, the strategies the roles allow (as search._node_vars)."""
+    """Per node with variables of its own, the strategies the roles allow (as formulation_vars.node_vars)."""
     return {name: tuple(i for i, ok in enumerate(allowed_flags(prob, roles, name)) if ok)
             for name in prob.strategies if name not in prob.canonical}
 
@@ -134,7 +134,7 @@ def batch_options(prob: Problem, roles: Roles) -> list[tuple[int, ...]]:
 
 def batch_penalty(prob: Problem, costs: Costs, batch_axes: tuple) -> dict | None:
     """inf on the strategies of user inputs (ndim > 0) and the output that do not split the batch on
-    exactly `batch_axes` (search._batch_vars); None if one of them cannot."""
+    exactly `batch_axes` (formulation_vars.batch_vars); None if one of them cannot."""
     out = {}
     for name, idx in costs.allowed.items():
         if not follows_batch(prob, name):
@@ -216,7 +216,7 @@ def arrange(prob: Problem, costs: Costs, backward: bool) -> Tables:
 def _price_matrix(prob, roles, edges, producer_idx, consumer_idx) -> np.ndarray:
     """Seconds of the collectives on `edges` (copies of one edge between two sets of variables) for
     every pair of allowed strategies; inf where the roles forbid it or it cannot be redistributed."""
-    alike: dict = {}   # copies that cost the same are priced once, as in search._edge_vars
+    alike: dict = {}   # copies that cost the same are priced once, as in formulation_vars.edge_vars
     for e in edges:
         entry = alike.setdefault((edge_signature(prob, e), e.index), [e, 0])
         entry[1] += 1

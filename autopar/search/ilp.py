@@ -1,12 +1,11 @@
-"""Search: one strategy per node by integer linear programming (HiGHS via scipy).
+"""Search: one strategy per node by integer linear programming (HiGHS via scipy), the program solved.
 
-Variables: x[v, s] = 1 if node v takes strategy s; for every edge u -> v, a
-continuous y[e, p, k] that is 1 when u outputs placement p and v wants key k
-(its input placement and which axes its gradient comes back partial on) --
-with 0/1 marginals the only feasible y is their product, so y needs no
-integrality. b[a] = 1 if mesh axis a splits the batch: every user input and
-the output follow it. Objective: compute time of the chosen strategies plus
-the time of the collectives on every edge. Constraint: memory per device.
+search/formulation.py builds each search's program (variables, rows, objective); this module solves it: the LP
+relaxation first (an integral one is the answer), else HiGHS's branch and bound over the variables whose
+reduced costs leave them a chance (_ILP.solve); several programs from the lowest bound up, one no better than a
+plan found not branched on (_cheapest); HiGHS's answers kept in the solve cache; the greedy's plan where HiGHS
+runs out of time with none (_fallback); the answer read back as a Solution (_finish). Entry points: solve,
+free_search.
 """
 from __future__ import annotations
 
@@ -18,94 +17,21 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
-from ..capture.export import PARAM
-from ..cost.checkpointing import KINDS, NONE, recomputed_ops, rerun_blocks, rerun_ops
-from ..cost.layer_groups import alive_spans, layer_of
-from ..cost.problem import (Problem, charge_key, checkpoint_model, edge_cost, edge_signature, follows_batch,
-                            memory_reserve, node_memory, node_recompute_time, node_time, recompute_edge_cost,
-                            regather_model, repeat_memory, reshards, tied_edges)
-from ..cost.terms import (collectives_time, copied_kept_bytes, first_meta, gathered_weight_bytes, is_saved,
-                          kept_weight_bytes, output_bytes, read_bytes, reduce_itemsize, regather_saving, regathers,
-                          zero_collectives)
-from ..errors import InfeasiblePlanError
-from ..sharding.placement import local_shape, numel
-from ..sharding.redistribute import UnsupportedRedistribution
-from .classics import Roles, allow_edge, allowed_flags
+from ..cost.checkpointing import KINDS, NONE
+from ..cost.problem import Problem, reshards
+from .classics import Roles
 from . import solve_cache
+from .formulation import build
+from .formulation_vars import MEM_SCALE, TIME_SCALE, Formulation, RoleMemo, tie_price
 from .greedy import bound_gap, greedy
 from .solution import GREEDY_NO_BOUND, INFEASIBLE, OPTIMAL, PRUNED, TIME_LIMIT, Solution
 
 # one DEBUG record per ILP solved, its figures in `record.stage` (benchmarks/search_time.py tabulates them)
 log = logging.getLogger(__name__)
 
-TIME_SCALE = 1e6      # seconds -> microseconds keeps HiGHS's tolerances meaningful
-MEM_SCALE = 2.0 ** -20  # bytes -> MiB
 
-
-class _ILP:
-    """Columns (variables) and sparse rows of a MILP, built up one piece at a time: a node's few
-    variables and rows one by one, an edge's many (a table of layout pairs) in bulk."""
-
-    def __init__(self):
-        self.cost, self.mem, self.integer = [], [], []
-        self.tie = []                      # per variable: what the search adds to its cost to break ties (TIME_SCALE)
-        self.upper = []
-        self.lb, self.ub = [], []          # per row
-        self.ri, self.ci, self.data = [], [], []   # the rows' entries, one by one
-        self.chunks = []                   # ... and in bulk: (row, column, value) arrays
-
-    def var(self, cost=0.0, mem=0.0, integer=True, upper=1.0) -> int:
-        self.cost.append(cost)
-        self.tie.append(0.0)
-        self.mem.append(mem)
-        self.integer.append(1 if integer else 0)
-        self.upper.append(upper)
-        return len(self.cost) - 1
-
-    def columns(self, cost: np.ndarray, mem: np.ndarray) -> int:
-        """Continuous variables in [0, 1], one per entry; returns the first one's index."""
-        first = len(self.cost)
-        self.cost.extend(cost.tolist())
-        self.tie.extend([0.0] * len(cost))
-        self.mem.extend(mem.tolist())
-        self.integer.extend([0] * len(cost))
-        self.upper.extend([1.0] * len(cost))
-        return first
-
-    def row(self, coefs: dict, lb: float, ub: float):
-        r = len(self.lb)
-        self.ri.extend([r] * len(coefs))
-        self.ci.extend(coefs)
-        self.data.extend(coefs.values())
-        self.lb.append(lb)
-        self.ub.append(ub)
-
-    def rows(self, count: int, rows, cols, vals, lb: float, ub: float) -> int:
-        """`count` rows at once, their entries as arrays (`rows` numbered from 0); returns the first row's index."""
-        first = len(self.lb)
-        self.chunks.append((np.asarray(rows) + first, np.asarray(cols), np.asarray(vals, dtype=float)))
-        self.lb.extend([lb] * count)
-        self.ub.extend([ub] * count)
-        return first
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.lb)
-
-    def _matrix(self):
-        """The rows as a CSR matrix and their bounds, made once the program is built. The rows' entries as
-        they were added go then, and the columns' lists become arrays: solve relaxes every program of a search
-        before it branches on any (_cheapest), so several are held at once."""
-        if getattr(self, "_built", None) is None:
-            ri = np.concatenate([np.asarray(self.ri, dtype=np.int64)] + [c[0] for c in self.chunks])
-            ci = np.concatenate([np.asarray(self.ci, dtype=np.int64)] + [c[1] for c in self.chunks])
-            data = np.concatenate([np.asarray(self.data, dtype=float)] + [c[2] for c in self.chunks])
-            self._built = (sp.csr_array((data, (ri, ci)), shape=(len(self.lb), len(self.cost))),
-                           np.array(self.lb, float), np.array(self.ub, float))
-            self.ri = self.ci = self.data = self.chunks = None   # no row may be added after this
-            self.cost, self.mem, self.tie = (np.asarray(v, dtype=float) for v in (self.cost, self.mem, self.tie))
-            self.upper, self.integer = np.asarray(self.upper, dtype=float), np.asarray(self.integer)
-        return self._built
+class _ILP(Formulation):
+    """A Formulation solved: its relaxation, reduced-cost fixing and HiGHS's branch and bound."""
 
     def relax(self, objective, time_limit):
         """The program with integrality dropped, by the dual simplex: its optimum is a lower bound on the
@@ -114,7 +40,7 @@ class _ILP:
         for most searches without a memory limit. HiGHS's presolve is off: on these programs it took
         twice the simplex's own time (measured on the README demo's 2-layer GPT on 2 x 2, 17346 variables:
         0.1-0.2 s without it, 0.3-0.55 s with it)."""
-        A, row_lower, row_upper = self._matrix()
+        A, row_lower, row_upper = self.matrix()
         n = len(self.cost)
         c, lower, upper = np.array(objective, dtype=float), np.zeros(n), np.array(self.upper, dtype=float)
         options = {"presolve": False} if time_limit is None else {"presolve": False, "time_limit": time_limit}
@@ -196,7 +122,7 @@ class _ILP:
 
     def _run(self, objective, time_limit, gap, kept):
         """HiGHS's branch and bound over the program, or over its columns kept[0] with kept[1] of them fixed at 1."""
-        A, row_lower, row_upper = self._matrix()
+        A, row_lower, row_upper = self.matrix()
         # a finite time limit makes HiGHS ration its effort by the clock (measured: a 7 s solve under a 60 s
         # or 120 s limit returned either of two equally cheap plans, by the machine's load); without one
         # the same program always gets the same answer
@@ -235,506 +161,6 @@ SMALL_PROGRAM_GAP = 1e-6
 # the first margin of reduced-cost fixing, of the relaxation's optimum (_ILP.solve): the README demo's
 # searches under a limit end 0.1-0.8% above their relaxations
 REDUCED_MARGIN = 0.01
-
-
-@dataclass
-class RoleMemo:
-    """What the searches of one role assignment share: the roles decide which layout pairs an edge allows,
-    and a pair's price depends on the search's variant only where that changes the edge (its recompute,
-    re-gather or reshard), so the searches of an assignment price most edges once."""
-    pairs: dict = field(default_factory=dict)    # (producer, consumer, index) -> allowed (producer key, consumer key)
-    allowed: dict = field(default_factory=dict)  # allow_edge's answers (see _allowed_pairs)
-    tables: dict = field(default_factory=dict)   # _edge_table's priced pairs, by all their prices depend on
-
-
-def _node_vars(prob: Problem, roles: Roles, ilp: _ILP) -> dict[str, list]:
-    """x[v, s]: one binary per allowed strategy (None where the roles forbid it); exactly one is 1."""
-    cap, mesh = prob.cap, prob.mesh
-    xvars, times, ties = {}, {}, {}
-    copies = []   # (first, repeat) in graph order
-    for name, ns in prob.strategies.items():
-        info = cap.info[name]
-        first = prob.canonical.get(name)
-        if first is not None:
-            xvars[name] = xvars[first]
-            copies.append((first, name))
-            continue
-        vs, times[name], ties[name] = [], {}, {}
-        for i, (s, ok) in enumerate(zip(ns.strategies, allowed_flags(prob, roles, name))):
-            if not ok:
-                vs.append(None)
-                continue
-            t, mem = _node_prices(prob, name, i)
-            vs.append(ilp.var(t * TIME_SCALE, mem * MEM_SCALE))
-            times[name][vs[-1]] = t
-            ties[name][vs[-1]] = ilp.tie[vs[-1]] = _tie_price(prob, name, i) * TIME_SCALE
-        if all(v is None for v in vs):
-            raise InfeasiblePlanError(
-                f"no strategy of node {name!r} (module {info.module_path or '<root>'}) fits the requested "
-                f"roles {roles.roles} on mesh {mesh}: its shape {first_meta(info.meta).hint if info.meta else ''} "
-                "may not divide by the axis sizes. Use strategy='auto' or another mesh.")
-        xvars[name] = vs
-        ilp.row({v: 1.0 for v in vs if v is not None}, 1, 1)
-    _charge_repeats(prob, ilp, xvars, times, ties, copies)
-    return xvars
-
-
-def _charge_repeats(prob: Problem, ilp: _ILP, xvars: dict, times: dict, ties: dict, copies: list) -> None:
-    """A repeated block's node takes the variables of its first copy, which pay its costs too: the same time
-    (same op on the same shapes), but memory of its own (what autograd keeps of a block's last op depends on
-    who reads it next). One vector add per repeat (a Llama-3-70B has ~5600 repeats of ~50 layouts each), in
-    graph order, so each variable's sum is added up as a loop over the repeats would."""
-    if not copies:
-        return
-    cost, tie, mem = np.array(ilp.cost), np.array(ilp.tie), np.array(ilp.mem)
-    firsts = {}
-    for first in dict.fromkeys(f for f, _ in copies):
-        alive = [(i, var) for i, var in enumerate(xvars[first]) if var is not None]
-        idx = np.array([var for _, var in alive], dtype=np.int64)
-        firsts[first] = ([i for i, _ in alive], idx, np.array([times[first][v] * TIME_SCALE for v in idx.tolist()]),
-                         np.array([ties[first][v] for v in idx.tolist()]))
-    for first, name in copies:
-        at, idx, seconds, tied = firsts[first]
-        cost[idx] += seconds
-        tie[idx] += tied
-        mem[idx] += np.array(repeat_memory(prob, name, first), dtype=float)[at] * MEM_SCALE
-    ilp.cost, ilp.tie, ilp.mem = cost.tolist(), tie.tolist(), mem.tolist()
-
-
-def _node_prices(prob: Problem, name: str, i: int) -> tuple[float, float]:
-    """(node_time, node_memory) of strategy i of a node, priced once per problem: every search of every
-    role assignment asks again, and neither depends on the roles or the search's variants."""
-    key = ("prices", name, i)
-    prices = prob.node_cost_cache.get(key)
-    if prices is None:
-        s = prob.strategies[name].strategies[i]
-        prices = prob.node_cost_cache[key] = (node_time(prob, name, s), node_memory(prob, name, s))
-    return prices
-
-
-def _tie_price(prob: Problem, name: str, i: int) -> float:
-    """Seconds the search adds to strategy i of a node to break ties (_at_step_tie_break), once per problem; the
-    plan's objective leaves them out (_finish)."""
-    key = ("tie", name, i)
-    tie = prob.node_cost_cache.get(key)
-    if tie is None:
-        tie = prob.node_cost_cache[key] = _at_step_tie_break(prob, name, prob.strategies[name].strategies[i])
-    return tie
-
-
-# of the seconds of ZeRO's collectives that run at the optimizer step, what the search adds (_at_step_tie_break)
-AT_STEP_TIE_BREAK = 1e-3
-
-
-def _at_step_tie_break(prob: Problem, name: str, s) -> float:
-    """A little more for ZeRO's collectives at the optimizer step (ZeRO-1's reduce and both levels' gather of the
-    updated weight) than the search's price. The search prices every collective as waited for, so a weight FSDP
-    splits (gathered in forward), one kept whole under ZeRO-2 (reduced in backward, gathered at the step) and one
-    under ZeRO-1 (both at the step) move the same bytes in the same time: equal plans to it. The prediction hides
-    what runs beside compute (cost/overlap.py), nothing at the step: Llama-3-70B on 16 x 8 x 8 had two plans of
-    one objective 1478 and 1576 ms apart as predicted, Llama-3-8B's shape on 8 x 8 three, 63.3-65.0 ms. Which
-    one HiGHS returned was chance. A thousandth of those collectives' seconds moves a plan by less than the
-    search's gap and, with the smaller programs branched to a tight gap (_ILP.solve), picks the overlapped one."""
-    info = prob.cap.info[name]
-    if info.kind != PARAM or not s.zero or name not in prob.grad_nodes or not prob.hardware.comm_overlaps_compute:
-        return 0.0
-    colls = [c for c in zero_collectives(name, first_meta(info.meta), s, prob.mesh, prob.param_bytes[name])
-             if c.phase == "optimizer"]
-    return AT_STEP_TIE_BREAK * float(collectives_time(colls, prob.mesh, prob.links))
-
-
-
-def _batch_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars) -> list:
-    """b[a]: every user input and the output split their batch dim on exactly the axes with b[a] = 1."""
-    bvars, pinned = [], roles.batch_axes()
-    for a in range(prob.mesh.num_axes):
-        b = ilp.var()
-        bvars.append(b)
-        if a in pinned:
-            ilp.row({b: 1.0}, float(pinned[a]), float(pinned[a]))
-    for name, ns in prob.strategies.items():
-        if not follows_batch(prob, name):
-            continue
-        for a in range(prob.mesh.num_axes):
-            row = {v: 1.0 for v, s in zip(xvars[name], ns.strategies) if v is not None and s.output[a] == "S(0)"}
-            row[bvars[a]] = -1.0
-            ilp.row(row, 0, 0)
-    return bvars
-
-
-def gathered_layers(prob: Problem, by_weight: list) -> list:
-    """Per forward op (prob.live's order): {y: MiB} of the weights gathered whole while it runs when the
-    module gathers FSDP weights a layer at a time (the prediction's spans, layer_groups.alive_spans: its
-    layer, the next one prefetched, the root). Every gathered weight counts with its layer here, also one
-    the module gathers alone for its op (not groupable): the search cannot tell those apart before it has
-    chosen, and over-counting keeps the plans it picks within the memory limit the prediction checks."""
-    position = {point: i for i, (point, _) in enumerate(prob.live)}
-    parts, uses = {}, {}   # layer -> the {y: MiB} of its weights (the repeats of a tied edge share one dict)
-    for weight, consumer, gathered in by_weight:
-        if consumer not in position:
-            continue
-        layer = layer_of(prob.cap.info[weight].target_name)
-        parts.setdefault(layer, []).append(gathered)
-        uses.setdefault(layer, []).append(position[consumer])
-    alive: list = [[] for _ in prob.live]   # per op, the layers gathered there, in the order their terms add up
-    for layer, (start, end) in alive_spans(uses).items():
-        for i in range(start, end + 1):
-            alive[i].append(layer)
-    # one dict per set of dicts gathered together: the layers of a stack share their weights' dicts, so an op's
-    # layer and the next one prefetched sum alike all down the stack (the rows dedupe by it)
-    sums: dict = {}
-    at = []
-    for layers in alive:
-        key = tuple(sorted(id(g) for layer in layers for g in parts[layer]))
-        if key not in sums:
-            total: dict = {}
-            for layer in layers:
-                for g in parts[layer]:
-                    for y, mib in g.items():
-                        total[y] = total.get(y, 0.0) + mib
-            sums[key] = total
-        at.append(sums[key])
-    return at
-
-
-def _edge_vars(prob: Problem, roles: Roles, ilp: _ILP, xvars, edges: list, rerun: set, memo: RoleMemo) -> dict:
-    """y[e, p, k] for producer layout p and consumer key k (input layout, partial-gradient axes).
-
-    Marginals tie y to x: sum_k y[p, k] = x-mass of the producer on p, and
-    sum_p y[p, k] = x-mass of the consumer on k. Pairs that cannot be
-    redistributed (or that the roles forbid) get no variable. `edges` are
-    repeats of one edge (tied blocks): one set of y, paying for all of them.
-    Returns {y: MiB} for the y that gather a weight whole (FSDP). An edge into
-    an op of `rerun` (checkpointed blocks) also pays its rerun (recompute_edge_cost).
-    `memo`: what the searches of one role assignment share (RoleMemo).
-    """
-    e = edges[0]
-    u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
-    src_groups: dict = {}   # (output layout, ZeRO axes whose gradient stays partial) -> x variables
-    for s, var in zip(u.strategies, xvars[e.producer]):
-        if var is not None:
-            src_groups.setdefault((s.output, s.zero_axes), []).append(var)
-    dst_groups: dict = {}
-    for s, var in zip(v.strategies, xvars[e.consumer]):
-        if var is not None:
-            dst_groups.setdefault((s.inputs[e.index], s.grad_partial(e.index)), []).append(var)
-    pair_key = (e.producer, e.consumer, e.index)
-    if pair_key not in memo.pairs:
-        memo.pairs[pair_key] = _allowed_pairs(roles, prob.cap, e, src_groups, dst_groups, len(v.strategies) == 1,
-                                              memo.allowed)
-    table = _edge_table(prob, edges, rerun, memo, pair_key, src_groups, dst_groups)
-    first = ilp.columns(table.cost, table.memory)
-    # the marginal rows: y of each producer key, then of each consumer key, less that key's x variables
-    ys = np.arange(first, first + len(table.cost))
-    rows, cols, vals = [table.src, len(src_groups) + table.dst], [ys, ys], [np.ones(len(ys)), np.ones(len(ys))]
-    for offset, groups in ((0, src_groups), (len(src_groups), dst_groups)):
-        for g, vars_ in enumerate(groups.values()):
-            rows.append(np.full(len(vars_), offset + g))
-            cols.append(np.asarray(vars_))
-            vals.append(np.full(len(vars_), -1.0))
-    ilp.rows(len(src_groups) + len(dst_groups), np.concatenate(rows), np.concatenate(cols), np.concatenate(vals),
-             0, 0)
-    return {first + j: mib for j, mib in table.gathered}
-
-
-@dataclass(frozen=True)
-class _EdgeTable:
-    """One edge's priced layout pairs, in the order its y variables take (the pairs that can be redistributed)."""
-    cost: np.ndarray    # per pair: TIME_SCALE-scaled seconds of the collectives (and reruns) of every repeat
-    memory: np.ndarray  # per pair: MEM_SCALE-scaled bytes kept (re-gathered activations' shards, weights kept whole)
-    src: np.ndarray     # per pair: the index of its producer key among the edge's producer keys
-    dst: np.ndarray     # per pair: ... of its consumer key among the consumer keys
-    gathered: list      # (pair index, MiB of the weight it gathers whole) for the pairs that gather one
-
-
-def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key: tuple, src_groups: dict,
-                dst_groups: dict) -> _EdgeTable:
-    """The priced pairs of a tied edge, memoised by all their prices depend on: a role assignment's
-    searches (no limit, each recompute kind, each memory-saving choice) ask again of most edges. The
-    collectives' seconds (_base_table) are shared by every search whose edge signatures are alike; what a
-    rerun adds, and the bytes a memory-saving choice keeps, are priced over them only where they apply."""
-    cap = prob.cap
-    alike: dict = {}   # repeats that cost the same: signature -> [one of them, how many, how many rerun]
-    for member in edges:
-        entry = alike.setdefault(edge_signature(prob, member), [member, 0, 0])
-        entry[1] += 1
-        entry[2] += member.consumer in rerun
-    kept = regather_model(prob)   # None: gathered activations are kept whole, and nothing is saved
-    key = (pair_key, tuple((sig, n, m) for sig, (_, n, m) in alike.items()), kept is not None,
-           reshards(prob), tuple(m.consumer in rerun for m in edges))
-    table = memo.tables.get(key)
-    if table is not None:
-        return table
-    base = _base_table(prob, memo, pair_key, alike, src_groups, dst_groups)
-    cost, pairs = base.cost, base.pairs
-    rerun_alike = [(sig, member, m) for sig, (member, _, m) in alike.items() if m]
-    if rerun_alike:
-        rerun_key = ("rerun", pair_key, tuple((sig, n) for sig, (_, n, _) in alike.items()),
-                     tuple((sig, m) for sig, _, m in rerun_alike))   # (aligned to that base table's pairs)
-        extra = memo.tables.get(rerun_key)
-        if extra is None:
-            extra = memo.tables[rerun_key] = np.array([
-                sum(m * recompute_edge_cost(prob, member, p, dst_key, gp, zero_axes, sig)
-                    for sig, member, m in rerun_alike) * TIME_SCALE
-                for (p, zero_axes), (dst_key, gp) in pairs])
-        cost = cost + extra
-    # repeats whose op pays for the activation it gathers: the module keeps the shard (regather_saving)
-    keepers = _by_weight_shape(prob, [m for m in edges if kept is not None and (m.consumer, m.index) in kept.payers
-                                      and m.consumer not in rerun])
-    # weights gathered whole for backward stay whole from forward on (not resharded): what each keeps
-    holders = [] if reshards(prob) else _by_weight_shape(
-        prob, [m for m in edges if m.consumer not in rerun
-               and regathers(cap, m.producer, m.consumer, m.index, prob.grad_nodes)])
-    # readers kept as a new tensor an all-to-all makes, beside the storage another op pays for (Ulysses)
-    # (not where the op keeping that storage recomputes: then it keeps nothing, and the reader pays)
-    also = prob.saved.also_kept
-    copiers = _by_weight_shape(prob, [m for m in edges if (m.consumer, m.index) in also
-                                      and m.consumer not in rerun and also[(m.consumer, m.index)] not in rerun])
-    memory = np.zeros(len(pairs))
-    if keepers or holders or copiers:
-        for j, ((p, zero_axes), (dst_key, gp)) in enumerate(pairs):
-            kept_bytes = 0
-            if keepers:
-                kept_bytes += sum(n * regather_saving(cap, kept, m.producer, m.consumer, m.index, p, dst_key, gp,
-                                                      prob.mesh, prob.grad_nodes) for m, n in keepers)
-            if copiers:
-                kept_bytes += sum(n * copied_kept_bytes(cap, prob.saved, m.producer, ((m.consumer, m.index),), p,
-                                                        dst_key, gp, prob.mesh) for m, n in copiers)
-            if holders:
-                kept_bytes += sum(n * kept_weight_bytes(cap, m.producer, m.consumer, m.index, p, dst_key,
-                                                        prob.grad_nodes, prob.mesh) for m, n in holders)
-            memory[j] = float(kept_bytes) * MEM_SCALE
-    table = memo.tables[key] = _EdgeTable(cost, memory, base.src, base.dst, base.gathered)
-    return table
-
-
-@dataclass(frozen=True)
-class _BaseTable:
-    """An edge's layout pairs that can be redistributed, and the seconds of their collectives (every repeat's)."""
-    pairs: list         # ((output layout, ZeRO axes), (input layout, partial-gradient axes)) per pair
-    cost: np.ndarray    # TIME_SCALE-scaled seconds per pair
-    src: np.ndarray
-    dst: np.ndarray
-    gathered: list      # (pair index, MiB of the weight it gathers whole)
-
-
-def _base_table(prob: Problem, memo: RoleMemo, pair_key: tuple, alike: dict, src_groups: dict,
-                dst_groups: dict) -> _BaseTable:
-    key = ("base", pair_key, tuple((sig, n) for sig, (_, n, _) in alike.items()))
-    table = memo.tables.get(key)
-    if table is not None:
-        return table
-    cap = prob.cap
-    e = next(iter(alike.values()))[0]
-    members = [(sig, member, n) for sig, (member, n, _) in alike.items()]
-    src_index = {k: i for i, k in enumerate(src_groups)}
-    dst_index = {k: i for i, k in enumerate(dst_groups)}
-    pairs, cost, src, dst, gathered = [], [], [], [], []
-    # (this loop runs once per variable, ~60k for Llama-3-8B on 8 x 8: what does not vary is hoisted)
-    is_weight = cap.info[e.producer].kind == PARAM
-    for src_key, k in memo.pairs[pair_key]:
-        p, zero_axes = src_key
-        dst_key, gp = k
-        try:
-            c = sum(n * edge_cost(prob, member, p, dst_key, gp, zero_axes, sig) for sig, member, n in members)
-        except UnsupportedRedistribution:
-            continue
-        if is_weight:
-            gb = float(gathered_weight_bytes(cap, e.producer, p, dst_key, prob.mesh))
-            if gb:
-                gathered.append((len(cost), gb * MEM_SCALE))
-        pairs.append((src_key, k))
-        cost.append(c * TIME_SCALE)
-        src.append(src_index[src_key])
-        dst.append(dst_index[k])
-    table = memo.tables[key] = _BaseTable(pairs, np.array(cost), np.array(src, dtype=np.int32),
-                                          np.array(dst, dtype=np.int32), gathered)
-    return table
-
-
-def _allowed_pairs(roles: Roles, cap, e, src_groups: dict, dst_groups: dict, consumer_replicated_only: bool,
-                   allowed: dict) -> list:
-    """(producer key, consumer key) pairs of an edge that the roles allow, in the order the variables take.
-    `allowed`: allow_edge's answers under these roles (they depend on the layouts and whether the producer
-    is a weight, not on the edge), shared by the edges."""
-    producer = cap.info[e.producer]
-    is_tuple = isinstance(producer.meta, list)
-    is_param = producer.kind == PARAM
-    out = []
-    for src_key in src_groups:
-        p, _ = src_key
-        for k in dst_groups:
-            dst, gp = k
-            key = (is_param, p, dst, consumer_replicated_only)
-            ok = allowed.get(key)
-            if ok is None:
-                ok = allowed[key] = allow_edge(roles, producer, p, dst, consumer_replicated_only)
-            if not ok:
-                continue
-            if is_tuple and (p != dst or gp):
-                continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
-            out.append((src_key, k))
-    return out
-
-
-def _by_weight_shape(prob: Problem, edges: list) -> list:
-    """[(one edge, how many)] of edges whose producers are alike (kind, shape, dtype): their memory terms
-    are equal, so a deep stack prices each kind once, not once per layer."""
-    counts: dict = {}
-    for m in edges:
-        info = prob.cap.info[m.producer]
-        meta = first_meta(info.meta)
-        key = (info.kind, meta.shape if meta is not None else None, meta.dtype if meta is not None else None,
-               m.producer in prob.grad_nodes, m.index, prob.cap.node(m.consumer).target)
-        entry = counts.setdefault(key, [m, 0])
-        entry[1] += 1
-    return [(m, n) for m, n in counts.values()]
-
-
-def _transient_rows(prob: Problem, ilp: _ILP, xvars, gathered_at: dict, transient: int, layers: list) -> None:
-    """transient >= what is alive at each forward op beyond saved activations: tensors made and not
-    yet read for the last time, plus the weights gathered whole for that op (FSDP) -- or, where the
-    module gathers them a layer at a time, those of the layers gathered around it (`layers`)."""
-    seen = set()
-    canon = prob.canonical
-    # id of a gathered dict -> a number for its items (ops share their dicts: gathered_layers), so that a row's key
-    # compares two numbers, not two sets of thousands of items (measured: 3.4 s of Llama-3-70B's 16 x 8 x 8 plan)
-    as_sets: dict = {}
-    numbers: dict = {}   # the items as a set -> their number
-    for i, (point, alive, alive_key) in enumerate(_transients(prob)):
-        gathered = layers[i] if layers else gathered_at.get(canon.get(point, point), {})
-        if id(gathered) not in as_sets:   # (holding the dict keeps the id its own)
-            as_sets[id(gathered)] = (numbers.setdefault(frozenset(gathered.items()), len(numbers)), gathered)
-        key = (alive_key, as_sets[id(gathered)][0])
-        if key in seen:   # repeated blocks repeat their rows
-            continue
-        seen.add(key)
-        row = dict(gathered)
-        for u in alive:
-            for var, mib in zip(xvars[u], _output_mib(prob, u)):
-                if var is not None:
-                    row[var] = row.get(var, 0.0) + mib
-        if row:
-            ilp.row({**row, transient: -1.0}, -np.inf, 0)
-
-
-def _transients(prob: Problem) -> list:
-    """Per forward op (prob.live's order): (op, the transient tensors alive there, a key equal for ops of
-    repeated blocks that hold the same), once per problem: every search asks."""
-    found = prob.node_cost_cache.get(("transients",))
-    if found is None:
-        canon = prob.canonical
-        found = []
-        for point, alive in prob.live:
-            alive = [u for u in alive if u in prob.strategies and not is_saved(prob, u)]
-            found.append((point, alive, (canon.get(point, point), tuple(sorted(canon.get(u, u) for u in alive)))))
-        prob.node_cost_cache[("transients",)] = found
-    return found
-
-
-def _output_mib(prob: Problem, name: str) -> list:
-    """MiB of a node's output on one device, per strategy (once per problem)."""
-    key = ("output MiB", name)
-    mib = prob.node_cost_cache.get(key)
-    if mib is None:
-        mib = prob.node_cost_cache[key] = [float(output_bytes(name, prob.cap, s.output, prob.mesh)) * MEM_SCALE
-                                           for s in prob.strategies[name].strategies]
-    return mib
-
-
-def _backward_start_rows(prob: Problem, ilp: _ILP, xvars, transient: int, hold: int | None) -> None:
-    """transient >= the outputs' gradients + the input gradients of one op making an output, for each such
-    op (cost/predict.backward_start_bytes prices the same), + what ZeRO-2's buckets hold (`hold`)."""
-    start = prob.backward_start
-    if start is None or not start.graded:
-        return
-
-    def terms(node, positions) -> dict:
-        return {var: float(read_bytes(node, positions, prob.cap, s, prob.mesh)) * MEM_SCALE
-                for s, var in zip(prob.strategies[node].strategies, xvars[node]) if var is not None}
-
-    outputs = terms(start.output, start.graded)
-    for head in [h for h, positions in start.heads if h in prob.strategies] or [None]:
-        row = dict(outputs)
-        if hold is not None:
-            row[hold] = 1.0
-        if head is not None:
-            row.update(terms(head, dict(start.heads)[head]))
-        ilp.row({**row, transient: -1.0}, -np.inf, 0)
-
-
-def _zero_bucket_rows(prob: Problem, ilp: _ILP, xvars) -> int | None:
-    """A variable bounding what ZeRO-2's buckets hold in backward (cost/predict.zero_bucket_hold: three times
-    the largest bucket) wherever a ZeRO-2 strategy is chosen, for the backward-start rows to add: a bucket
-    holds at most `bucket_bytes` unless one weight alone is bigger, and never more than all of them."""
-    held = []   # (variable, MiB of that weight's whole local gradient)
-    for name, ns in prob.strategies.items():
-        info = prob.cap.info[name]
-        if info.kind != PARAM or name not in prob.grad_nodes:
-            continue
-        meta = first_meta(info.meta)
-        itemsize = reduce_itemsize(prob.param_bytes, name) or meta.itemsize
-        for s, var in zip(ns.strategies, xvars[name]):
-            if var is not None and s.zero >= 2 and len(s.zero_axes) == 1:
-                held.append((var, numel(local_shape(meta.hint, s.output, prob.mesh.axis_sizes)) * itemsize))
-    if not held:
-        return None
-    bucket = min(prob.bucket_bytes, sum(b for _, b in held))
-    hold = ilp.var(0.0, 0.0, integer=False, upper=np.inf)
-    for var, b in dict.fromkeys(held):   # a repeated layer's weight shares its first copy's variable: one row
-        ilp.row({var: 3 * max(b, bucket) * MEM_SCALE, hold: -1.0}, -np.inf, 0)
-    return hold
-
-
-def _recompute_terms(prob: Problem, stacks, ilp: _ILP, xvars, transient: int, layers: list) -> None:
-    """Every block of `stacks` checkpointed: activation bytes change by D(x) (negative where it saves;
-    the tensors a checkpoint holds are charged to their producers), time grows by one more forward
-    of each block's ops up to the last that keeps a tensor (the collectives before them are priced
-    on the edges, _edge_vars), and backward's working set holds one block's activations B(x).
-    """
-    for st in stacks:
-        model = checkpoint_model(prob, (st.key,))
-        memo: dict = {}
-        for name in set(model.charges) | set(prob.saved.charges):
-            if name not in prob.strategies:
-                continue
-            key = (prob.canonical.get(name, name), charge_key(prob.saved, name), charge_key(model, name))
-            if key not in memo:
-                memo[key] = [node_memory(prob, name, s, model) - node_memory(prob, name, s)
-                             for s in prob.strategies[name].strategies]
-            for d, var in zip(memo[key], xvars[name]):
-                if var is not None:
-                    ilp.mem[var] += d * MEM_SCALE
-        repeats: dict = {}   # first copy of an op -> how many blocks rerun it
-        for name in recomputed_ops(st, prob.saved):
-            if name in prob.strategies:
-                canon = prob.canonical.get(name, name)
-                repeats[canon] = repeats.get(canon, 0) + 1
-        for canon, n in repeats.items():
-            for s, var in zip(prob.strategies[canon].strategies, xvars[canon]):
-                if var is not None:
-                    ilp.cost[var] += node_recompute_time(prob, canon, s) * n * TIME_SCALE
-        # backward holds one rerun block's activations at a time, beside its FSDP layer gathered again
-        # (cost/predict.transient_bytes): one row per kind of block that reruns (a frozen one does not) and set of
-        # layers gathered at one of its ops (`layers`: gathered_layers, shared dicts)
-        position = {point: i for i, (point, _) in enumerate(prob.live)} if layers else {}
-        rows: dict = {}
-        for block_nodes in rerun_blocks(st, prob.saved):
-            block: dict = {}
-            for name in block_nodes:
-                if name in prob.strategies:
-                    canon = prob.canonical.get(name, name)
-                    for mem, var in zip(repeat_memory(prob, name, canon), xvars[name]):
-                        if var is not None and mem:
-                            block[var] = block.get(var, 0.0) + mem * MEM_SCALE
-            held = {id(d): d for d in (layers[position[n]] for n in block_nodes if n in position)}
-            for gathered in list(held.values()) or [{}]:
-                row = {v: -b for v, b in block.items()}
-                for v, mib in gathered.items():
-                    row[v] = row.get(v, 0.0) - mib
-                rows.setdefault(frozenset(row.items()), row)
-        for row in rows.values():
-            ilp.row({transient: 1.0, **row}, 0.0, np.inf)
 
 
 def solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None = 60.0,
@@ -860,7 +286,7 @@ class _Program:
 
     @property
     def objective(self):
-        """What HiGHS minimises: memory, or time with the search's tie-break (_at_step_tie_break)."""
+        """What HiGHS minimises: memory, or time with the search's tie-break (formulation_vars._at_step_tie_break)."""
         if self.minimize_memory:
             return self.ilp.mem
         return np.asarray(self.ilp.cost, dtype=float) + np.asarray(self.ilp.tie, dtype=float)
@@ -898,36 +324,12 @@ def _solve(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: 
 
 def _program(prob: Problem, roles: Roles, memory_limit: float | None, time_limit: float | None,
              minimize_memory: bool, gap: float, kind: str, memo: RoleMemo | None = None) -> _Program:
-    """The integer program of one search (see _solve), built but not solved."""
+    """The integer program of one search (see _solve), built (formulation.build) but not solved."""
     t_build = time.perf_counter()
     ilp = _ILP()
-    xvars = _node_vars(prob, roles, ilp)
-    bvars = _batch_vars(prob, roles, ilp, xvars)
-    # the largest working set of any forward op, in MiB like all memory terms
-    transient = ilp.var(0.0, 1.0, integer=False, upper=np.inf)
-    gathered_at: dict = {}   # (first copy of) op -> {y: MiB of the weight that y gathers for it}
-    by_weight: list = []     # (weight, the op it is gathered for, {y: MiB}) for every copy of a tied edge
-    stacks = [st for st in prob.stacks if st.kind == kind]
-    rerun = set().union(*(rerun_ops(st, prob.saved) for st in stacks))
-    for edges in tied_edges(prob):
-        gathered = _edge_vars(prob, roles, ilp, xvars, edges, rerun, memo or RoleMemo())
-        if gathered:
-            consumer = prob.canonical.get(edges[0].consumer, edges[0].consumer)
-            gathered_at.setdefault(consumer, {}).update(gathered)
-            by_weight += [(e.producer, e.consumer, gathered) for e in edges]
-    layers = [] if prob.pipelined else gathered_layers(prob, by_weight)
-    _transient_rows(prob, ilp, xvars, gathered_at, transient, layers)
-    hold = _zero_bucket_rows(prob, ilp, xvars)
-    _backward_start_rows(prob, ilp, xvars, transient, hold)
-    _recompute_terms(prob, stacks, ilp, xvars, transient, layers)
-    reserve = memory_reserve(prob)
-    if memory_limit is not None and not minimize_memory:
-        mem = np.asarray(ilp.mem, dtype=float)
-        nonzero = np.flatnonzero(mem)
-        ilp.rows(1, np.zeros(len(nonzero), dtype=np.int64), nonzero, mem[nonzero], -np.inf,
-                 (memory_limit - reserve) * MEM_SCALE)
-    return _Program(prob, roles, memory_limit, time_limit, minimize_memory, gap, ilp, xvars, bvars, stacks, reserve,
-                    time.perf_counter() - t_build, bounds=[v for v in (hold, transient) if v is not None])
+    built = build(prob, roles, ilp, memory_limit, minimize_memory, kind, memo)
+    return _Program(prob, roles, memory_limit, time_limit, minimize_memory, gap, ilp, built.xvars, built.bvars,
+                    built.stacks, built.reserve, time.perf_counter() - t_build, bounds=built.bounds)
 
 
 def _log(program: _Program, seconds: float, status, relaxation: bool) -> None:
@@ -989,7 +391,7 @@ def _lowest_bounds(ilp: _ILP, x: np.ndarray, variables: list) -> np.ndarray:
     """`x` with each of `variables` at the least value its rows allow given the others: a search without a memory
     limit gives them no cost, so its answer may hold any value above, and the memory the search measures for the
     plan (Solution.memory: whether the fastest plan already meets a limit, ilp.solve) would be too high."""
-    A, row_lower, row_upper = ilp._matrix()
+    A, row_lower, row_upper = ilp.matrix()
     A = A.tocsc()
     for var in variables:
         rows = A.indices[A.indptr[var]:A.indptr[var + 1]]
@@ -1016,7 +418,7 @@ def _fallback(prob: Problem, roles: Roles, memory_limit, res, relaxed) -> Soluti
     sol.regather_activations = bool(prob.regather_activations)
     sol.reshard_after_forward = reshards(prob)
     # priced as the search prices plans (tie-break included): the bound below is of that, and pruning compares it
-    sol.priced = sol.objective + sum(_tie_price(prob, name, i) for name, i in sol.choice.items())
+    sol.priced = sol.objective + sum(tie_price(prob, name, i) for name, i in sol.choice.items())
     bound = getattr(res, "mip_dual_bound", None)
     if (bound is None or not np.isfinite(bound)) and relaxed.status == 0 and relaxed.fun is not None:
         bound = float(relaxed.fun)
