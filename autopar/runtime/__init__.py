@@ -11,9 +11,9 @@ Reading order:
 - reduction/: gradients reduced while backward runs, FSDP weights gathered ahead: engine.py (the
   arrive -> launch -> finish cycle and the one place collectives are issued), used by grad_buckets.py,
   layer_groups.py and zero_buckets.py;
-- module.py: the module users train (module_call.py: what one call runs); store.py (the shards it holds), state_dict.py and
-  initialization.py (its state, and a meta-built model's shards initialized from scratch); rng.py
-  (dropout's streams per shard); observe.py (the hook audit measures through);
+- module.py: the module users train (module_call.py: what one call runs); store.py (the shards it
+  holds), state_dict.py and initialization.py (its state, and a meta-built model's shards initialized
+  from scratch); rng.py (dropout's streams per shard); observe.py (the hook audit measures through);
 - optim/: ShardedOptimizer, its state_dict, clip_grad_norm_;
 - pipeline/: stages under torch's schedules (stages.py cuts them, runner.py runs a train_step);
 - devices.py: the device this rank computes on.
