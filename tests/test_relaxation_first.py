@@ -147,8 +147,8 @@ def test_the_time_limit_bounds_the_whole_search_not_each_try(monkeypatch):
 
 
 def test_the_tie_break_stays_out_of_the_plans_objective():
-    """ZeRO's collectives at the step cost the search a thousandth more (ilp._at_step_tie_break); the objective a plan
-    reports is its time as priced without it, as the greedy prices a choice."""
+    """ZeRO's collectives at the step cost the search a thousandth more (formulation_vars._at_step_tie_break);
+    the objective a plan reports is its time as priced without it, as the greedy prices a choice."""
     from autopar.capture.export import capture
     from autopar.planning import planner
     from autopar.search.classics import axis_roles

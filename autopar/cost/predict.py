@@ -510,7 +510,7 @@ def _total(terms: list):
 
 
 def peak_working_set(prob, choice, groups, symbolic: bool):
-    """The most bytes alive at one forward op beyond saved activations (see search._transient_rows):
+    """The most bytes alive at one forward op beyond saved activations (see search/formulation._transient_rows):
     its outputs and inputs not kept for backward, the weights gathered whole for it, and the FSDP layers
     gathered (and prefetched) around it (_gathered_layers).
 
