@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 CHILD = r"""
@@ -64,6 +65,10 @@ def test_refused_layout_pairs_are_cached_as_reasons_not_exceptions():
     plan_captured(capture(model, (torch.randint(0, 32, (4, 8)),)), {"a": 2, "b": 2}, hardware="cpu",
                   problems=problems)
     (entry,) = problems.values()
-    cached = list(entry[1].edge_cost_cache.values())
-    assert any(not isinstance(v, float) for v in cached)   # the model has pairs that cannot be redistributed
+    prob = entry[1]
+    cached = list(prob.edge_cost_cache.values())
     assert not any(isinstance(v, BaseException) for v in cached)
+    # the search's own table of prices (cost/problem.pair_seconds) holds a refused pair as inf, and the model has
+    # pairs that cannot be redistributed
+    assert prob.pair_prices and any(np.isinf(t.seconds).any() for t in prob.pair_prices.values())
+    assert all(t.seconds.dtype == np.float64 for t in prob.pair_prices.values())

@@ -8,7 +8,10 @@ layer), so one Problem serves every role assignment the search tries.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 import cost_models as cm
 
@@ -49,6 +52,7 @@ class Problem:
     edge_cost_cache: dict = field(default_factory=dict, repr=False)  # see edge_cost
     signature_ids: dict = field(default_factory=dict, repr=False)    # see edge_signature
     edge_signatures: dict = field(default_factory=dict, repr=False)  # see edge_signature
+    pair_prices: dict = field(default_factory=dict, repr=False)      # see pair_seconds
     stacks: tuple = ()                               # checkpointing.CheckpointStack: may be recomputed
                                                      # (a stack's path twice: whole blocks, and their cores)
     checkpoint_models: dict = field(default_factory=dict, repr=False)  # see checkpoint_model
@@ -86,6 +90,40 @@ def edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial=(), s
     if isinstance(cost, _Refused):
         raise UnsupportedRedistribution(cost.reason)
     return cost
+
+
+@dataclass
+class _PairPrices:
+    """edge_cost of one edge signature for every layout pair priced so far, as an array: NaN where not priced
+    yet, inf where the pair cannot be redistributed."""
+    rows: dict            # producer key (output layout, ZeRO axes) -> row
+    cols: dict            # consumer key (input layout, partial-gradient axes) -> column
+    seconds: np.ndarray
+
+
+def pair_seconds(prob: Problem, e: Edge, signature: int, src_keys: list, dst_keys: list, a: np.ndarray,
+                 b: np.ndarray) -> np.ndarray:
+    """edge_cost of edge e (whose signature is `signature`) for each pair (src_keys[a[j]], dst_keys[b[j]]), inf
+    where it cannot be redistributed. The search asks this of every allowed pair of every edge of every role
+    assignment (~3M on 4 axes): an array lookup each, and Python only for a pair not priced before."""
+    table = prob.pair_prices.get(signature)
+    if table is None:
+        table = prob.pair_prices[signature] = _PairPrices({}, {}, np.full((0, 0), np.nan))
+    rows = np.array([table.rows.setdefault(k, len(table.rows)) for k in src_keys], dtype=np.intp)
+    cols = np.array([table.cols.setdefault(k, len(table.cols)) for k in dst_keys], dtype=np.intp)
+    have = table.seconds.shape
+    if len(table.rows) > have[0] or len(table.cols) > have[1]:   # grown by doubling, so rarely copied
+        grown = np.full((max(have[0], 2 ** math.ceil(math.log2(max(len(table.rows), 1)))),
+                         max(have[1], 2 ** math.ceil(math.log2(max(len(table.cols), 1))))), np.nan)
+        grown[:have[0], :have[1]] = table.seconds
+        table.seconds = grown
+    ri, ci = rows[a], cols[b]
+    out = table.seconds[ri, ci]
+    for j in np.flatnonzero(np.isnan(out)).tolist():   # priced for the first time
+        (p, zero_axes), (dst, gp) = src_keys[a[j]], dst_keys[b[j]]
+        price = _edge_cost(prob, e, p, dst, gp, zero_axes)
+        out[j] = table.seconds[ri[j], ci[j]] = math.inf if isinstance(price, _Refused) else price
+    return out
 
 
 @dataclass(frozen=True)

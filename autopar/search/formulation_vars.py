@@ -8,18 +8,18 @@ to MiB (TIME_SCALE, MEM_SCALE).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
 
 from ..capture.export import PARAM
-from ..cost.problem import (Problem, edge_cost, edge_signature, follows_batch, node_memory, node_time,
+from ..cost.problem import (Problem, edge_signature, follows_batch, node_memory, node_time, pair_seconds,
                             recompute_edge_cost, regather_model, repeat_memory, reshards)
 from ..cost.terms import (collectives_time, copied_kept_bytes, first_meta, gathered_weight_bytes, kept_weight_bytes,
                           regather_saving, regathers, zero_collectives)
 from ..errors import InfeasiblePlanError
-from ..sharding.redistribute import UnsupportedRedistribution
 from .classics import Roles, allow_edge, allowed_flags
 
 TIME_SCALE = 1e6      # seconds -> microseconds keeps HiGHS's tolerances meaningful
@@ -248,10 +248,10 @@ def edge_vars(prob: Problem, roles: Roles, ilp: Formulation, xvars, edges: list,
     ys = np.arange(first, first + len(table.cost))
     rows, cols, vals = [table.src, len(src_groups) + table.dst], [ys, ys], [np.ones(len(ys)), np.ones(len(ys))]
     for offset, groups in ((0, src_groups), (len(src_groups), dst_groups)):
-        for g, vars_ in enumerate(groups.values()):
-            rows.append(np.full(len(vars_), offset + g))
-            cols.append(np.asarray(vars_))
-            vals.append(np.full(len(vars_), -1.0))
+        sizes = [len(vars_) for vars_ in groups.values()]
+        rows.append(np.repeat(np.arange(offset, offset + len(sizes)), sizes))
+        cols.append(np.fromiter(itertools.chain.from_iterable(groups.values()), dtype=np.int64, count=sum(sizes)))
+        vals.append(np.full(sum(sizes), -1.0))
     ilp.rows(len(src_groups) + len(dst_groups), np.concatenate(rows), np.concatenate(cols), np.concatenate(vals),
              0, 0)
     return {first + j: mib for j, mib in table.gathered}
@@ -331,11 +331,18 @@ def _edge_table(prob: Problem, edges: list, rerun: set, memo: RoleMemo, pair_key
 @dataclass(frozen=True)
 class _BaseTable:
     """An edge's layout pairs that can be redistributed, and the seconds of their collectives (every repeat's)."""
-    pairs: list         # ((output layout, ZeRO axes), (input layout, partial-gradient axes)) per pair
+    src_keys: list      # the edge's producer keys (output layout, ZeRO axes), in variable order
+    dst_keys: list      # its consumer keys (input layout, partial-gradient axes)
     cost: np.ndarray    # TIME_SCALE-scaled seconds per pair
-    src: np.ndarray
-    dst: np.ndarray
+    src: np.ndarray     # per pair: the index of its producer key in src_keys
+    dst: np.ndarray     # ... of its consumer key in dst_keys
     gathered: list      # (pair index, MiB of the weight it gathers whole)
+
+    @property
+    def pairs(self) -> list:
+        """((output layout, ZeRO axes), (input layout, partial-gradient axes)) per pair (made when asked: only
+        a rerun or a memory-saving choice prices pair by pair)."""
+        return [(self.src_keys[i], self.dst_keys[j]) for i, j in zip(self.src.tolist(), self.dst.tolist())]
 
 
 def _base_table(prob: Problem, memo: RoleMemo, pair_key: tuple, alike: dict, src_groups: dict,
@@ -346,55 +353,62 @@ def _base_table(prob: Problem, memo: RoleMemo, pair_key: tuple, alike: dict, src
         return table
     cap = prob.cap
     e = next(iter(alike.values()))[0]
-    members = [(sig, member, n) for sig, (member, n, _) in alike.items()]
-    src_index = {k: i for i, k in enumerate(src_groups)}
-    dst_index = {k: i for i, k in enumerate(dst_groups)}
-    pairs, cost, src, dst, gathered = [], [], [], [], []
-    # (this loop runs once per variable, ~60k for Llama-3-8B on 8 x 8: what does not vary is hoisted)
-    is_weight = cap.info[e.producer].kind == PARAM
-    for src_key, k in memo.pairs[pair_key]:
-        p, zero_axes = src_key
-        dst_key, gp = k
-        try:
-            c = sum(n * edge_cost(prob, member, p, dst_key, gp, zero_axes, sig) for sig, member, n in members)
-        except UnsupportedRedistribution:
-            continue
-        if is_weight:
-            gb = float(gathered_weight_bytes(cap, e.producer, p, dst_key, prob.mesh))
+    src_keys, dst_keys = list(src_groups), list(dst_groups)
+    a, b = memo.pairs[pair_key]
+    # every repeat's seconds, summed in the order the repeats' signatures came (the float a loop would give);
+    # inf where some repeat cannot be redistributed so: that pair gets no variable
+    total = None
+    for sig, (member, n, _) in alike.items():
+        term = n * pair_seconds(prob, member, sig, src_keys, dst_keys, a, b)
+        total = term if total is None else total + term
+    kept = np.flatnonzero(np.isfinite(total))
+    src, dst = a[kept].astype(np.int32), b[kept].astype(np.int32)
+    gathered = []
+    if cap.info[e.producer].kind == PARAM:   # a weight: the bytes a pair gathers whole, once per layout pair
+        by_layouts: dict = {}
+        for j, (i, k) in enumerate(zip(src.tolist(), dst.tolist())):
+            p, dst_layout = src_keys[i][0], dst_keys[k][0]
+            gb = by_layouts.get((p, dst_layout))
+            if gb is None:
+                gb = by_layouts[(p, dst_layout)] = float(gathered_weight_bytes(cap, e.producer, p, dst_layout,
+                                                                                 prob.mesh))
             if gb:
-                gathered.append((len(cost), gb * MEM_SCALE))
-        pairs.append((src_key, k))
-        cost.append(c * TIME_SCALE)
-        src.append(src_index[src_key])
-        dst.append(dst_index[k])
-    table = memo.tables[key] = _BaseTable(pairs, np.array(cost), np.array(src, dtype=np.int32),
-                                          np.array(dst, dtype=np.int32), gathered)
+                gathered.append((j, gb * MEM_SCALE))
+    table = memo.tables[key] = _BaseTable(src_keys, dst_keys, total[kept] * TIME_SCALE, src, dst, gathered)
     return table
 
 
 def _allowed_pairs(roles: Roles, cap, e, src_groups: dict, dst_groups: dict, consumer_replicated_only: bool,
-                   allowed: dict) -> list:
-    """(producer key, consumer key) pairs of an edge that the roles allow, in the order the variables take.
-    `allowed`: allow_edge's answers under these roles (they depend on the layouts and whether the producer
-    is a weight, not on the edge), shared by the edges."""
+                   allowed: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(producer key index, consumer key index) arrays of the pairs of an edge that the roles allow, in the
+    order the variables take (producer keys outer). `allowed`: allow_edge's answers under these roles (they
+    depend on the layouts and whether the producer is a weight, not on the edge), shared by the edges. Asked
+    once per pair of layouts, not of keys: the keys add ZeRO and partial-gradient axes to them."""
     producer = cap.info[e.producer]
     is_tuple = isinstance(producer.meta, list)
     is_param = producer.kind == PARAM
-    out = []
-    for src_key in src_groups:
-        p, _ = src_key
-        for k in dst_groups:
-            dst, gp = k
-            key = (is_param, p, dst, consumer_replicated_only)
-            ok = allowed.get(key)
-            if ok is None:
-                ok = allowed[key] = allow_edge(roles, producer, p, dst, consumer_replicated_only)
-            if not ok:
-                continue
-            if is_tuple and (p != dst or gp):
-                continue  # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
-            out.append((src_key, k))
-    return out
+    outputs = {p: i for i, p in enumerate(dict.fromkeys(p for p, _ in src_groups))}
+    inputs = {dst: k for k, dst in enumerate(dict.fromkeys(dst for dst, _ in dst_groups))}
+    # (the whole table too: the edges of one kind of op ask it of the same layouts)
+    table_key = ("table", is_param, is_tuple, tuple(outputs), tuple(inputs), consumer_replicated_only)
+    ok = allowed.get(table_key)
+    if ok is None:
+        ok = allowed[table_key] = np.zeros((len(outputs), len(inputs)), dtype=bool)
+        for i, p in enumerate(outputs):
+            for k, dst in enumerate(inputs):
+                key = (is_param, p, dst, consumer_replicated_only)
+                found = allowed.get(key)
+                if found is None:
+                    found = allowed[key] = allow_edge(roles, producer, p, dst, consumer_replicated_only)
+                # a tuple (split's pieces) is never redistributed whole; getitem takes it as is
+                ok[i, k] = found and not (is_tuple and p != dst)
+    src_output = np.array([outputs[p] for p, _ in src_groups], dtype=np.intp)
+    dst_input = np.array([inputs[dst] for dst, _ in dst_groups], dtype=np.intp)
+    mask = ok[src_output][:, dst_input]
+    if is_tuple:
+        mask &= np.array([not gp for _, gp in dst_groups], dtype=bool)[None, :]
+    a, b = np.nonzero(mask)   # row-major: producer keys outer, as the variables are numbered
+    return a, b
 
 
 def _by_weight_shape(prob: Problem, edges: list) -> list:
