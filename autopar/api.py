@@ -21,7 +21,7 @@ from .errors import AutoparError, CaptureError, MeshError, PlanError
 from .mesh import MeshSpec, mesh_spec
 from .planning.result import Plan
 from .planning.options import PlanOptions
-from .planning.schedule import schedule_of, stage_cut
+from .planning.schedule import lowering_key, lowering_of, schedule_of, stage_cut
 from .planning.planner import plan_captured
 from .planning.progress import shown
 from .runtime.collectives import AxisGroup, Comm
@@ -269,7 +269,7 @@ def _other_mode(model, example_inputs, example_kwargs, dynamic_shapes, cap: Capt
                                  "parallelized in (forward branches on self.training), so the plan does not apply to it")
     other = without_identities(other)
     try:
-        graph, gathered = rewrite(other, plan, comm, needs_grad(other))
+        graph, gathered = rewrite(other, _for_graph(plan, other, needs_grad(other)), comm, needs_grad(other))
     except PlanError as e:   # a layout the captured mode's graph allows and the other's does not
         return OtherMode(refused=f"the plan does not run the model's graph in {mode} mode: {e}")
     return OtherMode(graph, gathered)
@@ -280,11 +280,27 @@ def _with_schedule(plan: Plan, cap: Captured, grad_nodes: set) -> Plan:
     made here as that autopar made it at run time; one made for other pipeline stages (a plan whose
     `pipeline` was edited) is made again for these, with a warning."""
     if plan.schedule is not None and plan.schedule.stage_cut == stage_cut(plan.pipeline):
-        return plan
+        return _with_lowering(plan, cap, grad_nodes)
     if plan.schedule is not None:
         warnings.warn("plan.pipeline's stages are not those its schedule (gradient buckets) was made for; autopar "
                       "makes the schedule again for these stages. Plan again to keep the two together.", stacklevel=3)
     return replace(plan, schedule=schedule_of(cap, plan, grad_nodes))
+
+
+def _with_lowering(plan: Plan, cap: Captured, grad_nodes: set) -> Plan:
+    """`plan` with a schedule.Lowering (what the rewriter does beyond the layouts) for `cap`: a plan of JSON
+    format 3 or older has none, and one edited after planning (a layout forced, a weight frozen since) has one
+    made for something else (schedule.lowering_key); planning makes it here for this capture, as the runtime
+    once derived it."""
+    low = plan.schedule.lowering
+    if low is not None and low.made_for == lowering_key(cap, plan):
+        return plan
+    return _for_graph(plan, cap, grad_nodes)
+
+
+def _for_graph(plan: Plan, cap: Captured, grad_nodes: set) -> Plan:
+    """`plan` with its schedule's Lowering made for `cap` (the other mode's graph, whose ops may differ)."""
+    return replace(plan, schedule=replace(plan.schedule, lowering=lowering_of(cap, plan, grad_nodes)))
 
 
 def _plan_on_rank0(whole_batch_capture, mesh, opts: PlanOptions, recapture, start: float) -> Plan:

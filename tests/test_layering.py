@@ -277,3 +277,50 @@ def test_the_private_attribute_check_catches_reaching_into_another_module(tmp_pa
     assert any("capture/dtype.py:2: module._parameters (not ours" in p for p in problems), problems
     assert any("capture/repeat.py:1: imports _canonical_names from .export" in p for p in problems), problems
     assert len(problems) == 3, problems
+
+
+def runtime_reaches_back(package_dir: pathlib.Path) -> list[str]:
+    """Every import of autopar.cost or autopar.search by a module under autopar.runtime: the runtime reads what
+    the plan decided (planning/schedule.py records it) and derives nothing from the cost model or the search."""
+    known = module_names(package_dir)
+    found = []
+    for name, path in known.items():
+        if name != "autopar.runtime" and not name.startswith("autopar.runtime."):
+            continue
+        for target, line in imports_of(name, path, known):
+            if any(target == p or target.startswith(p + ".") for p in ("autopar.cost", "autopar.search")):
+                found.append(f"{path.relative_to(package_dir.parent)}:{line}: {name} imports {target}")
+    return found
+
+
+def test_the_runtime_imports_nothing_of_the_cost_model_or_the_search():
+    problems = runtime_reaches_back(REPO / "autopar")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_runtime_check_catches_an_import_of_the_cost_model(tmp_path):
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "cost/__init__.py": "", "cost/buckets.py": "X = 1\n",
+        "search/__init__.py": "", "search/pipeline.py": "Y = 2\n",
+        "runtime/__init__.py": "",
+        "runtime/lowering/rewrite.py": "from ...cost.buckets import X\n",
+        "runtime/pipeline/runner.py": "import autopar.search.pipeline\n",
+    })
+    problems = runtime_reaches_back(root)
+    assert any("runtime/lowering/rewrite.py:1" in p and "autopar.cost.buckets" in p for p in problems), problems
+    assert any("runtime/pipeline/runner.py:1" in p and "autopar.search.pipeline" in p for p in problems), problems
+    assert len(problems) == 2, problems
+
+
+def test_the_constants_the_runtime_keeps_are_the_planners():
+    """Names both sides spell: the runtime keeps its own copy rather than import the search or the cost model."""
+    from autopar.cost.overlap import BUCKET
+    from autopar.runtime.pipeline import stages
+    from autopar.runtime.reduction import grad_buckets
+    from autopar.search import pipeline
+
+    assert grad_buckets.BUCKET == BUCKET
+    for name in ("GPIPE", "ONE_F_ONE_B", "INTERLEAVED", "ZERO_BUBBLE"):
+        assert getattr(stages, name) == getattr(pipeline, name), name
+    assert set(pipeline.SCHEDULES) == {stages.GPIPE, stages.ONE_F_ONE_B, stages.INTERLEAVED, stages.ZERO_BUBBLE}

@@ -164,10 +164,21 @@ def _message(case: str, want: dict, got: dict, failures: list, changed: list, pi
             + f"\n{searched}\nwhat changed ({min(len(changed), 12)} of {len(changed)}):\n" + "\n".join(changed[:12]))
 
 
+def _in_format_of(want: dict, got: dict) -> dict:
+    """`got` as a plan of the file's JSON format: the file's plans were written at format 3, before the schedule
+    recorded its lowering (format 4: planning/schedule.Lowering, derived from the layouts the file holds), so
+    a plan compares without it, as a format-3 reader sees it."""
+    if want.get("format_version") == 3 and got.get("format_version") == 4:
+        got = {**got, "format_version": 3}
+        if got.get("schedule"):
+            got["schedule"] = {k: v for k, v in got["schedule"].items() if k != "lowering"}
+    return got
+
+
 @pytest.mark.parametrize("case", sorted(plan_golden.CASES))
 def test_plan_unchanged(case):
     want = json.loads(GOLDEN.read_text())[case]
-    got = json.loads(json.dumps(plan_golden.plan_case(case)))
+    got = _in_format_of(want, json.loads(json.dumps(plan_golden.plan_case(case))))
     pinned = case in plan_golden.PINNED
     failures, changed = compare(want, got, pinned)
     if changed and not failures:   # allowed, and worth seeing in pytest -rP

@@ -87,7 +87,7 @@ def _train(rank, model, x, y, plan_json, optimizer):
     groups = [[m.param_name for m in g.members] for g in pm.gathered.groups]
     reduces = sum(1 for kind, _, _, phase in pm.comm.log.records if kind == "all_reduce" and phase == "backward")
     return {"params": {k: v.clone() for k, v in pm.state_dict(full=True).items()}, "buckets": buckets,
-            "groups": groups, "backward_all_reduces": reduces}
+            "groups": groups, "backward_all_reduces": reduces, "lowering": pm.plan.schedule.lowering}
 
 
 def _check_equal_to_one_device(results, model, x, y, optimizer):
@@ -165,3 +165,35 @@ def test_schedule_json_round_trip():
                  frozenset({("mm", 1)}), (("x", 3),))
     assert Schedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
     assert issubclass(PlanError, autopar.AutoparError)
+
+
+def _format_3(plan) -> str:
+    d = json.loads(plan.to_json())
+    assert d["format_version"] == 4 and "lowering" in d["schedule"]
+    d["format_version"] = 3
+    del d["schedule"]["lowering"]
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize("strategy,options", [
+    ("ddp", {}), ("fsdp", {"precision": "bf16-mixed", "checkpointing": "per-op"})], ids=["ddp", "fsdp-bf16-per-op"])
+def test_a_format_3_plan_runs_as_the_plan_that_records_its_lowering(strategy, options):
+    """A plan saved before the schedule recorded its Lowering (partial gradients, gradient scales, casts, grouped
+    weight uses, recomputed blocks) reads, its lowering made by planning when the module is built: the same one
+    the plan records, and the same training, bit for bit."""
+    model, (x, y) = _model(), _batch()
+    plan = autopar.plan(model, x, {"dp": 2}, strategy=strategy, bucket_bytes=4096, **options)
+    low = plan.schedule.lowering
+    assert low is not None and low.partial_gradients if strategy == "ddp" else low.grouped and low.casts
+    if options:
+        assert plan.checkpointed and low.recomputed and any(r.policy is not None for r in low.recomputed)
+    old = autopar.Plan.from_json(_format_3(plan))
+    assert old.schedule.lowering is None
+    assert old == replace(plan, schedule=replace(plan.schedule, lowering=None))
+    new_runs = run_threaded(2, _train, model, x, y, plan.to_json(), torch.optim.AdamW)
+    old_runs = run_threaded(2, _train, model, x, y, _format_3(plan), torch.optim.AdamW)
+    for new, old_run in zip(new_runs, old_runs):
+        assert new["lowering"] == old_run["lowering"] == low
+        assert new["buckets"] == old_run["buckets"] and new["groups"] == old_run["groups"]
+        for name, p in new["params"].items():
+            assert torch.equal(p, old_run["params"][name]), name

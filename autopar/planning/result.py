@@ -14,7 +14,7 @@ from cost_models import describe_links
 
 from ..capture.export import PARAM
 from ..cost.buckets import DEFAULT_BUCKET_BYTES
-from ..cost.precision import OptimizerSpec, Precision
+from ..cost.precision import OptimizerSpec, Precision, precision_of
 from ..cost.predict import Predicted
 from ..cost.problem import Problem
 from ..mesh import MeshSpec
@@ -83,6 +83,11 @@ class Plan:
     # {axis: {"reach": "inside" | "across" | "spans", "bandwidth", "latency", "given"}}; {} for a plan saved
     # before it was recorded
     links: dict = field(default_factory=dict)
+
+    @property
+    def precision_policy(self) -> Precision:
+        """The precision policy `precision` names, resolved (cost/precision.Precision): what the runtime reads."""
+        return precision_of(self.precision)
 
     # ------------------------------------------------------------ inputs (inputs.py)
     def local_inputs(self, *global_inputs, rank: int | None = None) -> tuple:

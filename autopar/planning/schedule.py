@@ -14,21 +14,32 @@ cost/layer_groups.py, cost/activations.py), so the schedule is the grouping the
 plan's collectives price. Weights are named by FQN; activations by the
 captured graph's node names, which the other mode's graph shares
 (api._other_mode checks the structure).
+
+The rest of what the rewriter does beyond the layouts is decided here too
+(`Lowering`, made by `lowering_of`): which gradients stay partial for the
+buckets and the gradient scales, the weights cast for mixed precision, which
+weight uses join an FSDP layer group, the recomputed blocks. The runtime reads
+all of it and imports nothing of cost/ or search/ (tests/test_layering.py).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import torch
 
 from ..capture.export import INPUT, PARAM, Captured
 from ..cost.activations import activation_model
-from ..cost.buckets import assign_buckets, deferred_axes, params_by_first_use, partial_gradients, zero_buckets
-from ..cost.layer_groups import group_key, groupable
+from ..cost.buckets import (assign_buckets, bucket_grad_scale, deferred_axes, output_grad_scale,
+                            params_by_first_use, partial_gradients, zero_buckets)
+from ..cost.checkpointing import SavePolicy, checkpointable_stacks
+from ..cost.layer_groups import group_key, groupable, sums_gradient
 from ..cost.precision import precision_of
 from ..cost.terms import first_meta
+from ..errors import PlanError
 from ..sharding.op_spec import tensor_args
-from ..sharding.placement import local_shape, numel
+from ..sharding.placement import R, local_shape, numel
 from ..sharding.redistribute import plan_steps
 
 
@@ -50,6 +61,64 @@ class LayerGroup:
 
 
 @dataclass(frozen=True)
+class Region:
+    """One block the runtime runs under activation checkpointing: block `index` of the stack at `path`, its
+    captured ops `nodes`; `policy`: the per-op SavePolicy it caches by (cost/checkpointing.py), None when
+    every op is recomputed (runtime/lowering/recompute.py)."""
+    path: str
+    index: int
+    nodes: tuple
+    policy: SavePolicy | None = None
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """What the rewriter (runtime/lowering/rewrite.py) does to one captured graph beyond the per-node layouts,
+    decided here from the graph and the chosen strategies (lowering_of), so the runtime reads it and
+    derives nothing from the cost model. `made_for`: the digest (lowering_key) of what it was made from: the
+    plan's layouts, precision, recomputed stacks, hardware and pipeline, and the graph's frozen weights."""
+    # node -> mesh axes (indices) on which its gradient is left partial for the gradient buckets to reduce:
+    # weights first, in order of first use, then activations (cost/buckets.partial_gradients)
+    partial_gradients: dict = field(default_factory=dict)
+    # the outputs' gradient factor the buckets apply instead of the outputs (cost/buckets.bucket_grad_scale)
+    grad_scale: float = 1.0
+    # per tensor output, the factor on its gradient (cost/buckets.output_grad_scale)
+    output_grad_scales: tuple = ()
+    # parameter node -> (compute dtype, reduce dtype) names ("torch.bfloat16") of a weight stored in the master
+    # dtype and cast where it is used (mixed precision, cost/precision.py)
+    casts: dict = field(default_factory=dict)
+    # (reader, tensor input index) -> (gather axis, dtype, summed axes) of a weight use whose layout change joins
+    # its FSDP layer group (cost/layer_groups.groupable); the reader "output" for the graph's outputs
+    grouped: dict = field(default_factory=dict)
+    # the checkpointed blocks, in the order of plan.checkpointed's stacks, then block
+    recomputed: tuple = ()
+    made_for: str = ""
+
+    def to_dict(self) -> dict:
+        return {"partial_gradients": [[n, list(axes)] for n, axes in self.partial_gradients.items()],
+                "grad_scale": self.grad_scale, "output_grad_scales": list(self.output_grad_scales),
+                "casts": {n: list(c) for n, c in self.casts.items()},
+                "grouped": [[op, i, axis, dtype, list(sums)] for (op, i), (axis, dtype, sums) in self.grouped.items()],
+                "recomputed": [{"path": r.path, "index": r.index, "nodes": list(r.nodes),
+                                "policy": None if r.policy is None else
+                                {"matmuls": list(r.policy.matmuls), "attentions": list(r.policy.attentions),
+                                 "cached": list(r.policy.cached)}} for r in self.recomputed],
+                "made_for": self.made_for}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Lowering":
+        def policy(p):
+            return None if p is None else SavePolicy(tuple(p["matmuls"]), tuple(p["attentions"]), tuple(p["cached"]))
+        return Lowering({n: tuple(axes) for n, axes in d["partial_gradients"]}, float(d["grad_scale"]),
+                        tuple(float(x) for x in d["output_grad_scales"]),
+                        {n: tuple(c) for n, c in d["casts"].items()},
+                        {(op, i): (axis, dtype, tuple(sums)) for op, i, axis, dtype, sums in d["grouped"]},
+                        tuple(Region(r["path"], r["index"], tuple(r["nodes"]), policy(r["policy"]))
+                              for r in d["recomputed"]),
+                        d["made_for"])
+
+
+@dataclass(frozen=True)
 class Schedule:
     # pipeline coordinate (0 when not pipelined) -> the gradient buckets of the weights that device holds, in
     # launch order (runtime/reduction/grad_buckets.py)
@@ -64,6 +133,9 @@ class Schedule:
     regathered: frozenset = frozenset()
     # the pipeline stages the buckets were made for (stage_cut); () when not pipelined
     stage_cut: tuple = ()
+    # what the rewriter does to the captured graph (Lowering); None in a plan of JSON format 3 or older, made
+    # when the module is built (api._with_schedule)
+    lowering: Lowering | None = None
 
     def layer_group_of(self, fqn: str, axis: str, dtype: str, sum_axes: tuple) -> int | None:
         """Index of the group that gathers `fqn` with that signature, None if the plan groups it nowhere."""
@@ -80,7 +152,8 @@ class Schedule:
                 "layer_groups": [{"axis": g.axis, "dtype": g.dtype, "sum_axes": list(g.sum_axes),
                                   "weights": list(g.weights)} for g in self.layer_groups],
                 "regathered": sorted([op, i] for op, i in self.regathered),
-                "stage_cut": [list(c) for c in self.stage_cut]}
+                "stage_cut": [list(c) for c in self.stage_cut],
+                **({"lowering": self.lowering.to_dict()} if self.lowering is not None else {})}
 
     @staticmethod
     def from_dict(d: dict) -> "Schedule":
@@ -91,7 +164,8 @@ class Schedule:
                         tuple(LayerGroup(g["axis"], g["dtype"], tuple(g["sum_axes"]), tuple(g["weights"]))
                               for g in d["layer_groups"]),
                         frozenset((op, i) for op, i in d["regathered"]),
-                        tuple(tuple(c) for c in d.get("stage_cut", ())))
+                        tuple(tuple(c) for c in d.get("stage_cut", ())),
+                        Lowering.from_dict(d["lowering"]) if d.get("lowering") is not None else None)
 
 
 def schedule_of(cap: Captured, plan, grad_nodes: set, saved=None) -> Schedule:
@@ -99,7 +173,108 @@ def schedule_of(cap: Captured, plan, grad_nodes: set, saved=None) -> Schedule:
     the nodes a gradient flows through (cost/terms.needs_grad); `saved`: cap's activation model on the plan's
     hardware (cost/activations.activation_model), made here when not given."""
     return Schedule(_grad_buckets(cap, plan, grad_nodes), _zero_buckets(cap, plan, grad_nodes),
-                    _layer_groups(cap, plan, grad_nodes), _regathered(cap, plan, saved), stage_cut(plan.pipeline))
+                    _layer_groups(cap, plan, grad_nodes), _regathered(cap, plan, saved), stage_cut(plan.pipeline),
+                    lowering_of(cap, plan, grad_nodes))
+
+
+def lowering_of(cap: Captured, plan, grad_nodes: set) -> Lowering:
+    """What the rewriter does to `cap` under `plan` beyond the layouts (Lowering); `grad_nodes`: cap's nodes a
+    gradient flows through (cost/terms.needs_grad). Raises PlanError where the plan checkpoints a stack `cap`
+    does not have."""
+    deferred = partial_gradients(cap, plan.node_strategies, grad_nodes)
+    out = next(n for n in cap.graph.nodes if n.op == "output")
+    layouts = plan.node_strategies["output"].inputs
+    scales = tuple(output_grad_scale(layouts[i], plan.mesh.axis_sizes) for i, _ in enumerate(tensor_args(out)))
+    casts = weight_casts(cap, plan)
+    return Lowering(deferred, bucket_grad_scale(cap, plan, grad_nodes, deferred), scales,
+                    {n: (str(c), str(r)) for n, (c, r) in casts.items()},
+                    _grouped_uses(cap, plan, grad_nodes, deferred, casts), recomputed_regions(cap, plan),
+                    lowering_key(cap, plan))
+
+
+def lowering_key(cap: Captured, plan) -> str:
+    """A digest of what lowering_of reads besides the graph's ops: the plan's layouts, precision, recomputed
+    stacks, hardware, mesh and whether it is pipelined, and `cap`'s frozen weights. A plan edited after
+    planning (a layout forced, a weight frozen since) has another, and gets its Lowering made again
+    (api._with_lowering), as the runtime once derived it from whatever it was given."""
+    made_from = [sorted([n, [list(map(list, s.inputs)), list(s.output), s.zero, list(s.zero_axes)]]
+                        for n, s in plan.node_strategies.items()),
+                 plan.precision, dict(plan.checkpointed), plan.hardware, list(plan.mesh.axis_names),
+                 list(plan.mesh.axis_sizes), plan.pipeline is not None, sorted(cap.frozen_params)]
+    return hashlib.sha256(json.dumps(made_from, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def weight_casts(cap: Captured, plan) -> dict:
+    """Parameter node -> (compute dtype, reduce dtype) for each weight the policy stores in a master dtype
+    and casts where it is used (cost/precision.py); empty without mixed precision."""
+    policy = precision_of(plan.precision)
+    out = {}
+    for name, info in cap.info.items():
+        if info.kind != PARAM:
+            continue
+        own = cap.param_dtypes.get(info.target_name, info.meta.dtype)
+        if not own.is_floating_point:
+            continue
+        p = policy.resolve(own)
+        if p.compute != p.master:
+            out[name] = (p.compute, p.reduce)
+    return out
+
+
+def _grouped_uses(cap: Captured, plan, grad_nodes: set, deferred: dict, casts: dict) -> dict:
+    """(reader, tensor input index) -> (gather axis, dtype, summed axes) for each use of a weight whose layout
+    change, as the rewriter makes it (runtime/lowering/rewrite._Rewriter.redistribute), is a groupable gather
+    (cost/layer_groups.groupable): the rewriter serves it from the plan's layer group with that signature.
+    None on a pipeline, whose stages hold only their own weights."""
+    if plan.pipeline is not None:
+        return {}
+    strategies, names, sizes = plan.node_strategies, plan.mesh.axis_names, plan.mesh.axis_sizes
+    out = {}
+    for node in cap.graph.nodes:
+        reader = node.op == "call_function"
+        s = strategies.get("output" if node.op == "output" else node.name)
+        if node.op not in ("call_function", "output") or s is None:
+            continue
+        for i, a in enumerate(tensor_args(node)):
+            info = cap.info.get(a.name)
+            if info is None or info.kind != PARAM:
+                continue
+            own = strategies.get(a.name)
+            src = own.output if own is not None else (R,) * len(sizes)
+            grads = a.name in grad_nodes
+            gp = tuple(s.grad_partial(i)) if grads and reader else ()
+            if grads and reader:
+                gp = tuple(sorted(set(gp) | set(deferred.get(node.name, ()))))
+            keep = (tuple(own.zero_axes) if own is not None and grads else ()) + deferred.get(a.name, ())
+            dst = tuple(s.inputs[i])
+            if tuple(src) == dst and set(gp) == set(keep) and a.name not in casts:
+                continue
+            steps = plan_steps(tuple(src), dst, gp, keep_partial=keep)
+            if not groupable(steps):
+                continue
+            dtype = str(casts[a.name][0] if a.name in casts else info.meta.dtype)
+            sums = tuple(names[x] for x in sorted(st.axis for st in steps[1:] if sums_gradient(st)))
+            out[(node.name, i)] = (names[steps[0].axis], dtype, sums)
+    return out
+
+
+def recomputed_regions(cap: Captured, plan) -> tuple:
+    """The blocks of the stacks `plan.checkpointed` ({path: kind}) names, each a Region, in that order then by
+    block (cost/checkpointing.checkpointable_stacks on the plan's hardware)."""
+    if not plan.checkpointed:
+        return ()
+    checkpointed = plan.checkpointed
+    stacks = {st.key: st for st in checkpointable_stacks(cap, plan.hardware)}
+    missing = [key for key in checkpointed.items() if key not in stacks]
+    if missing:
+        raise PlanError(f"the plan checkpoints {dict(missing)}, which this model's capture has no checkpointable "
+                        "stack for: the plan was made for another model")
+    out = []
+    for path, kind in checkpointed.items():
+        stack = stacks[path, kind]
+        for i, block in enumerate(stack.blocks):
+            out.append(Region(path, i, tuple(block), (stack.policies or (None,) * (i + 1))[i]))
+    return tuple(out)
 
 
 def stage_cut(pipeline) -> tuple:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..capture.export import BUFFER, CONSTANT, INPUT, PARAM, Captured
-from ..cost.precision import precision_of
 from ..errors import PlanError
 from ..sharding.placement import shard_full_tensor
 
@@ -110,7 +109,7 @@ def _set_by_path(root: torch.nn.Module, fqn: str, value, as_param: bool):
 
 def _master_dtypes(params: dict, plan) -> dict:
     """Parameter name -> the dtype the plan's precision policy keeps it in (floating ones only)."""
-    policy = precision_of(plan.precision)
+    policy = plan.precision_policy
     return {fqn: policy.resolve(p.dtype).master for fqn, p in params.items() if p.dtype.is_floating_point}
 
 

@@ -25,12 +25,12 @@ other ops than those priced.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..._compat import dispatch_mode_class, tensor_version
-from ...cost.checkpointing import SavePolicy
 from ...errors import PlanError
 
 _MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
@@ -44,6 +44,13 @@ MATMUL, ATTENTION = "matmul", "attention"
 
 class CheckpointPolicyError(PlanError):
     """A per-op checkpointed region ran other matmuls or attention kernels than the plan priced."""
+
+
+class _Positions(NamedTuple):
+    """The part of a SavePolicy a count reads (per family, whether each op by position is cached), rebuilt
+    from the constants a compiled region's context_fn carries."""
+    matmuls: tuple
+    attentions: tuple
 
 
 class PositionCounter:
@@ -153,7 +160,7 @@ def per_op_compiled(policy, label: str):
 
 
 def _compiled_contexts(matmuls: tuple, attentions: tuple, label: str):
-    counter = PositionCounter(SavePolicy(matmuls, attentions, ()), label)
+    counter = PositionCounter(_Positions(matmuls, attentions), label)
 
     def decide(ctx, op, *args, **kwargs):
         if op is torch.ops.autopar.logged_send.default:   # effectful: kept (recompute.recompute_all_but_logging)

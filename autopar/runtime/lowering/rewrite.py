@@ -17,10 +17,6 @@ import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
 from ...capture.export import PARAM, Captured
-from ...cost.buckets import bucket_grad_scale, output_grad_scale, partial_gradients
-from ...cost.layer_groups import groupable, sums_gradient
-from ...cost.checkpointing import checkpointable_stacks
-from ...cost.precision import precision_of
 from ...errors import PlanError
 from ...sharding.op_spec import op_arg, op_name, tensor_args
 from ...sharding.placement import R, dim_factor, gathered_size, is_shard
@@ -115,21 +111,18 @@ class RedistributeModule(torch.nn.Module):
         return self.label
 
 
-def weight_casts(cap: Captured, plan) -> dict:
-    """Parameter node -> (compute dtype, reduce dtype) for each weight the policy stores in a master dtype
-    and casts where it is used (cost/precision.py); empty without mixed precision."""
-    policy = precision_of(plan.precision)
-    out = {}
-    for name, info in cap.info.items():
-        if info.kind != PARAM:
-            continue
-        own = cap.param_dtypes.get(info.target_name, info.meta.dtype)
-        if not own.is_floating_point:
-            continue
-        p = policy.resolve(own)
-        if p.compute != p.master:
-            out[name] = (p.compute, p.reduce)
-    return out
+def weight_casts(lowering) -> dict:
+    """Parameter node -> (compute dtype, reduce dtype) for each weight the plan stores in a master dtype and
+    casts where it is used (planning/schedule.Lowering.casts, dtypes by name); empty without mixed precision."""
+    return {name: tuple(_dtype(d) for d in pair) for name, pair in lowering.casts.items()}
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype str() names ("torch.bfloat16")."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise PlanError(f"the plan casts a weight to {name!r}, which is no torch dtype")
+    return dtype
 
 
 def _step_whole(step, shape, axis_sizes) -> int | None:
@@ -164,7 +157,7 @@ def rewrite(cap: Captured, plan, comm: Comm, grad_nodes: set) -> tuple[fx.GraphM
     # which captured node each local node was made for: a pipeline cuts the local graph by it (stages.py)
     gm.meta["origin"] = _origins(gm, made_for)
     if plan.checkpointed:
-        gm = _checkpoint_blocks(gm, cap, plan, made_for, comm)
+        gm = _checkpoint_blocks(gm, cap, plan, made_for, comm, rw.lowering.recomputed)
         gm.meta["origin"] = _region_origins(gm, gm.meta["origin"])
         _mark_recomputed_groups(gm)
     rw.gathered.needed = any(isinstance(m, RedistributeModule) and m.gathered is not None for m in gm.modules())
@@ -218,7 +211,10 @@ class _Rewriter:
         # one layout change per (producer, layout, gradient reduction), shared by all its consumers
         self._cache: dict = {}
         self._count = 0
-        self.casts = weight_casts(cap, plan)
+        # what the plan decided for this graph beyond its layouts (planning/schedule.Lowering): the api makes sure
+        # it was made for this graph (api._with_schedule, api._for_graph)
+        self.lowering = plan.schedule.lowering
+        self.casts = weight_casts(self.lowering)
         self.pipelined = plan.pipeline is not None
         # (op, input index) whose input autograd keeps: where a gather feeds one, the plan keeps the shard and
         # gathers again in backward (regather.py); its layer groups and buckets too (planning/schedule.py)
@@ -227,9 +223,9 @@ class _Rewriter:
         self.groups: dict = {}   # index in plan.schedule.layer_groups -> LayerGroup
         self.in_flight = in_flight()   # the groups' reduce-scatters, one in flight at a time
         # weights whose data-axis gradient the buckets reduce, and activations whose gradient flows on to them
-        # partial (cost/buckets.partial_gradients)
-        self.deferred = partial_gradients(cap, plan.node_strategies, grad_nodes)
-        self.bucket_grad_scale = bucket_grad_scale(cap, plan, grad_nodes, self.deferred)
+        # partial (Lowering.partial_gradients, made by cost/buckets.partial_gradients)
+        self.deferred = self.lowering.partial_gradients
+        self.bucket_grad_scale = self.lowering.grad_scale
 
     def emit(self, node: fx.Node) -> None:
         """Add the local counterpart of captured `node` (nothing for an op that is dropped)."""
@@ -247,9 +243,10 @@ class _Rewriter:
         s = self.strategies.get(name)
         return s.output if s is not None else (R,) * len(self.sizes)
 
-    def redistribute(self, producer: fx.Node, dst, gp, reader: tuple | None = None) -> fx.Node:
+    def redistribute(self, producer: fx.Node, dst, gp, reader: tuple | None = None, use: tuple | None = None) -> fx.Node:
         """`producer`'s local value in layout `dst`, with gradient reduction `gp` on the way back, for
-        `reader` ((op, tensor input index), if an op reads it)."""
+        `reader` ((op, tensor input index), if an op reads it). `use`: that use's key in the plan's
+        Lowering.grouped (`reader`, or ("output", index) for an output)."""
         src = self.out_placement(producer.name)
         gp = tuple(gp) if producer.name in self.grad_nodes else ()
         if reader is not None and producer.name in self.grad_nodes:
@@ -265,15 +262,16 @@ class _Rewriter:
             return self.env[producer.name]
         key = (producer.name, tuple(dst), gp)
         if key not in self._cache:
-            self._cache[key] = self._call_redistribute(producer, tuple(src), tuple(dst), gp, keep)
+            self._cache[key] = self._call_redistribute(producer, tuple(src), tuple(dst), gp, keep,
+                                                       reader if use is None else use)
         if reader in self.schedule.regathered and producer.name in self.grad_nodes:
             module = self.root.get_submodule(self._cache[key].target)
             if module.gathered is None and gathers_again(module.steps, is_param=False):
                 module.gathered, module.activation = self.gathered, True
         return self._cache[key]
 
-    def _call_redistribute(self, producer: fx.Node, src: tuple, dst: tuple, gp: tuple, keep: tuple) -> fx.Node:
-        """A new RedistributeModule for src -> dst, and the node calling it on `producer`."""
+    def _call_redistribute(self, producer: fx.Node, src: tuple, dst: tuple, gp: tuple, keep: tuple, use) -> fx.Node:
+        """A new RedistributeModule for src -> dst, and the node calling it on `producer` for `use` (redistribute's)."""
         try:
             steps = plan_steps(src, dst, gp, keep_partial=keep)
         except UnsupportedRedistribution as e:
@@ -292,23 +290,29 @@ class _Rewriter:
         mod_name = f"redist_{self._count}_{producer.name}"
         label = f"{producer.name}: {_describe(steps, self.names)}" + (f"; cast to {cast[0]}" if cast else "")
         module = RedistributeModule(steps, self.comm, label, self.gathered if regathered else None, wholes, cast)
-        if is_param and not self.pipelined and groupable(steps):   # a pipeline's stages hold only their own weights
-            self._join_group(module, producer.name, steps, cast)
+        # a weight use the plan serves from its FSDP layer group (none on a pipeline: its stages hold only their
+        # own weights)
+        grouped = self.lowering.grouped.get(use) if is_param and not self.pipelined else None
+        if grouped is not None:
+            self._join_group(module, producer.name, steps, grouped)
         self.root.add_module(mod_name, module)
         return self.g.call_module(mod_name, (self.env[producer.name],))
 
-    def _join_group(self, module: RedistributeModule, producer: str, steps: list, cast) -> None:
-        """Serve `module`'s gather from the plan's layer group of its weight (planning.schedule.LayerGroup)."""
+    def _join_group(self, module: RedistributeModule, producer: str, steps: list, grouped: tuple) -> None:
+        """Serve `module`'s gather from the plan's layer group of its weight (planning.schedule.LayerGroup) with
+        the signature `grouped` ((gather axis, dtype, summed axes), from the plan's Lowering.grouped)."""
         info = self.cap.info[producer]
         if producer in self.deferred:   # the group would own a gradient the buckets must also see: one is lost
             raise PlanError(f"{info.target_name!r} is both gathered with its layer and bucketed on mesh axes "
                             f"{self.deferred[producer]}; report this (cost/buckets.deferred_axes excludes it)")
-        dtype = str(cast[0] if cast else info.meta.dtype)
-        sum_axes = tuple(self.names[a] for a in sorted(s.axis for s in steps[1:] if sums_gradient(s)))
-        k = self.schedule.layer_group_of(info.target_name, self.names[steps[0].axis], dtype, sum_axes)
+        axis, dtype, sum_axes = grouped
+        if axis != self.names[steps[0].axis]:
+            raise PlanError(f"the plan gathers {info.target_name!r} with its layer on {axis!r}, and its layout change "
+                            f"here gathers on {self.names[steps[0].axis]!r}: plan again (autopar.plan)")
+        k = self.schedule.layer_group_of(info.target_name, axis, dtype, sum_axes)
         if k is None:
             raise PlanError(f"the plan's layer groups list no group gathering {info.target_name!r} on "
-                            f"{self.names[steps[0].axis]!r} in {dtype} (summed over {sum_axes}): its schedule was made "
+                            f"{axis!r} in {dtype} (summed over {sum_axes}): its schedule was made "
                             "for another model or another autopar, or for the model with weights frozen "
                             "(requires_grad False) that it trains now; plan again (autopar.plan)")
         if k not in self.groups:
@@ -350,13 +354,13 @@ class _Rewriter:
         self.env[node.name] = self.g.get_attr(node.target)
 
     def _emit_output(self, node: fx.Node) -> None:
-        """The outputs in the plan's output layouts, each gradient scaled as output_grad_scale says (by the
-        gradient buckets instead, where bucket_grad_scale says they can)."""
+        """The outputs in the plan's output layouts, each gradient scaled as the plan says (Lowering's
+        output_grad_scales; by the gradient buckets instead, where its grad_scale says they can)."""
         s = self.strategies["output"]
         outs = []
         for i, a in enumerate(tensor_args(node)):
-            x = self.redistribute(a, s.inputs[i], ())
-            scale = output_grad_scale(s.inputs[i], self.sizes)
+            x = self.redistribute(a, s.inputs[i], (), use=("output", i))
+            scale = self.lowering.output_grad_scales[i]
             if scale != 1.0 and a.name in self.grad_nodes and self.bucket_grad_scale == 1.0:
                 x = self.g.call_function(scale_grad, (x, scale))
             outs.append(x)
@@ -443,25 +447,22 @@ def _mark_recomputed_groups(gm: fx.GraphModule) -> None:
                     m.group.recomputed = True
 
 
-def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, plan, made_for: list, comm: Comm) -> fx.GraphModule:
-    """Run every block of the stacks in `plan.checkpointed` ({path: kind}), or its attention core, under
-    activation checkpointing (recompute.py); a per-op one caching what the plan priced (its SavePolicy)."""
-    checkpointed = plan.checkpointed
-    stacks = {st.key: st for st in checkpointable_stacks(cap, plan.hardware)}
-    missing = [key for key in checkpointed.items() if key not in stacks]
-    if missing:
-        raise PlanError(f"the plan checkpoints {dict(missing)}, which this model's capture has no checkpointable "
-                        "stack for: the plan was made for another model")
-    paths = list(checkpointed)
-    block_of = {n: (p, i) for p in paths for i, block in enumerate(stacks[p, checkpointed[p]].blocks) for n in block}
+def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, plan, made_for: list, comm: Comm,
+                       recomputed: tuple) -> fx.GraphModule:
+    """Run every block the plan recomputes (`recomputed`: planning/schedule.Region, a block of a stack in
+    `plan.checkpointed`, or its attention core) under activation checkpointing (recompute.py); a per-op one
+    caching what the plan priced (its SavePolicy)."""
+    order = {(r.path, r.index): k for k, r in enumerate(recomputed)}
+    policy_of = {(r.path, r.index): r.policy for r in recomputed}
+    block_of = {n: (r.path, r.index) for r in recomputed for n in r.nodes}
     starts = [k for k, _ in made_for]
     members: dict = {}
     for k, new in enumerate(gm.graph.nodes):
         origin = made_for[bisect.bisect_right(starts, k) - 1][1]
         if origin in block_of:
             members.setdefault(block_of[origin], []).append(new)
-    keys = sorted(members, key=lambda key: (paths.index(key[0]), key[1]))
-    policies = [(stacks[p, checkpointed[p]].policies or (None,) * (i + 1))[i] for p, i in keys]
+    keys = sorted(members, key=order.__getitem__)
+    policies = [policy_of[key] for key in keys]
     regions = [members[key] for key in keys]
     if plan.pipeline is not None and not plan.reshard_after_forward:
         # the step gathers these weights once and holds them (runtime/pipeline/held_weights.py): the region reads

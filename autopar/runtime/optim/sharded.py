@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cost.precision import precision_of
 from ...errors import PlanError
 from ...sharding.placement import P, R, S, gathered_size, shard_full_tensor
 from ...sharding.redistribute import plan_steps
@@ -70,7 +69,7 @@ class ShardedOptimizer:
             # one's hooks would otherwise reduce the gradients a second time, into slices nothing steps
             for h in module.zero_optimizer._hooks:
                 h.remove()
-        policy = precision_of(plan.precision)
+        policy = plan.precision_policy
         params = []
         self.param_names: list[str] = []   # the wrapped optimizer's parameters' names, in its order
         self.placeholder = PlaceholderState()   # what optim_state.init_state made, until the first step

@@ -11,10 +11,9 @@ import torch.fx as fx
 from ..._compat import pipeline_stage
 from ...capture.export import INPUT, PARAM, Captured
 from ...errors import PlanError
-from ...search.pipeline import ZERO_BUBBLE
 from ..devices import mesh_device
 from .held_weights import HELD, HeldWeights, held_gathers
-from .stages import StageModule, StepLoss, cut, make_schedule, stage_graph
+from .stages import ZERO_BUBBLE, StageModule, StepLoss, cut, make_schedule, stage_graph
 
 
 class PipelineRunner:

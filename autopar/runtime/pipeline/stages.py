@@ -26,8 +26,11 @@ import torch.fx as fx
 from ..._compat import unflatten_outputs, view_base
 from ...capture.export import INPUT, PARAM, Captured
 from ...errors import PlanError
-from ...search.pipeline import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
 from .held_weights import HELD, HeldWeights
+
+# the schedules' names as a plan's PipelinePlan.schedule spells them (search/pipeline.py; tests/test_layering.py
+# holds the two equal)
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"
 
 FIRST = -1   # owner of the model's inputs: they enter before stage 0
 

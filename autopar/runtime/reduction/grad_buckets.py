@@ -3,7 +3,7 @@
 A weight replicated on a data axis gets, on each rank, the gradient of that
 rank's share of the batch: a partial sum over the axis. Reducing each one
 where autograd makes it would be one blocking all-reduce per weight. Instead
-the local graph leaves those gradients partial (cost/buckets.deferred_axes) and
+the local graph leaves those gradients partial (the plan's schedule.Lowering.partial_gradients) and
 this module does what DDP's reducer does:
 
     arrive   a weight's partial gradient reaches DeferredReduce.backward and is
@@ -41,13 +41,14 @@ import torch
 
 from ..._compat import RETURNED, TO_GRAD, backward_keeps_graph, leaf_gradient_use
 from ...capture.export import PARAM
-from ...cost.buckets import deferred_axes
-from ...cost.overlap import BUCKET
-from ...cost.precision import precision_of
 from ...errors import PlanError, UnsupportedAutogradError
 from ...sharding.redistribute import ALL_REDUCE
 from ..collectives import Comm
 from .engine import BackwardEnd, InOrder, accumulate_grad, launch
+
+# the `where` of a bucket's all-reduce in a plan's collectives (cost/overlap.BUCKET; tests/test_layering.py
+# holds the two equal)
+BUCKET = "gradient bucket "
 
 
 @dataclass
@@ -466,14 +467,14 @@ def route_through_buckets(gm, placeholder_names: dict, buckets: GradBuckets) -> 
 
 def grad_buckets_of(cap, plan, comm, grad_nodes, params: dict, grad_scale: float, coord: int) -> "GradBuckets":
     """The plan's gradient buckets for this device (pipeline coordinate `coord`; 0 when not pipelined), over
-    the weights whose gradient the graph leaves partial (cost/buckets.deferred_axes) and this device holds
+    the weights whose gradient the graph leaves partial (the plan's Lowering.partial_gradients) and this device holds
     (`params`). The plan's buckets must cover exactly those weights, on the axes their gradients are left
     partial: a plan whose schedule was made for another graph or other stages is refused, not run with some
     gradient unreduced."""
-    policy, names = precision_of(plan.precision), plan.mesh.axis_names
+    policy, names = plan.precision_policy, plan.mesh.axis_names
     deferred = {cap.info[n].target_name: tuple(names[a] for a in axes)
-                for n, axes in deferred_axes(cap, plan.node_strategies, grad_nodes).items()
-                if cap.info[n].target_name in params}
+                for n, axes in plan.schedule.lowering.partial_gradients.items()
+                if cap.info[n].kind == PARAM and cap.info[n].target_name in params}
     planned = plan.schedule.grad_buckets.get(coord, ())
     # a weight planned as trained and frozen now takes no gradient: its slot reduces zeros, handed to nobody
     listed = [w for b in planned for w in b.weights if w not in cap.frozen_params]
