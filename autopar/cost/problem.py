@@ -158,7 +158,8 @@ def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
     try:
         return edge_seconds(first_meta(info.meta), info.kind == PARAM, src, dst, grad_partial, prob.mesh, prob.links,
                             e.producer in prob.grad_nodes, edge_regathers(prob, e), keep_partial=keep_partial,
-                            reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
+                            reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer),
+                            seconds=prob.edge_cost_cache.setdefault(("collective seconds",), {}))
     except UnsupportedRedistribution as err:
         return _Refused(str(err))
 

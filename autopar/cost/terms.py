@@ -27,7 +27,7 @@ from ..mesh import MeshSpec
 from ..sharding.op_spec import op_arg, op_name, tensor_args
 from ..sharding.placement import P, Placements, R, S, ceil_div, local_shape, numel, shard_dim, uneven_dims
 from ..sharding.redistribute import (COMMUNICATING, Collective, UnsupportedRedistribution, gathers_again, plan_steps,
-                                     int_step_full_bytes, step_collectives)
+                                     int_step_full_bytes, planned_steps, step_collectives)
 from ..sharding.rules import causal_rows_split_axes, ring_axes, ring_repeats, vocab_split_axes
 from .activations import ActivationModel, activation_model, node_activation_bytes
 from .precision import ParamBytes
@@ -368,39 +368,48 @@ def edge_collectives(producer: str, src: Placements, dst: Placements, grad_parti
 
 
 def edge_seconds(meta: TensorMeta, is_param: bool, src: Placements, dst: Placements, grad_partial, mesh: MeshSpec,
-                 links: dict, grad_flows: bool, regather: int, keep_partial=(), reduce_itemsize=None) -> float:
+                 links: dict, grad_flows: bool, regather: int, keep_partial=(), reduce_itemsize=None,
+                 seconds: dict | None = None) -> float:
     """float(collectives_time(edge_collectives(...))) at the example's sizes, without listing the collectives.
 
     The search prices ~100k layout pairs a plan (Llama-3-70B on three axes), where making a Collective per
     step took most of the build; this walks the same steps in the same order and adds the same terms, so
     the figure is the same float (tests/test_edge_seconds.py holds the two to equality). Raises
-    UnsupportedRedistribution as edge_collectives does."""
-    keep_partial = keep_partial if grad_flows else ()
+    UnsupportedRedistribution as edge_collectives does. `seconds`: a dict kept between calls on one mesh and
+    links, of each collective's time by (kind, bytes, axis): a deep model's pairs move the same few sizes."""
+    keep_partial = tuple(keep_partial) if grad_flows else ()
     if src == dst and not (grad_flows and grad_partial) and not keep_partial:
         return 0.0
-    steps = plan_steps(src, dst, grad_partial if grad_flows else (), keep_partial=keep_partial)
+    steps = planned_steps(tuple(src), tuple(dst), tuple(grad_partial) if grad_flows else (), keep_partial)
+    seconds = {} if seconds is None else seconds
+
+    def time_of(kind, fb, axis):
+        key = (kind, type(fb), fb, axis)   # (4 and 4.0 are one key, and need not give one float)
+        found = seconds.get(key)
+        if found is None:
+            found = seconds[key] = cm.collective_time(kind, fb, axis_sizes[axis], links[mesh.axis_names[axis]])
+        return found
+
     check_uneven_gathered(meta, src, steps, mesh)
     regather = regather if gathers_again(steps, is_param) else 0
     shape, itemsize, axis_sizes = tuple(meta.hint), meta.itemsize, tuple(mesh.axis_sizes)
     t = 0
     for st in steps:
-        n = axis_sizes[st.axis]
-        link = links[mesh.axis_names[st.axis]]
         forward, backward = st.forward_kind, st.backward_kind
         fb = None
         if forward in COMMUNICATING:
             fb = int_step_full_bytes(st, shape, itemsize, axis_sizes)
-            t = t + cm.collective_time(forward, fb, n, link)
+            t = t + time_of(forward, fb, st.axis)
             if forward == cm.ALL_GATHER:
                 for _ in range(int(regather)):   # gathered again for backward: counted whatever grad_flows
-                    t = t + cm.collective_time(cm.ALL_GATHER, fb, n, link)
+                    t = t + time_of(cm.ALL_GATHER, fb, st.axis)
         # (edge_collectives' filter: a backward collective where no gradient flows is dropped, an all-gather
         # on an edge that gathers again kept)
         if backward in COMMUNICATING and (grad_flows or (regather and backward == cm.ALL_GATHER)):
             fb = int_step_full_bytes(st, shape, itemsize, axis_sizes) if fb is None else fb
             if reduce_itemsize and reduce_itemsize != itemsize and backward != cm.ALL_GATHER:
                 fb = fb * reduce_itemsize / itemsize
-            t = t + cm.collective_time(backward, fb, n, link)
+            t = t + time_of(backward, fb, st.axis)
     return float(t)
 
 

@@ -69,6 +69,13 @@ class Step:
     before: Placements  # whole placement tuple before the step (for shapes)
     after: Placements
 
+    def __hash__(self) -> int:   # (kept: the search hashes a Step with every layout pair it prices)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.axis, self.src, self.dst, self.grad_src, self.grad_dst, self.before, self.after))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     # (cached: plan_steps keeps its Steps, and the search asks their kinds of ~100k layout pairs)
     @functools.cached_property
     def forward_kind(self) -> str:
@@ -107,6 +114,12 @@ def plan_steps(src: Placements, dst: Placements, grad_partial: Sequence[int] = (
     return list(_plan_steps(tuple(src), tuple(dst), tuple(grad_partial), fallback, tuple(keep_partial)))
 
 
+def planned_steps(src: Placements, dst: Placements, grad_partial: tuple = (), keep_partial: tuple = ()) -> tuple:
+    """plan_steps' answer as the kept tuple itself, for tuples (the search's pricing of a layout pair: a list
+    made per call was a fifth of it on 4 axes)."""
+    return _plan_steps(src, dst, grad_partial, True, keep_partial)
+
+
 @functools.cache   # pure, and the search asks the same layout pairs for every edge
 def _plan_steps(src: Placements, dst: Placements, grad_partial: tuple, fallback: bool,
                 keep_partial: tuple) -> tuple:
@@ -140,9 +153,16 @@ def _direct_steps(src: Placements, dst: Placements, grad_partial: Sequence[int],
         _check_nesting(after, a, shard_dim(dst[a]))
         if is_shard(src[a]) and dst[a] == P:
             raise UnsupportedRedistribution(f"cannot turn split {src[a]} into partial on axis {a}")
-        steps.append(Step(a, cur[a], dst[a], grad_src_all[a], grad_dst_all[a], cur, after))
+        steps.append(_one_of(Step(a, cur[a], dst[a], grad_src_all[a], grad_dst_all[a], cur, after)))
         cur = after
     return steps
+
+
+@functools.cache
+def _one_of(step: Step) -> Step:
+    """The first Step made equal to `step`: equal steps of different layout pairs are then one object, and the
+    search's memo of their bytes (int_step_full_bytes) finds them by identity, not field by field."""
+    return step
 
 
 def gathers_again(steps, is_param: bool) -> bool:
