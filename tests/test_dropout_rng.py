@@ -297,7 +297,7 @@ def _seeded_run(rank, model, x, strategy, shape, names, built_in, backend, check
     pm.manual_seed(3)
     out = run(local)
     out.square().mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in pm.named_parameters()}
+    return out.detach(), pm.full_grads()
 
 
 DRAWN = 12 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 2
