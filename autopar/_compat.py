@@ -17,6 +17,8 @@ autopar may import those modules directly.
 - register_ordered_effect: a custom op whose calls torch.compile must keep, each one, in order.
 - functional_collectives: torch's functional collectives (a result tensor instead of a work handle),
   which torch.compile can trace, reorder and bucket; the reduction engine's other launcher.
+- generator_swap_lock: the lock under which torch.compile saves and restores the default generators,
+  which runtime/rng.py's stream swaps must not interleave with.
 """
 
 import sys
@@ -30,6 +32,19 @@ import torch.distributed as dist
 # at once. Hold this around any tracing that may run inside run_threaded ranks.
 # Eager forward/backward in other threads while one traces is fine.
 trace_lock = threading.RLock()
+
+# The lock a thread holds while it swaps a random stream into the default generators (runtime/rng.py).
+# torch.compile reads the default generators' states when it starts compiling a frame and sets them back when
+# it ends (torch._dynamo.convert_frame's preserve_global_state), under convert_frame.compile_lock. Threads of
+# one process (run_threaded's ranks) share the default generators: a compile in one rank that set them back
+# while another rank had its stream swapped in made that rank draw from the wrong state -- in a checkpointed
+# block's rerun, a mask forward never drew, so a wrong gradient (about half the runs of fsdp on 3 threaded ranks
+# compiled with aot_eager and full checkpointing). Swapping under the compiler's own lock keeps the two apart.
+# A torch without that lock: one of autopar's, which keeps the ranks' swaps apart only.
+try:
+    from torch._dynamo.convert_frame import compile_lock as generator_swap_lock
+except ImportError:   # pragma: no cover - a torch that moved it
+    generator_swap_lock = threading.RLock()
 
 
 # -----------------------------------------------------------------------------

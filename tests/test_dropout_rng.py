@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import autopar
@@ -304,6 +304,9 @@ DRAWN = 12 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 2
 
 
 @settings(max_examples=DRAWN)
+# (the drawing that failed in about half the runs while a compiling rank could set the default generators back
+# in the middle of another rank's stream swap: test_a_stream_swap_waits_for_a_compile_in_another_thread)
+@example(layout=("fsdp", (3,), ("dp",)), built_in="train", backend="aot_eager", checkpointing="full")
 @given(layout=st.sampled_from([("ddp", (2,), ("dp",)), ("fsdp", (3,), ("dp",)), ("tp", (2,), ("tp",))]),
        built_in=st.sampled_from(["eval", "train"]), backend=st.sampled_from([None, "eager", "aot_eager"]),
        checkpointing=st.sampled_from(["none", "full", "selective"]))
@@ -322,3 +325,33 @@ def test_drawn_dropout_trains_as_the_module_built_in_train_mode_uncompiled(layou
         assert torch.equal(out, out_got)
         for n, g in grads.items():
             torch.testing.assert_close(grads_got[n], g, rtol=0, atol=1e-6, msg=f"{n}'s gradient")
+
+
+def test_a_stream_swap_waits_for_a_compile_in_another_thread():
+    """A random op draws with its stream swapped into the process's default generator (runtime/rng.py), and
+    torch.compile sets that generator back to its state at the start of each frame it compiles. Ranks run as
+    threads share it: a swap must not run while another thread compiles, or the rank draws from the state the
+    compile restored (in a checkpointed block's rerun, a mask forward never drew). So a swap waits for the
+    compiler's lock, which another thread holds here as a compile would."""
+    import threading
+
+    from torch._dynamo.convert_frame import compile_lock
+
+    from autopar.runtime.rng import RandomStreams
+
+    streams = RandomStreams(0)
+    drawn = threading.Event()
+
+    def draw():
+        streams.run(("dp", 0), torch.device("cpu"), lambda: torch.rand(3))
+        drawn.set()
+
+    with compile_lock:   # another thread is compiling a frame
+        rank = threading.Thread(target=draw)
+        rank.start()
+        assert not drawn.wait(0.5)   # the swap waits
+    rank.join(10)
+    assert drawn.is_set()
+    alone = RandomStreams(0).run(("dp", 0), torch.device("cpu"), lambda: torch.rand(3))
+    again = RandomStreams(0).run(("dp", 0), torch.device("cpu"), lambda: torch.rand(3))
+    assert torch.equal(alone, again)   # and a stream still draws the same numbers from the same seed

@@ -27,13 +27,13 @@ does with the default generators, so the recompute draws forward's masks.
 from __future__ import annotations
 
 import hashlib
-import threading
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from .._compat import generator_swap_lock
 from ..sharding.op_spec import op_arg, op_name
 from ..sharding.placement import is_shard
 
@@ -47,8 +47,9 @@ _ATTENTION_OPS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product
                   "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu")
 
 # Ranks run as threads of one process (autopar.testing.run_threaded) share the default generators: one swap at a
-# time, or a rank would draw from another's stream. Uncontended in a process of its own.
-_SWAP_LOCK = threading.Lock()
+# time, or a rank would draw from another's stream; and none while another rank's torch.compile compiles a frame,
+# which sets the default generators back to where they were when it began, perhaps in the middle of a swap
+# (_compat.generator_swap_lock is the compiler's own lock). Uncontended in a process of its own.
 
 
 def draws_random(node: fx.Node) -> bool:
@@ -112,7 +113,7 @@ class RandomStreams:
     def run(self, key: tuple, device: torch.device, fn):
         """fn() with the default generator of `device` drawing from stream `key`; that generator is left as it was."""
         get_state, set_state = _rng_state_access(device)
-        with _SWAP_LOCK:
+        with generator_swap_lock:
             own = get_state()
             set_state(self._state(key, device))
             try:
