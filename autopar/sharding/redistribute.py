@@ -69,13 +69,6 @@ class Step:
     before: Placements  # whole placement tuple before the step (for shapes)
     after: Placements
 
-    def __hash__(self) -> int:   # (kept: the search hashes a Step with every layout pair it prices)
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.axis, self.src, self.dst, self.grad_src, self.grad_dst, self.before, self.after))
-            object.__setattr__(self, "_hash", h)
-        return h
-
     # (cached: plan_steps keeps its Steps, and the search asks their kinds of ~100k layout pairs)
     @functools.cached_property
     def forward_kind(self) -> str:
