@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -35,3 +36,21 @@ settings.register_profile("ci", deadline=None, suppress_health_check=[HealthChec
 settings.register_profile("thorough", deadline=None, suppress_health_check=[HealthCheck.too_slow],
                           print_blob=True, max_examples=320)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def small_problem():
+    """The search's Problem for a 2-layer GPT planned on a 2x2 mesh: the smallest model with every kind of edge
+    (weights, activations, a tied embedding) and pairs that cannot be redistributed. A fresh one per test,
+    because a test may watch what the problem's caches fill with."""
+    from autopar.capture.export import capture
+    from autopar.planning.planner import plan_captured
+    from autopar.testing import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
+    problems: dict = {}
+    plan_captured(capture(model, (torch.randint(0, 32, (4, 8)),)), {"a": 2, "b": 2}, hardware="cpu",
+                  problems=problems)
+    (entry,) = problems.values()
+    return entry[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -86,30 +87,25 @@ def test_a_gathered_weight_with_a_gradient_costs_something():
     assert _fast(c) == pytest.approx(2 * gather + reduce) and _fast(c) == _listed(c)
 
 
-def test_pair_seconds_is_edge_cost_pair_by_pair(monkeypatch):
+def _all_pairs(prob, e):
+    """Every (source, destination) key pair of edge e, sources in reverse order: a table must not care."""
+    u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
+    src_keys = list(dict.fromkeys((s.output, s.zero_axes) for s in u.strategies))[::-1]
+    dst_keys = list(dict.fromkeys((s.inputs[e.index], s.grad_partial(e.index)) for s in v.strategies))
+    a, b = (x.ravel() for x in np.meshgrid(np.arange(len(src_keys)), np.arange(len(dst_keys)), indexing="ij"))
+    return src_keys, dst_keys, a, b
+
+
+def test_pair_seconds_is_edge_cost_pair_by_pair(small_problem, monkeypatch):
     """The search's table of prices (cost/problem.pair_seconds) gives each pair edge_cost's float, inf where
     edge_cost refuses it, whatever order the keys are asked in; asked again, it prices nothing twice."""
-    import numpy as np
-
-    from autopar.capture.export import capture
     from autopar.cost import problem as problem_module
     from autopar.cost.problem import edge_cost, edge_signature, pair_seconds
-    from autopar.planning.planner import plan_captured
-    from autopar.testing import GPT, GPTConfig
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
-    problems: dict = {}
-    plan_captured(capture(model, (torch.randint(0, 32, (4, 8)),)), {"a": 2, "b": 2}, hardware="cpu",
-                  problems=problems)
-    (entry,) = problems.values()
-    prob = entry[1]
+    prob = small_problem
     checked = refused = 0
     for e in prob.edges[:40]:
-        u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
-        src_keys = list(dict.fromkeys((s.output, s.zero_axes) for s in u.strategies))[::-1]   # another order
-        dst_keys = list(dict.fromkeys((s.inputs[e.index], s.grad_partial(e.index)) for s in v.strategies))
-        a, b = (x.ravel() for x in np.meshgrid(np.arange(len(src_keys)), np.arange(len(dst_keys)), indexing="ij"))
+        src_keys, dst_keys, a, b = _all_pairs(prob, e)
         sig = edge_signature(prob, e)
         got = pair_seconds(prob, e, sig, src_keys, dst_keys, a, b)
         for j in range(len(a)):
@@ -127,9 +123,5 @@ def test_pair_seconds_is_edge_cost_pair_by_pair(monkeypatch):
     real = problem_module._edge_cost
     monkeypatch.setattr(problem_module, "_edge_cost", lambda *args: priced.append(args) or real(*args))
     e = prob.edges[0]
-    u, v = prob.strategies[e.producer], prob.strategies[e.consumer]
-    src_keys = list(dict.fromkeys((s.output, s.zero_axes) for s in u.strategies))[::-1]
-    dst_keys = list(dict.fromkeys((s.inputs[e.index], s.grad_partial(e.index)) for s in v.strategies))
-    a, b = (x.ravel() for x in np.meshgrid(np.arange(len(src_keys)), np.arange(len(dst_keys)), indexing="ij"))
-    pair_seconds(prob, e, edge_signature(prob, e), src_keys, dst_keys, a, b)
+    pair_seconds(prob, e, edge_signature(prob, e), *_all_pairs(prob, e))
     assert not priced

@@ -49,23 +49,11 @@ def test_planning_a_70b_shape_holds_little_memory(layers):
                                  f"{growth / 2**30:.2f} GB (bound {MAX_GROWTH / 2**30:.1f} GB); {got}")
 
 
-def test_refused_layout_pairs_are_cached_as_reasons_not_exceptions():
+def test_refused_layout_pairs_are_cached_as_reasons_not_exceptions(small_problem):
     """edge_cost caches the pairs it cannot redistribute. Cached as exceptions, each kept its traceback's frames
     alive, and every raise of it chained more: a search's whole ILP stayed in memory (planning 405B on 4 axes
     peaked at 4.8 GB, 2.5 GB with reasons cached)."""
-    import torch
-
-    from autopar.capture.export import capture
-    from autopar.planning.planner import plan_captured
-    from autopar.testing import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=32, block_size=8))
-    problems: dict = {}
-    plan_captured(capture(model, (torch.randint(0, 32, (4, 8)),)), {"a": 2, "b": 2}, hardware="cpu",
-                  problems=problems)
-    (entry,) = problems.values()
-    prob = entry[1]
+    prob = small_problem
     cached = list(prob.edge_cost_cache.values())
     assert not any(isinstance(v, BaseException) for v in cached)
     # the search's own table of prices (cost/problem.pair_seconds) holds a refused pair as inf, and the model has
