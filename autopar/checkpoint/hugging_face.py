@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from ..errors import PlanError
-from ..runtime.initialization import qualified_name
+from ..runtime.initialization import module_initializers, qualified_name
 from ..runtime.state_dict import LoadResult
 
 # Ranks run as threads of one process (autopar.testing.run_threaded) share one meta module tree: each
@@ -171,7 +171,7 @@ def _recompute_buffers(pm, names: set) -> None:
             try:
                 for n in own:
                     _fill_sentinel(getattr(module, n))
-                inits = _initializers(tree, prefix, module)
+                inits = module_initializers(tree, prefix)   # init_weights' policy; the first that sets them wins
                 for init in inits:
                     init(module)
                     if not any(_is_sentinel(getattr(module, n)) for n in own):
@@ -189,21 +189,6 @@ def _recompute_buffers(pm, names: set) -> None:
                       "initializer of the model recomputes them (no _init_weights of the module or its parents "
                       "sets them, no reset_parameters): they hold garbage; set them with "
                       "pm.load_state_dict({name: value}, strict=False)", stacklevel=3)
-
-
-def _initializers(tree, prefix: str, module) -> list:
-    """The nearest `_init_weights` of the module or a parent (Transformers' PreTrainedModel, nanoGPT), then
-    the module's `reset_parameters`, in that order: the first that sets the buffers wins."""
-    out = []
-    parts = prefix.split(".") if prefix else []
-    for i in range(len(parts), -1, -1):
-        own = getattr(tree.get_submodule(".".join(parts[:i])), "_init_weights", None)
-        if callable(own):
-            out.append(own)
-            break
-    if callable(getattr(module, "reset_parameters", None)):
-        out.append(lambda m: m.reset_parameters())
-    return out
 
 
 def _fill_sentinel(t: torch.Tensor) -> None:

@@ -19,19 +19,41 @@ from ..errors import PlanError
 from ..sharding.placement import R, shard_full_tensor
 
 
-def module_initializer(model: torch.nn.Module, fn):
-    """The function that initializes one module: `fn`, else the model's own `_init_weights` (Hugging
-    Face's PreTrainedModel, nanoGPT), else each module's `reset_parameters` (torch.nn's layers)."""
-    if fn is not None:
-        return fn
-    own = getattr(model, "_init_weights", None)
-    if callable(own):
-        return own
+def module_initializers(model: torch.nn.Module, prefix: str, fn=None) -> list:
+    """The functions that may initialize the module at `prefix` of `model` (each called as `f(module)`), in
+    the order to try them: `fn` alone when given; else the nearest `_init_weights` of the module or a parent,
+    then the module's own `reset_parameters`. [] when nothing would initialize it.
 
-    def reset(module):
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-    return reset
+    The nearest `_init_weights`, not the root's: Transformers initializes a sub-model that is itself a
+    PreTrainedModel (LlamaForCausalLM's `.model`) with that sub-model's own, and a user's wrapper around a
+    Hugging Face or nanoGPT model has none at the root. `reset_parameters` stays in the list after it
+    because an `_init_weights` covers only the modules its model knows: a caller that can tell whether the
+    first set the tensors (load_hf's buffers) tries the next. init_weights and load_hf both ask here, so
+    a module's weights and its recomputed buffers come from the same initialization.
+    """
+    if fn is not None:
+        return [fn]
+    out = []
+    nearest = _nearest_init_weights(model, prefix)
+    if nearest is not None:
+        out.append(nearest)
+    if callable(getattr(model.get_submodule(prefix), "reset_parameters", None)):
+        out.append(_reset_parameters)
+    return out
+
+
+def _nearest_init_weights(model: torch.nn.Module, prefix: str):
+    """The `_init_weights` of the module at `prefix`, else of its closest parent that has one, else None."""
+    parts = prefix.split(".") if prefix else []
+    for depth in range(len(parts), -1, -1):
+        own = getattr(model.get_submodule(".".join(parts[:depth])), "_init_weights", None)
+        if callable(own):
+            return own
+    return None
+
+
+def _reset_parameters(module: torch.nn.Module) -> None:
+    module.reset_parameters()
 
 
 def init_shards(model: torch.nn.Module, shards: dict, placements: dict, aliases: dict, coords: tuple,
@@ -42,15 +64,15 @@ def init_shards(model: torch.nn.Module, shards: dict, placements: dict, aliases:
     `aliases`: tied names -> the canonical name `shards` holds them under.
     """
     device = _device_of(shards)
-    init = module_initializer(model, fn)
-    model_wide = fn is not None or callable(getattr(model, "_init_weights", None))
     untouched = []
     for prefix, module in model.named_modules():
         names = {n: aliases.get(qualified_name(prefix, n), qualified_name(prefix, n))
                  for n, _ in _own_tensors(module)}
         if not any(fqn in shards for fqn in names.values()):
             continue    # no tensor of its own here (or, pipelined, on another stage)
-        if not model_wide and not hasattr(module, "reset_parameters"):
+        # only the first: nothing marks a parameter as not set, as load_hf's sentinel marks a buffer
+        init = next(iter(module_initializers(model, prefix, fn)), None)
+        if init is None:
             untouched.append(prefix or "<root>")
             continue
         module.to_empty(device=device, recurse=False)
@@ -66,8 +88,8 @@ def init_shards(model: torch.nn.Module, shards: dict, placements: dict, aliases:
             module.to_empty(device="meta", recurse=False)   # drop the whole tensors before the next module
     if untouched:
         warnings.warn(f"init_weights: no initializer for the tensors of module(s) {untouched} (no "
-                      "reset_parameters, no model._init_weights, no fn=): they hold whatever to_empty left; "
-                      "pass fn= to initialize them", stacklevel=3)
+                      "reset_parameters, no _init_weights of the module or its parents, no fn=): they hold "
+                      "whatever to_empty left; pass fn= to initialize them", stacklevel=3)
 
 
 def _own_tensors(module: torch.nn.Module) -> list:
