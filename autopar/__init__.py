@@ -4,7 +4,7 @@ from .checkpoint import load_checkpoint, load_hf_checkpoint   # deprecated: auto
 from .api import compare, parallelize, plan
 from .audit import AuditReport, audit
 from .calibrate import Calibration, calibrate
-from .cost.precision import BF16_MIXED, OptimizerSpec, Precision
+from .cost.precision import AUTO_FP8, BF16_MIXED, FP8_MIXED, Float8, OptimizerSpec, Precision
 from .errors import (AutoparError, CaptureError, DivisibilityWarning, InfeasiblePlanError, InputShapeError, MeshError,
                      PipelineError, PlanError, ShardingError, UnsupportedAutogradError, UnsupportedOpWarning)
 from .planning.options import PlanOptions
@@ -17,7 +17,7 @@ from .whatif import max_batch, min_axis_size, min_compute_bound_batch
 
 __all__ = ["plan", "compare", "parallelize", "checkpoint", "audit", "AuditReport", "calibrate", "Calibration", "Plan", "PlanOptions", "ParallelModule", "ShardedOptimizer", "clip_grad_norm_", "load_checkpoint",
            "load_hf_checkpoint",
-           "Precision", "BF16_MIXED", "OptimizerSpec", "AutoparError", "CaptureError",
+           "Precision", "BF16_MIXED", "FP8_MIXED", "AUTO_FP8", "Float8", "OptimizerSpec", "AutoparError", "CaptureError",
            "InfeasiblePlanError", "InputShapeError", "DivisibilityWarning", "MeshError", "PipelineError", "PlanError", "ShardingError", "UnsupportedAutogradError",
            "UnsupportedOpWarning",
            "max_batch", "min_compute_bound_batch", "min_axis_size", "STRATEGIES"]

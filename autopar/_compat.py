@@ -17,6 +17,7 @@ autopar may import those modules directly.
 - register_ordered_effect: a custom op whose calls torch.compile must keep, each one, in order.
 - functional_collectives: torch's functional collectives (a result tensor instead of a work handle),
   which torch.compile can trace, reorder and bucket; the reduction engine's other launcher.
+- scaled_mm: torch._scaled_mm, the float8 matmul (runtime/lowering/float8.py); torchao calls it too.
 - generator_swap_lock: the lock under which torch.compile saves and restores the default generators,
   which runtime/rng.py's stream swaps must not interleave with.
 """
@@ -337,3 +338,9 @@ def tensor_version(t: torch.Tensor) -> int:
     """A tensor's version counter (each in-place change bumps it): runtime/lowering/per_op.py checks that a
     result it cached in forward is unchanged when backward's rerun takes it."""
     return t._version
+
+
+def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum: bool):
+    """a @ b of float8 matrices, each cast with the inverse of its scale, in `out_dtype` (torch._scaled_mm:
+    private, and the only float8 matmul torch has; torchao's Float8Linear calls it as well)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)

@@ -14,7 +14,7 @@ the copy would go stale behind any optimizer that does not refresh it.)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,53 @@ def _dtype(value, field: str):
     return _DTYPES[key]
 
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class Float8:
+    """Float8 training of the linear layers' matmuls, with torchao's and torchtitan's knobs under their names.
+
+    Each float8 linear casts its input and weight to float8_e4m3fn and, in backward, its output's gradient to
+    float8_e5m2, each with a scale made from the amax (largest magnitude) of the whole tensor, however the plan
+    splits it (runtime/lowering/float8.py), and multiplies with PyTorch's scaled matmul into the compute dtype.
+
+    recipe_name: "tensorwise" (one scale per tensor) or "rowwise" (one per row, and scales rounded down to a
+      power of 2, as torchao's rowwise recipe; all three casts e4m3).
+    enable_fsdp_float8_all_gather: an FSDP weight is cast to float8 before its all-gather (half the bytes of
+      bf16), with a scale from the amax of the whole weight. On by default, unlike torchtitan's, because the
+      cast happens either way here and the gather is the only thing it changes.
+    filter_fqns: linears whose module path contains one of these stay in the compute dtype: torchtitan's
+      default "output", and Hugging Face's "lm_head", keep the output head out (its gradient feeds the loss's
+      softmax, where float8's 3-bit mantissa costs most).
+    auto_filter_small_kn: also keep in the compute dtype each linear the cost model says float8 does not speed
+      up (its casts cost more than the faster matmul saves); "auto-fp8" sets it.
+    """
+    recipe_name: str = "tensorwise"
+    enable_fsdp_float8_all_gather: bool = True
+    filter_fqns: tuple = ("output", "lm_head")
+    auto_filter_small_kn: bool = False
+
+    def __post_init__(self):
+        if self.recipe_name not in FLOAT8_RECIPES:
+            raise AutoparError(f"Float8(recipe_name={self.recipe_name!r}): use one of {', '.join(FLOAT8_RECIPES)}")
+        if isinstance(self.filter_fqns, str):
+            raise AutoparError(f"Float8(filter_fqns={self.filter_fqns!r}): a list of module-path parts, not one string")
+        object.__setattr__(self, "filter_fqns", tuple(self.filter_fqns))
+
+    def to_dict(self) -> dict:
+        return {"recipe_name": self.recipe_name, "enable_fsdp_float8_all_gather": self.enable_fsdp_float8_all_gather,
+                "filter_fqns": list(self.filter_fqns), "auto_filter_small_kn": self.auto_filter_small_kn}
+
+
+def _float8(value):
+    if value is None or isinstance(value, Float8):
+        return value
+    if isinstance(value, dict):
+        return Float8(**value)
+    raise AutoparError(f"Precision(float8={value!r}): pass an autopar.Float8(...), its dict, or None")
+
+
 @dataclass(frozen=True)
 class Precision:
     """Dtypes of one training step; None means the parameter's own dtype.
@@ -45,31 +92,45 @@ class Precision:
     between backward and the optimizer step; reduce: gradients as they cross
     the network; optimizer_state: e.g. AdamW's moments. The defaults (all
     None) train in the model's own dtype, which is what the runtime does
-    without a policy.
+    without a policy. float8: the linear layers' matmuls in float8 (Float8),
+    None for none.
     """
     compute: object = None
     master: object = None
     grad_accum: object = None
     reduce: object = None
     optimizer_state: object = None
+    float8: Float8 | None = field(default=None)
 
     def __post_init__(self):
         for f in ("compute", "master", "grad_accum", "reduce", "optimizer_state"):
             object.__setattr__(self, f, _dtype(getattr(self, f), f))
+        object.__setattr__(self, "float8", _float8(self.float8))
 
     def resolve(self, param_dtype: torch.dtype) -> "Precision":
         """Every None replaced: compute by the parameter's dtype, the rest by the master dtype."""
         master = self.master or param_dtype
         return Precision(self.compute or param_dtype, master, self.grad_accum or master,
-                         self.reduce or self.grad_accum or master, self.optimizer_state or master)
+                         self.reduce or self.grad_accum or master, self.optimizer_state or master, self.float8)
 
     def to_dict(self) -> dict:
-        return {f: (str(getattr(self, f)).removeprefix("torch.") if getattr(self, f) is not None else None)
-                for f in ("compute", "master", "grad_accum", "reduce", "optimizer_state")}
+        out = {f: (str(getattr(self, f)).removeprefix("torch.") if getattr(self, f) is not None else None)
+               for f in ("compute", "master", "grad_accum", "reduce", "optimizer_state")}
+        if self.float8 is not None:   # absent, not None, without float8: plans saved before it read the same
+            out["float8"] = self.float8.to_dict()
+        return out
 
 
 BF16_MIXED = Precision(compute="bfloat16", master="float32", grad_accum="float32", reduce="float32",
                        optimizer_state="float32")
+# bf16-mixed with the linear layers' matmuls in float8 (every one the rule in cost/float8.py allows) ...
+FP8_MIXED = Precision(compute="bfloat16", master="float32", grad_accum="float32", reduce="float32",
+                      optimizer_state="float32", float8=Float8())
+# ... or those where the cost model says float8 pays
+AUTO_FP8 = Precision(compute="bfloat16", master="float32", grad_accum="float32", reduce="float32",
+                     optimizer_state="float32", float8=Float8(auto_filter_small_kn=True))
+_NAMED = {"bf16-mixed": BF16_MIXED, "bf16_mixed": BF16_MIXED, "fp8-mixed": FP8_MIXED, "fp8_mixed": FP8_MIXED,
+          "float8": FP8_MIXED, "auto-fp8": AUTO_FP8, "auto_fp8": AUTO_FP8}
 
 
 def precision_of(value) -> Precision:
@@ -77,12 +138,14 @@ def precision_of(value) -> Precision:
         return Precision()
     if isinstance(value, Precision):
         return value
-    if isinstance(value, str) and value.strip().lower() in ("bf16-mixed", "bf16_mixed"):
-        return BF16_MIXED
+    if isinstance(value, str) and value.strip().lower() in _NAMED:
+        return _NAMED[value.strip().lower()]
     if isinstance(value, dict):
         return Precision(**value)
     raise AutoparError(f"precision={value!r}: pass an autopar.Precision(compute=..., master=..., grad_accum=..., "
-                       "reduce=..., optimizer_state=...), 'bf16-mixed', or None for the model's own dtype")
+                       "reduce=..., optimizer_state=..., float8=...), 'bf16-mixed', 'fp8-mixed' (bf16-mixed with "
+                       "the linear layers in float8), 'auto-fp8' (float8 where it pays), or None for the model's "
+                       "own dtype")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ class Problem:
     # memory more), or whichever is faster within a memory limit (None: search/ilp.solve tries both)
     reshard_after_forward: bool | None = True
     pipelined: bool = False                          # stages hold their own weights: no FSDP layer groups
+    # linear node -> (K, N) of each linear priced and run in float8 (float8.py), in graph order
+    float8: dict = field(default_factory=dict)
 
 
 def build_edges(cap: Captured, strategies: dict) -> list[Edge]:

@@ -58,6 +58,7 @@ def to_json(plan) -> str:
         "reshard_after_forward": plan.reshard_after_forward, "input_keys": list(plan.input_keys),
         "schedule": plan.schedule.to_dict() if plan.schedule is not None else None,
         "links": plan.links,
+        **({"float8_linears": list(plan.float8_linears)} if plan.float8_linears else {}),
         "symbols": plan.symbols, "stats": {k: v for k, v in plan.stats.items() if isinstance(v, (int, float, str))},
     }
     return json.dumps(d, indent=1)
@@ -112,7 +113,8 @@ def plan_fields(text: str) -> dict:
         regather_activations=d.get("regather_activations", False),
         reshard_after_forward=d.get("reshard_after_forward", True), input_keys=tuple(d.get("input_keys", ())),
         schedule=Schedule.from_dict(d["schedule"]) if d.get("schedule") else None,
-        links={axis: dict(v) for axis, v in d.get("links", {}).items()})
+        links={axis: dict(v) for axis, v in d.get("links", {}).items()},
+        float8_linears=tuple(d.get("float8_linears", ())))
 
 
 class _DoublePrinter(StrPrinter):

@@ -20,6 +20,7 @@ from ..capture.blocks import find_blocks
 from ..capture.export import PARAM, Captured
 from ..capture.gc_paused import gc_paused
 from ..cost.checkpointing import checkpointable_stacks
+from ..cost.float8 import float8_candidates, float8_strategies
 from ..cost.liveness import backward_start, live_sets
 from ..cost.precision import optimizer_spec
 from ..cost.precision import param_bytes as param_bytes_of
@@ -254,13 +255,24 @@ def _base_problem(cap: Captured, env: Request, checkpointing: str):
         raise MeshError(str(e)) from e
     canonical = find_blocks(cap).canonical if env.tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
+    float8 = float8_linears(cap, policy, hw)
+    strategies = float8_strategies(strategies, float8)
     grad_nodes = needs_grad(cap)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
                    grad_nodes, saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
                    backward_start=backward_start(cap, grad_nodes),
                    stacks=checkpointable_stacks(cap, hw) if checkpointing != "none" else (),
-                   bucket_bytes=env.options.bucket_bytes)
+                   bucket_bytes=env.options.bucket_bytes, float8=float8)
     return prob, policy, opt, hw
+
+
+def float8_linears(cap: Captured, policy, hw) -> dict:
+    """{linear node: (K, N)} of the linears the precision policy runs in float8 (cost/float8.py's rule); {}
+    without float8."""
+    if policy.float8 is None:
+        return {}
+    eligible, _ = float8_candidates(cap, policy.float8)
+    return eligible
 
 
 def _flat_plan(cap: Captured, env: Request) -> Plan:

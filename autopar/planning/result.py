@@ -8,12 +8,14 @@ inputs.py (a rank's share of a batch, with torch).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 
 from cost_models import describe_links
 
 from ..capture.export import PARAM
-from ..cost.buckets import DEFAULT_BUCKET_BYTES
+from ..cost.buckets import DEFAULT_BUCKET_BYTES, partial_gradients
+from ..cost.float8 import FLOAT8_DIM_MULTIPLE, pieces_fit
 from ..cost.precision import OptimizerSpec, Precision, precision_of
 from ..cost.predict import Predicted
 from ..cost.problem import Problem
@@ -83,6 +85,8 @@ class Plan:
     # {axis: {"reach": "inside" | "across" | "spans", "bandwidth", "latency", "given"}}; {} for a plan saved
     # before it was recorded
     links: dict = field(default_factory=dict)
+    # the linear nodes whose matmuls run in float8 (cost/float8.py), in graph order; () without float8
+    float8_linears: tuple = ()
 
     @property
     def precision_policy(self) -> Precision:
@@ -203,5 +207,27 @@ def make_plan(searched: Searched, strategy: str, capture_seconds: float) -> Plan
                 checkpointed=sol.checkpointed, pipeline=searched.pipeline, bucket_bytes=prob.bucket_bytes,
                 regather_activations=sol.regather_activations, reshard_after_forward=sol.reshard_after_forward,
                 input_keys=tuple(cap.input_keys),
-                links=describe_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, prob.links))
+                links=describe_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, prob.links),
+                float8_linears=float8_linears(prob, node_strategies))
     return replace(plan, schedule=schedule_of(cap, plan, prob.grad_nodes, saved=prob.saved))
+
+
+def float8_linears(prob: Problem, node_strategies: dict) -> tuple:
+    """The linears the plan runs in float8: the problem's (cost/float8.py), less those that cannot under the
+    chosen layouts, which stay in the compute dtype, with a warning: a weight split into pieces that are not
+    multiples of 16 (the float8 matmul's shapes), or an output gradient the layouts leave partial for the
+    gradient buckets (cost/buckets.partial_gradients: the amax of a partial sum is not the whole gradient's)."""
+    if not prob.float8:
+        return ()
+    deferred = partial_gradients(prob.cap, node_strategies, prob.grad_nodes)
+    why = {}
+    for name, (k, n) in prob.float8.items():
+        if not pieces_fit(node_strategies[name], k, n, prob.mesh.axis_sizes):
+            why[name] = f"its weight's pieces are not multiples of {FLOAT8_DIM_MULTIPLE}"
+        elif name in deferred:
+            why[name] = "its output's gradient is left a partial sum for the gradient buckets"
+    if why:
+        lines = "; ".join(f"{prob.cap.info[n].module_path or n} ({reason})" for n, reason in why.items())
+        warnings.warn(f"float8: {len(why)} linear(s) run in the compute dtype under this plan, not float8: {lines}",
+                      stacklevel=4)
+    return tuple(n for n in prob.float8 if n not in why)

@@ -39,7 +39,7 @@ from ..cost.precision import precision_of
 from ..cost.terms import first_meta
 from ..errors import PlanError
 from ..sharding.op_spec import tensor_args
-from ..sharding.placement import R, local_shape, numel
+from ..sharding.placement import R, is_shard, local_shape, numel
 from ..sharding.redistribute import plan_steps
 
 
@@ -93,6 +93,9 @@ class Lowering:
     # the checkpointed blocks, in the order of plan.checkpointed's stacks, then block
     recomputed: tuple = ()
     made_for: str = ""
+    # linear node run in float8 -> the mesh axes (indices) its activation, its weight and its output's gradient
+    # are split on, over which each one's amax is reduced (cost/float8.py; runtime/lowering/float8.py)
+    float8: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"partial_gradients": [[n, list(axes)] for n, axes in self.partial_gradients.items()],
@@ -103,7 +106,8 @@ class Lowering:
                                 "policy": None if r.policy is None else
                                 {"matmuls": list(r.policy.matmuls), "attentions": list(r.policy.attentions),
                                  "cached": list(r.policy.cached)}} for r in self.recomputed],
-                "made_for": self.made_for}
+                "made_for": self.made_for,
+                **({"float8": [[n, *map(list, axes)] for n, axes in self.float8.items()]} if self.float8 else {})}
 
     @staticmethod
     def from_dict(d: dict) -> "Lowering":
@@ -115,7 +119,8 @@ class Lowering:
                         {(op, i): (axis, dtype, tuple(sums)) for op, i, axis, dtype, sums in d["grouped"]},
                         tuple(Region(r["path"], r["index"], tuple(r["nodes"]), policy(r["policy"]))
                               for r in d["recomputed"]),
-                        d["made_for"])
+                        d["made_for"],
+                        {n: tuple(map(tuple, axes)) for n, *axes in d.get("float8", ())})
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,20 @@ def lowering_of(cap: Captured, plan, grad_nodes: set) -> Lowering:
     return Lowering(deferred, bucket_grad_scale(cap, plan, grad_nodes, deferred), scales,
                     {n: (str(c), str(r)) for n, (c, r) in casts.items()},
                     _grouped_uses(cap, plan, grad_nodes, deferred, casts), recomputed_regions(cap, plan),
-                    lowering_key(cap, plan))
+                    lowering_key(cap, plan), float8_uses(plan))
+
+
+def float8_uses(plan) -> dict:
+    """Linear node -> (activation's, weight's, output gradient's) split axes, for each linear the plan runs in
+    float8 (plan.float8_linears): the axes where its layout is S(d). Its output's gradient arrives in the
+    output's layout and whole-valued (the plan leaves no float8 linear's gradient partial: make_plan)."""
+    def split(placements):
+        return tuple(a for a, p in enumerate(placements) if is_shard(p))
+    out = {}
+    for name in plan.float8_linears:
+        s = plan.node_strategies[name]
+        out[name] = (split(s.inputs[0]), split(s.inputs[1]), split(s.output))
+    return out
 
 
 def lowering_key(cap: Captured, plan) -> str:
@@ -201,6 +219,8 @@ def lowering_key(cap: Captured, plan) -> str:
                         for n, s in plan.node_strategies.items()),
                  plan.precision, dict(plan.checkpointed), plan.hardware, list(plan.mesh.axis_names),
                  list(plan.mesh.axis_sizes), plan.pipeline is not None, sorted(cap.frozen_params)]
+    if plan.float8_linears:   # (absent otherwise: the digest of a plan without float8 is as before)
+        made_from.append(list(plan.float8_linears))
     return hashlib.sha256(json.dumps(made_from, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -27,6 +27,7 @@ from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
 from .recompute import CheckpointRegion, outline, recompute_all_but_logging
 from .regather import GatheredParams
 from ..rng import RandomOp, draws_random, shard_key
+from .float8 import Float8Linear
 from .local_ops import local_call
 from .ring_attention import ring_attention
 from .vocab_parallel import vocab_parallel_loss
@@ -396,6 +397,14 @@ class _Rewriter:
                                                           ring_repeats(node, self.cap, s, self.sizes)))
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             new = self.g.call_module(mod_name, tuple(args[:3]) + ((mask,) if mask is not None else ()))
+        elif node.name in self.lowering.float8:   # a linear whose matmuls run in float8
+            self._count += 1
+            mod_name = f"float8_{self._count}_{node.name}"
+            axes = self.lowering.float8[node.name]
+            label = f"{node.name}: amax over " + ", ".join(
+                f"{what} {[self.names[a] for a in on] or 'none'}" for what, on in zip(("input", "weight", "grad"), axes))
+            self.root.add_module(mod_name, Float8Linear(axes, self.comm, label))
+            new = self.g.call_module(mod_name, tuple(args), kwargs)
         elif vocab_split_axes(node, s, self.sizes):   # a cross-entropy over this rank's classes
             self._count += 1
             mod_name = f"vocab_parallel_{self._count}_{node.name}"
