@@ -222,7 +222,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), *, example_kwar
             plan = _plan_on_rank0(lambda: recapture(1), mesh, opts, _for_planning(recapture), start)
     cap = recapture(plan.pipeline.microbatches if plan.pipeline is not None else 1)
     _check_plan_matches(plan, cap, spec)
-    _check_runtime_precision(plan, cap)
+    _check_runtime_precision(plan, cap, mesh_device(mesh))
     grad_nodes = needs_grad(cap)
     plan = _with_schedule(plan, cap, grad_nodes)
     coords = mesh.get_coordinate()
@@ -339,11 +339,30 @@ def _check_plan_matches(plan: Plan, cap: Captured, spec: MeshSpec) -> None:
                         "it was made for another model or other example inputs")
 
 
-def _check_runtime_precision(plan: Plan, cap: Captured) -> None:
+def _check_float8(config, device) -> None:
+    """What of float8 this runtime and device can run: the tensorwise recipe with compute-dtype gathers, on a
+    CPU (torch emulates the scaled matmul) or a GPU with float8 tensor cores (compute capability 8.9: Ada,
+    Hopper and later)."""
+    if config.recipe_name != "tensorwise":
+        raise PlanError(f"float8 recipe_name={config.recipe_name!r}: autopar runs the 'tensorwise' recipe only so "
+                        "far; plan with autopar.Float8(recipe_name='tensorwise')")
+    if config.enable_fsdp_float8_all_gather:
+        raise PlanError("float8 enable_fsdp_float8_all_gather=True: autopar does not run float8 all-gathers yet "
+                        "(its FSDP gathers move the compute dtype, as priced); plan with it False")
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise PlanError(f"the plan runs linears in float8, and {name} (compute capability "
+                        f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no float8 tensor cores "
+                        "(8.9 and later: Ada, Hopper, Blackwell); plan with precision='bf16-mixed'")
+
+
+def _check_runtime_precision(plan: Plan, cap: Captured, device=None) -> None:
     """The runtime keeps each floating weight once, in the policy's master dtype, with its gradient and
     optimizer state in that dtype too (a torch optimizer keeps state in its parameter's dtype): a policy
     asking for another gradient or optimizer-state dtype cannot run as planned."""
     policy = precision_of(plan.precision)
+    if plan.float8_linears:
+        _check_float8(policy.float8, device)
     for name, info in cap.info.items():
         if info.kind != PARAM:
             continue

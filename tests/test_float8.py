@@ -216,3 +216,43 @@ def test_a_gpt_trains_as_torchao_float8_on_one_device(strategy, shape, axes, opt
     mean = torch.tensor([r[0] for r in results]).mean(0)
     torch.testing.assert_close(mean, torch.tensor(want["losses"]), rtol=0.02, atol=0)
     assert mean[-1] < mean[0]
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+def _plan_on_one_rank(rank, precision):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, _ = _batch(8)
+    autopar.parallelize(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)), (x,), strategy="ddp",
+                        precision=precision, hardware="cpu")
+
+
+@pytest.mark.parametrize("config, says", [
+    (autopar.Float8(recipe_name="rowwise"), "tensorwise"),
+    (autopar.Float8(enable_fsdp_float8_all_gather=True), "all-gather")])
+def test_what_the_runtime_cannot_run_yet_is_refused(config, says):
+    precision = autopar.Precision(**{**autopar.BF16_MIXED.to_dict(), "float8": config})
+    with pytest.raises(Exception, match=says) as e:
+        run_threaded(1, _plan_on_one_rank, precision)
+    assert isinstance(e.value.__cause__, autopar.PlanError)
+
+
+def test_the_rule_says_which_linears_run_in_float8():
+    """Every eligible linear is in float8 and the head is not; a filter names module-path parts."""
+    from autopar.capture.export import capture
+    from autopar.cost.float8 import float8_candidates
+    x, _ = _batch(8)
+    cap = capture(_model(), (x,))
+    eligible, refused = float8_candidates(cap, autopar.Float8())
+    paths = {cap.info[n].module_path for n in eligible}
+    assert len(eligible) == 12 and all(p.startswith("h.") for p in paths)
+    assert [cap.info[n].module_path for n in refused] == ["lm_head"] and "filter_fqns" in next(iter(refused.values()))
+    eligible, refused = float8_candidates(cap, autopar.Float8(filter_fqns=["attn", "lm_head"]))
+    assert {cap.info[n].module_path for n in eligible} == {f"h.{i}.{m}" for i in (0, 1) for m in ("fc", "proj")}
+    # "h" is a part of "h.0.attn.q"; "at" is not a part of anything
+    assert not float8_candidates(cap, autopar.Float8(filter_fqns=["h", "lm_head"]))[0]
+    assert len(float8_candidates(cap, autopar.Float8(filter_fqns=["at"]))[0]) == 13
+    with pytest.raises(autopar.AutoparError, match="not one string"):
+        autopar.Float8(filter_fqns="lm_head")
+    with pytest.raises(autopar.AutoparError, match="recipe_name"):
+        autopar.Float8(recipe_name="blockwise")

@@ -49,9 +49,8 @@ class Float8:
 
     recipe_name: "tensorwise" (one scale per tensor) or "rowwise" (one per row, and scales rounded down to a
       power of 2, as torchao's rowwise recipe; all three casts e4m3).
-    enable_fsdp_float8_all_gather: an FSDP weight is cast to float8 before its all-gather (half the bytes of
-      bf16), with a scale from the amax of the whole weight. On by default, unlike torchtitan's, because the
-      cast happens either way here and the gather is the only thing it changes.
+    enable_fsdp_float8_all_gather: an FSDP weight cast to float8 before its all-gather (half the bytes of
+      bf16). Off, as torchtitan's default; autopar does not run it yet and refuses a plan that asks for it.
     filter_fqns: linears whose module path contains one of these stay in the compute dtype: torchtitan's
       default "output", and Hugging Face's "lm_head", keep the output head out (its gradient feeds the loss's
       softmax, where float8's 3-bit mantissa costs most).
@@ -59,7 +58,7 @@ class Float8:
       up (its casts cost more than the faster matmul saves); "auto-fp8" sets it.
     """
     recipe_name: str = "tensorwise"
-    enable_fsdp_float8_all_gather: bool = True
+    enable_fsdp_float8_all_gather: bool = False
     filter_fqns: tuple = ("output", "lm_head")
     auto_filter_small_kn: bool = False
 
