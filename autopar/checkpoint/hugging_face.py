@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from ..errors import PlanError
-from ..runtime.initialization import module_initializers, qualified_name
+from ..runtime.initialization import module_initializers, qualified_name, run_initializers
 from ..runtime.state_dict import LoadResult
 
 # Ranks run as threads of one process (autopar.testing.run_threaded) share one meta module tree: each
@@ -154,8 +154,9 @@ def _recompute_buffers(pm, names: set) -> None:
     """Recompute the buffers `names` of a meta-built `pm` one module at a time, as its initialization does.
 
     The module is made real (its own tensors only), its buffers set to a sentinel (NaN, or the largest
-    integer) so that an initializer that does not set them shows, initialized, and the buffers copied
-    whole (every rank keeps buffers whole) before the module goes back to meta.
+    integer; runtime/initialization.run_initializers) so that an initializer that does not set them shows,
+    initialized, and the buffers copied whole (every rank keeps buffers whole) before the module goes back
+    to meta.
     """
     own_buffers = dict(pm.store.named_buffers())
     tree = pm.meta_model
@@ -169,19 +170,13 @@ def _recompute_buffers(pm, names: set) -> None:
                 continue
             module.to_empty(device=own_buffers[next(iter(own.values()))].device, recurse=False)
             try:
-                for n in own:
-                    _fill_sentinel(getattr(module, n))
-                inits = module_initializers(tree, prefix)   # init_weights' policy; the first that sets them wins
-                for init in inits:
-                    init(module)
-                    if not any(_is_sentinel(getattr(module, n)) for n in own):
-                        break
+                inits = module_initializers(tree, prefix)   # init_weights' policy, run as init_weights runs it
+                unset = run_initializers(module, own, inits)
                 for n, fqn in own.items():
-                    value = getattr(module, n)
-                    if not inits or _is_sentinel(value):
+                    if not inits or n in unset:
                         not_set.append(fqn)
                     else:
-                        own_buffers[fqn].copy_(value)
+                        own_buffers[fqn].copy_(getattr(module, n))
             finally:
                 module.to_empty(device="meta", recurse=False)
     if not_set:
@@ -189,19 +184,3 @@ def _recompute_buffers(pm, names: set) -> None:
                       "initializer of the model recomputes them (no _init_weights of the module or its parents "
                       "sets them, no reset_parameters): they hold garbage; set them with "
                       "pm.load_state_dict({name: value}, strict=False)", stacklevel=3)
-
-
-def _fill_sentinel(t: torch.Tensor) -> None:
-    if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    elif t.dtype != torch.bool:
-        t.fill_(torch.iinfo(t.dtype).max)
-
-
-def _is_sentinel(t: torch.Tensor) -> bool:
-    """Does `t` still hold (some of) the sentinel? Bool buffers cannot say: taken as set."""
-    if t.is_floating_point() or t.is_complex():
-        return bool(t.isnan().any())
-    if t.dtype == torch.bool:
-        return False
-    return bool((t == torch.iinfo(t.dtype).max).any())

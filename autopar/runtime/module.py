@@ -118,10 +118,11 @@ class ParallelModule(ModuleCall, torch.nn.Module):
         """Initialize a meta-built model's shards from scratch, after `to_empty(device=...)`.
 
         Runs `fn(module)`, else the nearest `_init_weights(module)` of the module or a parent (Hugging
-        Face, nanoGPT), else the module's `reset_parameters()`, one module at a time on whole tensors,
-        keeping this rank's slice (runtime/initialization.py; load_hf recomputes buffers alike). Seed
-        every rank alike: the shards then hold what a single device running the same initialization in
-        `model.modules()` order would.
+        Face, nanoGPT), then the module's `reset_parameters()` if that left some of its tensors unset
+        (nanoGPT's sets no LayerNorm), one module at a time on whole tensors, keeping this rank's slice
+        (runtime/initialization.py; load_hf recomputes buffers alike). Seed every rank alike: the shards
+        then hold what a single device running the same initialization in `model.modules()` order would.
+        A tensor nothing sets holds NaN, and a warning names it.
         """
         if self.meta_model is None:
             raise PlanError("init_weights is for a model built on the meta device (its parameters are "
