@@ -13,6 +13,11 @@ intermediate 5632, vocabulary 32000. It is called as its authors call it, with `
     autopar-ddp    autopar.parallelize(..., strategy="ddp", precision="bf16-mixed") on a mesh of this GPU
     autopar-fsdp   the same, strategy="fsdp"
     autopar-auto   the same, the plan autopar chooses
+and, in float8 (issue 55; not in the default --sides), the linear layers' matmuls too:
+    torchao-fp8        fsdp2, its decoder layers' linears first converted by torchao's
+                       convert_to_float8_training (tensorwise; lm_head left out), as torchtitan trains float8
+    autopar-fsdp-fp8   autopar.parallelize(..., strategy="fsdp", precision="fp8-mixed")
+    autopar-auto-fp8   the same, the plan autopar chooses
 With one rank no collective moves a byte, so the difference from eager is each module's own overhead.
 With --compile (the default), every side also runs under torch.compile (inductor), as a second row.
 
@@ -47,11 +52,12 @@ LLAMA_0_9B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=64)
 SIDES = ("eager", "fsdp2", "autopar-ddp", "autopar-fsdp", "autopar-auto")
+FLOAT8_SIDES = ("torchao-fp8", "autopar-fsdp-fp8", "autopar-auto-fp8")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {SIDES}")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {SIDES + FLOAT8_SIDES}")
     p.add_argument("--tiny", action="store_true", help="a 2-layer Llama of width 64 (a smoke run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=4)
@@ -128,15 +134,19 @@ def build_side(name: str, model, mesh, batch, args) -> Side:
     if name == "eager":
         autocast = lambda: torch.autocast(args.device, dtype=torch.bfloat16)   # noqa: E731
         return Side(name, m, torch.optim.AdamW(m.parameters(), lr=1e-5), autocast)
-    if name == "fsdp2":
+    if name in ("fsdp2", "torchao-fp8"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        if name == "torchao-fp8":
+            from torchao.float8 import convert_to_float8_training
+            convert_to_float8_training(m, module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in m.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(m, mesh=mesh, mp_policy=policy)
         return Side(name, m, torch.optim.AdamW(m.parameters(), lr=1e-5))
-    strategy = name.removeprefix("autopar-")
-    pm = autopar.parallelize(m, mesh, example_kwargs=batch, precision="bf16-mixed", hardware=args.hardware,
+    strategy = name.removeprefix("autopar-").removesuffix("-fp8")
+    precision = "fp8-mixed" if name.endswith("-fp8") else "bf16-mixed"
+    pm = autopar.parallelize(m, mesh, example_kwargs=batch, precision=precision, hardware=args.hardware,
                              **({} if strategy == "auto" else {"strategy": strategy}))
     opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-5)
     return Side(name, pm, opt, predicted=pm.plan.predicted)
@@ -164,9 +174,9 @@ def run(args) -> tuple:
     batch = make_batch(args, cfg)
     names = [s for s in args.sides.split(",") if s]
     compiled_names = names if args.compile_sides is None else [s for s in args.compile_sides.split(",") if s]
-    unknown = set(names + compiled_names) - set(SIDES)
+    unknown = set(names + compiled_names) - set(SIDES + FLOAT8_SIDES)
     if unknown:
-        raise SystemExit(f"unknown sides {sorted(unknown)}: choose from {SIDES}")
+        raise SystemExit(f"unknown sides {sorted(unknown)}: choose from {SIDES + FLOAT8_SIDES}")
     rows, profiles = [], {}
     for compiled in ([False, True] if args.compile and compiled_names else [False]):
         if compiled:
@@ -220,6 +230,11 @@ def print_table(rows, per_token: float, args) -> None:
         print(f"| {s.name} | {ms:.1f} | {ratio} | {tokens / (ms / 1e3):,.0f} | {mfu:.1%} | {pred} | {err} | "
               f"{statistics.median(s.optimizer_times) * 1e3:.1f} | {s.peak / 2**30:.1f} | {s.first_loss:.4f} | "
               f"{s.warmup_seconds:.0f} |")
+    torchao = {("compiled" in s.name): statistics.median(s.times) for s in rows if s.name.startswith("torchao-fp8")}
+    against = [f"{s.name} {statistics.median(s.times) / torchao[('compiled' in s.name)]:.3f}" for s in rows
+               if s.name.startswith("autopar-") and "-fp8" in s.name and ("compiled" in s.name) in torchao]
+    if against:   # issue 55's goal: autopar's float8 step at or below torchao's own float8 training's
+        print("float8 step time over torchao-fp8's (same mode): " + ", ".join(against))
 
 
 def print_predicted_terms(rows, profiles) -> None:

@@ -11,13 +11,19 @@
 #             mixed precision on one rank, per-op selective AC) cut to PUBLISHED_LAYERS layers (default 4: ~53 GiB
 #             predicted), per-op eager and compiled, full AC: measured step, max allocated and max reserved against
 #             autopar's prediction (docs/published-runs.md's three open gaps)
+#   float8    issue 55: benchmarks/gpu_step.py's model in float8, compiled: torchao's own float8 training
+#             (fsdp2 + convert_to_float8_training) against autopar's fp8-mixed (fsdp and auto), rounds
+#             alternating, with the prediction's error; then benchmarks/float8_loss.py, 200 steps of
+#             fp8-mixed beside bf16-mixed. torchao comes from a wheel carried in .gpu_wheels/ (the machine has
+#             no network): `pip download torchao==0.18.0 --no-deps -d .gpu_wheels`, then run with
+#             carry=[".gpu_wheels"]
 # SECTIONS picks some (default all); SIDES, COMPILE_SIDES, STEPS, ROUNDS shape the step benchmark.
 # (benchmarks/runtime_overhead.py --model 1b runs across GPUs where a machine has several.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_check}"; mkdir -p "$out"
 export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-sections="${SECTIONS:-kernels step tests shape2 published}"
+sections="${SECTIONS:-kernels step tests shape2 published float8}"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name(0), torch.cuda.device_count(), 'GPUs')"
 quiet() { grep -v -E "Warning|warn\(|^  warnings|USDT|^$" ; }
@@ -42,4 +48,12 @@ fi
 if [[ " $sections " == *" published "* ]]; then
     timeout "${PUBLISHED_TIMEOUT:-240}" python3 benchmarks/gpu_published_shape.py --layers "${PUBLISHED_LAYERS:-4}" \
         2>&1 | tee "$out/gpu_published_shape.log" | quiet | grep -v "^\[rank\|^[WI][0-9]\{4\} "
+fi
+if [[ " $sections " == *" float8 "* ]]; then
+    python3 -c "import torchao" 2>/dev/null || python3 -m pip install --quiet --no-deps .gpu_wheels/torchao-*.whl
+    timeout "${FLOAT8_TIMEOUT:-240}" python3 benchmarks/gpu_step.py --sides torchao-fp8,autopar-fsdp-fp8,autopar-auto-fp8 \
+        --compile-sides torchao-fp8,autopar-fsdp-fp8,autopar-auto-fp8 --steps 5 --rounds 2 2>&1 \
+        | tee "$out/gpu_step_float8.log" | quiet | grep "^|\|^[0-9a-zA-Z]" | grep -v "^\[rank"
+    timeout "${FLOAT8_LOSS_TIMEOUT:-240}" python3 benchmarks/float8_loss.py --steps 200 2>&1 \
+        | tee "$out/float8_loss.log" | quiet | grep "^|\|^[0-9a-zA-Z]" | grep -v "^\[rank"
 fi
