@@ -340,20 +340,22 @@ def _check_plan_matches(plan: Plan, cap: Captured, spec: MeshSpec) -> None:
 
 
 def _check_float8(config, device) -> None:
-    """What of float8 this runtime and device can run: the tensorwise recipe with compute-dtype gathers, on a
-    CPU (torch emulates the scaled matmul) or a GPU with float8 tensor cores (compute capability 8.9: Ada,
-    Hopper and later)."""
-    if config.recipe_name != "tensorwise":
-        raise PlanError(f"float8 recipe_name={config.recipe_name!r}: autopar runs the 'tensorwise' recipe only so "
-                        "far; plan with autopar.Float8(recipe_name='tensorwise')")
+    """What of float8 this runtime and device can run: both recipes with compute-dtype gathers, on a CPU (torch
+    emulates the scaled matmul) or a GPU with float8 tensor cores (compute capability 8.9: Ada, Hopper and
+    later; the rowwise recipe's kernel needs Hopper, 9.0)."""
     if config.enable_fsdp_float8_all_gather:
         raise PlanError("float8 enable_fsdp_float8_all_gather=True: autopar does not run float8 all-gathers yet "
                         "(its FSDP gathers move the compute dtype, as priced); plan with it False")
-    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
+    if device is None or device.type != "cuda":
+        return
+    capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+    if capability < (8, 9):
         raise PlanError(f"the plan runs linears in float8, and {name} (compute capability "
-                        f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no float8 tensor cores "
-                        "(8.9 and later: Ada, Hopper, Blackwell); plan with precision='bf16-mixed'")
+                        f"{'.'.join(map(str, capability))}) has no float8 tensor cores (8.9 and later: Ada, Hopper, "
+                        "Blackwell); plan with precision='bf16-mixed'")
+    if config.recipe_name == "rowwise" and capability < (9, 0):
+        raise PlanError(f"float8's rowwise recipe runs on Hopper and later (compute capability 9.0), not {name}; "
+                        "plan with autopar.Float8(recipe_name='tensorwise')")
 
 
 def _check_runtime_precision(plan: Plan, cap: Captured, device=None) -> None:

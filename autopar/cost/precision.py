@@ -47,8 +47,8 @@ class Float8:
     float8_e5m2, each with a scale made from the amax (largest magnitude) of the whole tensor, however the plan
     splits it (runtime/lowering/float8.py), and multiplies with PyTorch's scaled matmul into the compute dtype.
 
-    recipe_name: "tensorwise" (one scale per tensor) or "rowwise" (one per row, and scales rounded down to a
-      power of 2, as torchao's rowwise recipe; all three casts e4m3).
+    recipe_name: "tensorwise" (one scale per tensor) or "rowwise" (one per row of a matmul's left operand and
+      per column of its right, scales rounded down to a power of 2, every cast e4m3: torchao's rowwise).
     enable_fsdp_float8_all_gather: an FSDP weight cast to float8 before its all-gather (half the bytes of
       bf16). Off, as torchtitan's default; autopar does not run it yet and refuses a plan that asks for it.
     filter_fqns: linears whose module path contains one of these stay in the compute dtype: torchtitan's

@@ -39,7 +39,7 @@ from ..cost.precision import precision_of
 from ..cost.terms import first_meta
 from ..errors import PlanError
 from ..sharding.op_spec import tensor_args
-from ..sharding.placement import R, is_shard, local_shape, numel
+from ..sharding.placement import R, is_shard, local_shape, numel, shard_dim
 from ..sharding.redistribute import plan_steps
 
 
@@ -93,8 +93,9 @@ class Lowering:
     # the checkpointed blocks, in the order of plan.checkpointed's stacks, then block
     recomputed: tuple = ()
     made_for: str = ""
-    # linear node run in float8 -> the mesh axes (indices) its activation, its weight and its output's gradient
-    # are split on, over which each one's amax is reduced (cost/float8.py; runtime/lowering/float8.py)
+    # linear node run in float8 -> (recipe, splits): splits are the mesh axes (indices) that split (its
+    # activation's rows, its in_features), (its weight's out_features, in_features), (its output gradient's rows,
+    # out_features): what each amax is reduced over (cost/float8.py; runtime/lowering/float8.py)
     float8: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -107,7 +108,8 @@ class Lowering:
                                 {"matmuls": list(r.policy.matmuls), "attentions": list(r.policy.attentions),
                                  "cached": list(r.policy.cached)}} for r in self.recomputed],
                 "made_for": self.made_for,
-                **({"float8": [[n, *map(list, axes)] for n, axes in self.float8.items()]} if self.float8 else {})}
+                **({"float8": [[n, recipe, [[list(a) for a in pair] for pair in splits]]
+                                for n, (recipe, splits) in self.float8.items()]} if self.float8 else {})}
 
     @staticmethod
     def from_dict(d: dict) -> "Lowering":
@@ -120,7 +122,8 @@ class Lowering:
                         tuple(Region(r["path"], r["index"], tuple(r["nodes"]), policy(r["policy"]))
                               for r in d["recomputed"]),
                         d["made_for"],
-                        {n: tuple(map(tuple, axes)) for n, *axes in d.get("float8", ())})
+                        {n: (recipe, tuple(tuple(tuple(a) for a in pair) for pair in splits))
+                         for n, recipe, splits in d.get("float8", ())})
 
 
 @dataclass(frozen=True)
@@ -194,19 +197,27 @@ def lowering_of(cap: Captured, plan, grad_nodes: set) -> Lowering:
     return Lowering(deferred, bucket_grad_scale(cap, plan, grad_nodes, deferred), scales,
                     {n: (str(c), str(r)) for n, (c, r) in casts.items()},
                     _grouped_uses(cap, plan, grad_nodes, deferred, casts), recomputed_regions(cap, plan),
-                    lowering_key(cap, plan), float8_uses(plan))
+                    lowering_key(cap, plan), float8_uses(cap, plan))
 
 
-def float8_uses(plan) -> dict:
-    """Linear node -> (activation's, weight's, output gradient's) split axes, for each linear the plan runs in
-    float8 (plan.float8_linears): the axes where its layout is S(d). Its output's gradient arrives in the
-    output's layout and whole-valued (the plan leaves no float8 linear's gradient partial: make_plan)."""
-    def split(placements):
-        return tuple(a for a, p in enumerate(placements) if is_shard(p))
+def float8_uses(cap: Captured, plan) -> dict:
+    """Linear node -> (recipe, splits) for each linear the plan runs in float8 (plan.float8_linears; Lowering's
+    float8 says what splits holds). Its output's gradient arrives in the output's layout and whole-valued (the
+    plan leaves no float8 linear's gradient partial: planning/result.float8_linears)."""
+    if not plan.float8_linears:
+        return {}
+    recipe = precision_of(plan.precision).float8.recipe_name
+
+    def split(placements, inner_dim):
+        """(axes splitting another dim, axes splitting `inner_dim`) of a tensor laid out in `placements`."""
+        inner = tuple(a for a, p in enumerate(placements) if is_shard(p) and shard_dim(p) == inner_dim)
+        return tuple(a for a, p in enumerate(placements) if is_shard(p) and a not in inner), inner
+
     out = {}
     for name in plan.float8_linears:
         s = plan.node_strategies[name]
-        out[name] = (split(s.inputs[0]), split(s.inputs[1]), split(s.output))
+        last = len(first_meta(cap.info[name].meta).hint) - 1   # the activation, the output: [..., K], [..., N]
+        out[name] = (recipe, (split(s.inputs[0], last), split(s.inputs[1], 1), split(s.output, last)))
     return out
 
 

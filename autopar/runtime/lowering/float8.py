@@ -33,20 +33,23 @@ AMAX_FLOOR = 1e-12   # torchao's EPS: an all-zero tensor gets a finite scale
 DIM_MULTIPLE = 16    # the scaled matmul on a GPU: every dim it multiplies over, and the output's columns
 
 
-def amax(x: torch.Tensor, axes: tuple, comm: Comm, phase: str) -> torch.Tensor:
-    """The largest magnitude in the whole tensor of which `x` is this rank's piece, split on mesh `axes`."""
-    out = x.abs().max()
+def amax(x: torch.Tensor, axes: tuple, comm: Comm, phase: str, dim: int | None = None) -> torch.Tensor:
+    """The largest magnitude in the whole tensor of which `x` is this rank's piece, split on mesh `axes`; with
+    `dim`, of each row along `dim` (kept, size 1), where `axes` split that dim."""
+    out = x.abs().max() if dim is None else x.abs().amax(dim=dim, keepdim=True)
     for axis in axes:
-        out = logged(out, comm, ALL_REDUCE, axis, out.element_size(), phase)
+        out = logged(out, comm, ALL_REDUCE, axis, out.numel() * out.element_size(), phase)
         t0 = comm.start()
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=comm.axes[axis].group)
         comm.stop(axis, t0)
     return out
 
 
-def scale_of(amax_value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float8 max / amax, as torchao computes it (in float64, then float32: eager and compiled agree)."""
-    return (torch.finfo(dtype).max / torch.clamp(amax_value.to(torch.float64), min=AMAX_FLOOR)).to(torch.float32)
+def scale_of(amax_value: torch.Tensor, dtype: torch.dtype, power_of_2: bool = False) -> torch.Tensor:
+    """float8 max / amax, as torchao computes it (in float64, then float32: eager and compiled agree); rounded
+    down to a power of 2 where asked (torchao's rowwise recipe: the scale then multiplies exactly)."""
+    scale = (torch.finfo(dtype).max / torch.clamp(amax_value.to(torch.float64), min=AMAX_FLOOR)).to(torch.float32)
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
 
 
 def to_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -61,20 +64,31 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_mm(a: torch.Tensor, a_scale, b: torch.Tensor, b_scale, out_dtype, fast_accum: bool) -> torch.Tensor:
-    """a @ b of two float8 matrices cast with scales `a_scale`, `b_scale`, in `out_dtype`."""
+    """a @ b of two float8 matrices cast with scales `a_scale`, `b_scale` (one each, or a's per row and b's per
+    column), in `out_dtype`."""
     return _scaled_mm(a.contiguous(), _column_major(b), a_scale.reciprocal(), b_scale.reciprocal(), out_dtype,
                       fast_accum)
 
 
-class _Float8Matmul(torch.autograd.Function):
-    """x @ w.t() in float8 (x: [..., K] in the compute dtype, w: [N, K]); the scales from whole-tensor amaxes."""
+def scaled_mm_then_scaled(a: torch.Tensor, a_scale, b: torch.Tensor, b_scale, out_dtype) -> torch.Tensor:
+    """scaled_mm of per-row and per-column scales with exact accumulation, as torchao runs it: the plain float8
+    matmul, then the product scaled (its rowwise kernel without fast accumulation is slow)."""
+    one = a_scale.new_ones(())
+    out = _scaled_mm(a.contiguous(), _column_major(b), one, one, out_dtype, False)
+    out *= a_scale.reciprocal() * b_scale.reciprocal()
+    return out
+
+
+class _Tensorwise(torch.autograd.Function):
+    """x @ w.t() in float8 (x: [..., K] in the compute dtype, w: [N, K]), one scale per tensor from the whole
+    tensor's amax. `splits`: Float8Linear's."""
 
     @staticmethod
-    def forward(ctx, x, w, axes: tuple, comm: Comm):
-        x_axes, w_axes, ctx.grad_axes = axes
+    def forward(ctx, x, w, splits: tuple, comm: Comm):
+        (x_rows, x_in), (w_out, w_in), ctx.grad_split = splits
         phase = forward_phase()
-        x_scale = scale_of(amax(x, x_axes, comm, phase), E4M3)
-        w_scale = scale_of(amax(w, w_axes, comm, phase), E4M3)
+        x_scale = scale_of(amax(x, x_rows + x_in, comm, phase), E4M3)
+        w_scale = scale_of(amax(w, w_out + w_in, comm, phase), E4M3)
         x2 = x.reshape(-1, x.shape[-1])
         _check_rows(x2.shape[0], x.device)
         out = scaled_mm(to_float8(x2, x_scale, E4M3), x_scale, to_float8(w, w_scale, E4M3).t(), w_scale, x.dtype,
@@ -87,12 +101,54 @@ class _Float8Matmul(torch.autograd.Function):
     def backward(ctx, grad):
         x, w, x_scale, w_scale = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        g_scale = scale_of(amax(g2, ctx.grad_axes, ctx.comm, "backward"), E5M2)
+        g_rows, g_out = ctx.grad_split
+        g_scale = scale_of(amax(g2, g_rows + g_out, ctx.comm, "backward"), E5M2)
         g8 = to_float8(g2, g_scale, E5M2)
         grad_x = scaled_mm(g8, g_scale, to_float8(w, w_scale, E4M3), w_scale, grad.dtype, fast_accum=False)
         x8 = to_float8(x.reshape(-1, x.shape[-1]), x_scale, E4M3)
         grad_w = scaled_mm(g8.t(), g_scale, x8, x_scale, grad.dtype, fast_accum=False)
         return grad_x.reshape(x.shape), grad_w, None, None
+
+
+class _Rowwise(torch.autograd.Function):
+    """x @ w.t() in float8 with torchao's rowwise recipe: each operand of each matmul scaled along the dim the
+    matmul sums over (a row's, or a column's, amax), scales rounded down to powers of 2, every cast e4m3.
+    Backward's operands sum over other dims than forward's, so it takes their amaxes afresh."""
+
+    @staticmethod
+    def forward(ctx, x, w, splits: tuple, comm: Comm):
+        (_, x_in), (_, w_in), _ = splits
+        phase = forward_phase()
+        x2 = x.reshape(-1, x.shape[-1])
+        _check_rows(x2.shape[0], x.device)
+        x_scale = scale_of(amax(x2, x_in, comm, phase, dim=-1), E4M3, power_of_2=True)   # per row: [M, 1]
+        w_scale = scale_of(amax(w, w_in, comm, phase, dim=1), E4M3, power_of_2=True)    # per out row: [N, 1]
+        out = scaled_mm(to_float8(x2, x_scale, E4M3), x_scale, to_float8(w, w_scale, E4M3).t(), w_scale.t(),
+                        x.dtype, fast_accum=True)
+        ctx.save_for_backward(x, w)
+        ctx.splits, ctx.comm = splits, comm
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        (x_rows, _), (w_out, _), (g_rows, g_out) = ctx.splits
+        comm, phase = ctx.comm, "backward"
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        # the input's gradient, [M, N] @ [N, K]: the gradient per row, the weight per column (over N)
+        g_scale = scale_of(amax(g2, g_out, comm, phase, dim=-1), E4M3, power_of_2=True)
+        w_scale = scale_of(amax(w, w_out, comm, phase, dim=0), E4M3, power_of_2=True)
+        grad_x = scaled_mm_then_scaled(to_float8(g2, g_scale, E4M3), g_scale, to_float8(w, w_scale, E4M3), w_scale,
+                                       grad.dtype)
+        # the weight's gradient, [N, M] @ [M, K]: both over the rows M
+        g_scale = scale_of(amax(g2, g_rows, comm, phase, dim=0), E4M3, power_of_2=True)
+        x_scale = scale_of(amax(x2, x_rows, comm, phase, dim=0), E4M3, power_of_2=True)
+        grad_w = scaled_mm_then_scaled(to_float8(g2, g_scale, E4M3).t(), g_scale.t(), to_float8(x2, x_scale, E4M3),
+                                       x_scale, grad.dtype)
+        return grad_x.reshape(x.shape), grad_w, None, None
+
+
+RECIPES = {"tensorwise": _Tensorwise, "rowwise": _Rowwise}
 
 
 def _check_rows(rows: int, device: torch.device) -> None:
@@ -104,15 +160,17 @@ def _check_rows(rows: int, device: torch.device) -> None:
 
 
 class Float8Linear(torch.nn.Module):
-    """One captured linear run in float8 on this rank's pieces. `axes`: (activation's, weight's, output
-    gradient's) mesh axes, the ones each is split on, whose amax is reduced over them."""
+    """One captured linear run in float8 on this rank's pieces, by `recipe` ("tensorwise" or "rowwise").
+    `splits`: the mesh axes that split (the activation's rows, its in_features), (the weight's out_features,
+    its in_features), (the output gradient's rows, its out_features), over which each amax is reduced."""
 
-    def __init__(self, axes: tuple, comm: Comm, label: str):
+    def __init__(self, splits: tuple, recipe: str, comm: Comm, label: str):
         super().__init__()
-        self.axes, self.comm, self.label = tuple(tuple(a) for a in axes), comm, label
+        self.splits = tuple(tuple(tuple(axes) for axes in pair) for pair in splits)
+        self.matmul, self.comm, self.label = RECIPES[recipe], comm, label
 
     def forward(self, x, weight, bias=None):
-        out = _Float8Matmul.apply(x, weight, self.axes, self.comm)
+        out = self.matmul.apply(x, weight, self.splits, self.comm)
         return out if bias is None else out + bias.to(out.dtype)
 
     def extra_repr(self) -> str:

@@ -400,10 +400,11 @@ class _Rewriter:
         elif node.name in self.lowering.float8:   # a linear whose matmuls run in float8
             self._count += 1
             mod_name = f"float8_{self._count}_{node.name}"
-            axes = self.lowering.float8[node.name]
-            label = f"{node.name}: amax over " + ", ".join(
-                f"{what} {[self.names[a] for a in on] or 'none'}" for what, on in zip(("input", "weight", "grad"), axes))
-            self.root.add_module(mod_name, Float8Linear(axes, self.comm, label))
+            recipe, splits = self.lowering.float8[node.name]
+            label = f"{node.name}: {recipe}, amaxes reduced over " + ", ".join(
+                f"{what} {[self.names[a] for pair in split for a in pair] or 'none'}"
+                for what, split in zip(("input", "weight", "grad"), splits))
+            self.root.add_module(mod_name, Float8Linear(splits, recipe, self.comm, label))
             new = self.g.call_module(mod_name, tuple(args), kwargs)
         elif vocab_split_axes(node, s, self.sizes):   # a cross-entropy over this rank's classes
             self._count += 1
