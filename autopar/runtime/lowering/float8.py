@@ -93,13 +93,15 @@ class _Tensorwise(torch.autograd.Function):
         _check_rows(x2.shape[0], x.device)
         out = scaled_mm(to_float8(x2, x_scale, E4M3), x_scale, to_float8(w, w_scale, E4M3).t(), w_scale, x.dtype,
                         fast_accum=True)   # torchao's forward default; its backward matmuls accumulate exactly
-        ctx.save_for_backward(x, w, x_scale, w_scale)
-        ctx.comm = comm
+        ctx.save_for_backward(x, w)
+        # (two float32 scalars, kept beside what autograd saves: the activation model counts a linear's input and
+        # weight, as for a linear in bf16, and these 8 bytes are not worth a term of their own)
+        ctx.x_scale, ctx.w_scale, ctx.comm = x_scale, w_scale, comm
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        x, w, x_scale, w_scale = ctx.saved_tensors
+        (x, w), x_scale, w_scale = ctx.saved_tensors, ctx.x_scale, ctx.w_scale
         g2 = grad.reshape(-1, grad.shape[-1])
         g_rows, g_out = ctx.grad_split
         g_scale = scale_of(amax(g2, g_rows + g_out, ctx.comm, "backward"), E5M2)
