@@ -18,8 +18,10 @@ captured graph's node names, which the other mode's graph shares
 The rest of what the rewriter does beyond the layouts is decided here too
 (`Lowering`, made by `lowering_of`): which gradients stay partial for the
 buckets and the gradient scales, the weights cast for mixed precision, which
-weight uses join an FSDP layer group, the recomputed blocks. The runtime reads
-all of it and imports nothing of cost/ or search/ (tests/test_layering.py).
+weight uses join an FSDP layer group, the recomputed blocks, how each op runs
+on a rank's shards (sharding/local_ops.LocalOp) and the steps of each layout
+change. The runtime reads all of it and imports nothing of cost/ or search/
+(tests/test_layering.py), nor asks sharding/ again what the plan implies.
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ class LayoutChange:
 class Lowering:
     """What the rewriter (runtime/lowering/rewrite.py) does to one captured graph beyond the per-node layouts,
     decided here from the graph and the chosen strategies (lowering_of), so the runtime reads it and
-    derives nothing from the cost model. `made_for`: the digest (lowering_key) of what it was made from: the
+    derives nothing from the cost model, nor asks the rules again. `made_for`: the digest (lowering_key) of what it was made from: the
     plan's layouts, precision, recomputed stacks, hardware and pipeline, and the graph's frozen weights."""
     # node -> mesh axes (indices) on which its gradient is left partial for the gradient buckets to reduce:
     # weights first, in order of first use, then activations (cost/buckets.partial_gradients)
@@ -140,6 +142,10 @@ class Lowering:
                         layout_changes=dict(_read_layout_change(c) for c in d["layout_changes"]))
 
 
+# LocalOp's fields that are records of their own (a dict each in JSON)
+_OP_RECORDS = {"ring": Ring, "vocab_loss": VocabLoss, "vocab_lookup": VocabLookup}
+
+
 def _local_op_dict(op: LocalOp) -> dict:
     """The fields of `op` that are not a plain op's (PLAIN), its records as dicts."""
     out = {}
@@ -150,14 +156,15 @@ def _local_op_dict(op: LocalOp) -> dict:
     return out
 
 
-_OP_RECORDS = {"ring": Ring, "vocab_loss": VocabLoss, "vocab_lookup": VocabLookup}
-
-
 def _read_local_op(d: dict) -> LocalOp:
+    """The LocalOp of _local_op_dict's dict."""
     def tupled(v):   # JSON's lists back as the tuples the records hold
         return tuple(v) if isinstance(v, list) else v
-    return LocalOp(**{k: _OP_RECORDS[k](**{f: tupled(x) for f, x in v.items()}) if k in _OP_RECORDS else tupled(v)
-                      for k, v in d.items()})
+    given = {}
+    for name, value in d.items():
+        given[name] = (_OP_RECORDS[name](**{k: tupled(v) for k, v in value.items()}) if name in _OP_RECORDS
+                       else tupled(value))
+    return LocalOp(**given)
 
 
 def _layout_change_dict(key: tuple, c: LayoutChange) -> dict:
@@ -256,7 +263,7 @@ def lowering_of(cap: Captured, plan, grad_nodes: set) -> Lowering:
     return Lowering(deferred, bucket_grad_scale(cap, plan, grad_nodes, deferred), scales,
                     {n: (str(c), str(r)) for n, (c, r) in casts.items()},
                     _grouped_uses(cap, plan, uses, changes, casts), recomputed_regions(cap, plan),
-                    lowering_key(cap, plan), ops=local_ops(cap, plan), layout_changes=changes)
+                    lowering_key(cap, plan), ops=local_ops_of(cap, plan), layout_changes=changes)
 
 
 def lowering_key(cap: Captured, plan) -> str:
@@ -342,7 +349,7 @@ def _step_whole(step, shape, axis_sizes) -> int | None:
     return None
 
 
-def local_ops(cap: Captured, plan) -> dict:
+def local_ops_of(cap: Captured, plan) -> dict:
     """call_function node -> its LocalOp (sharding/local_ops.local_op) where that is not a plain op's. Raises
     PlanError for an attention that would run as a ring and draws dropout, which a ring does not apply: the
     rules plan no ring for one, but another mode's graph of the model may have one (api._other_mode)."""

@@ -121,8 +121,9 @@ def local_target(node: fx.Node, strategy, coords, sizes):
     """The callable and extra trailing args that run `node` on this rank's shards.
 
     Almost always the op itself; an embedding whose table is split along the
-    vocab becomes a masked lookup of this rank's rows (lookup_target, of the
-    lookup sharding/local_ops.vocab_lookup reads, as planning records it).
+    vocab becomes a masked lookup of this rank's rows. The rewriter reads the
+    plan's record instead (LocalOp.vocab_lookup, which planning makes with the
+    same sharding/local_ops.vocab_lookup) and calls lookup_target on it.
     """
     return lookup_target(vocab_lookup(node, strategy, sizes), node.target, coords, sizes)
 
