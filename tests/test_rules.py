@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from autopar.capture.export import capture
 from autopar.mesh import MeshSpec
 from autopar.sharding.placement import P, R, S, dim_factor, local_shape, shard_dim, shard_full_tensor
-from autopar.runtime.lowering.rewrite import SHAPE_ARG_OPS, SQUEEZE_OPS, squeezed_dims
+from autopar.runtime.lowering.rewrite import SQUEEZE_OPS, squeezed_dims
+from autopar.sharding.local_ops import SHAPE_ARG_OPS
 from autopar.runtime.lowering.local_ops import local_call
 from autopar.sharding.rules import ring_axes, vocab_split_axes
 from autopar.sharding.rules import RULES

@@ -33,6 +33,16 @@ class AxisGroup:
     coord: int      # this rank's index along the axis
 
 
+def rank_chunk(axes: tuple, coords, axis_sizes) -> tuple[int, int]:
+    """(which chunk this rank holds, how many chunks) of a dim that mesh `axes` split (in mesh order), `coords`
+    this rank's place on each axis. The plan records the axes (sharding/local_ops.LocalOp); the chunks nest in
+    mesh order, row-major over the coordinates, as placement.chunk_index counts them."""
+    index, pieces = 0, 1
+    for a in axes:
+        index, pieces = index * axis_sizes[a] + coords[a], pieces * axis_sizes[a]
+    return index, pieces
+
+
 _log_keys = itertools.count()
 # key -> CommLog, for the logging op a compiled graph runs (an op's arguments are tensors and numbers, not
 # Python objects); weak, so a log nothing else holds goes away

@@ -5,13 +5,13 @@ rows 0 and B/2, are independent draws. Run as traced, every rank draws its shard
 generator, and ranks seeded alike (the common case) draw the same numbers: every shard got the same mask.
 
 The rewriter runs each op that draws random numbers (training dropout, attention with dropout_p, bernoulli,
-rand, ...) through a `RandomOp`, which puts the state of one stream into the default generator of the op's
-device while the op runs and takes the advanced state back after (as Megatron's CUDA RNG tracker and
-DTensor's do; the aten dropout ops take no generator argument, so only the default one reaches them). The
-stream is named by this rank's coordinates on the mesh axes that split the op's output: ranks holding the
-same shard (differing only on axes where the output is replicated) share a stream and draw the same numbers,
-one mask per replica; ranks holding different shards, by head, hidden unit, sequence position or batch row,
-draw independent ones.
+rand, ...: sharding/local_ops.draws_random, which the plan records as LocalOp.random) through a `RandomOp`,
+which puts the state of one stream into the default generator of the op's device while the op runs and takes
+the advanced state back after (as Megatron's CUDA RNG tracker and DTensor's do; the aten dropout ops take no
+generator argument, so only the default one reaches them). The stream is named by this rank's coordinates on
+the mesh axes that split the op's output: ranks holding the same shard (differing only on axes where the
+output is replicated) share a stream and draw the same numbers, one mask per replica; ranks holding different
+shards, by head, hidden unit, sequence position or batch row, draw independent ones.
 
 Why not draw the whole tensor's mask on every rank and keep this rank's slice (which would equal one device's
 mask exactly)? Every rank would draw numbers for the whole tensor: over n data-parallel ranks n times what it
@@ -31,20 +31,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
 from .._compat import generator_swap_lock
-from ..sharding.op_spec import op_arg, op_name
-from ..sharding.placement import is_shard
-
-# ops whose result is a random draw: every overload whose name starts so
-_RANDOM_OPS = ("aten.bernoulli", "aten.rand", "aten.normal", "aten.uniform", "aten.exponential", "aten.cauchy",
-               "aten.log_normal", "aten.geometric", "aten.multinomial", "aten.poisson")
-# these draw only in training, with p > 0: (dropout, p) as named in their schemas
-_DROPOUT_OPS = ("aten.dropout", "aten.native_dropout", "aten.feature_dropout", "aten.alpha_dropout",
-                "aten.feature_alpha_dropout")
-_ATTENTION_OPS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product_efficient_attention",
-                  "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu")
 
 # Ranks run as threads of one process (autopar.testing.run_threaded) share the default generators: one swap at a
 # time, or a rank would draw from another's stream; and none while another rank's torch.compile compiles a frame,
@@ -52,22 +40,11 @@ _ATTENTION_OPS = ("aten.scaled_dot_product_attention", "aten._scaled_dot_product
 # (_compat.generator_swap_lock is the compiler's own lock). Uncontended in a process of its own.
 
 
-def draws_random(node: fx.Node) -> bool:
-    """Whether captured `node` draws random numbers when it runs (dropout with p = 0 or in eval does not)."""
-    name = op_name(node)
-    if name.startswith(_DROPOUT_OPS):
-        return op_arg(node, 1, "p", 0.0) != 0 and op_arg(node, 2, "train", True) is not False
-    if name.startswith(_ATTENTION_OPS):
-        return op_arg(node, 4, "dropout_p", 0.0) != 0
-    if name.startswith("aten.rrelu"):
-        return bool(op_arg(node, 3, "training", False))
-    return name.startswith(_RANDOM_OPS)
-
-
-def shard_key(output_placements, coords: tuple, axis_sizes: tuple) -> tuple:
-    """The stream an op with these output placements draws from on this rank: (axis, coordinate) on each
-    axis that splits the output; () (the one shared stream) for an output every rank holds whole."""
-    return tuple((a, coords[a]) for a, p in enumerate(output_placements) if is_shard(p) and axis_sizes[a] > 1)
+def shard_key(axes: tuple, coords: tuple) -> tuple:
+    """The stream an op draws from on this rank: (axis, coordinate) on each of `axes`, those that split its output
+    (the plan records them: sharding/local_ops.random_axes); () (the one shared stream) for an output every rank
+    holds whole."""
+    return tuple((a, coords[a]) for a in axes)
 
 
 def _stream_seed(base: int, key: tuple) -> int:

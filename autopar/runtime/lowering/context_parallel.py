@@ -18,19 +18,10 @@ most useful work. A later scheme (ring attention, head-tail chunks) balances it;
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 
 from ...errors import InputShapeError
-from ...sharding.placement import chunk_index, chunk_span, dim_factor
-
-
-def row_chunk(node: fx.Node, strategy, coords, axis_sizes) -> tuple[int, int]:
-    """(which chunk of the query's rows this rank holds, how many chunks): sharding.rules.causal_rows_split_axes
-    says which ops need it."""
-    dim = _row_dim(node)
-    pieces = dim_factor(strategy.inputs[0], dim, axis_sizes)
-    return chunk_index(strategy.inputs[0], dim, coords, axis_sizes), pieces
+from ...sharding.placement import chunk_span
 
 
 def causal_rows_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, *, scale=None,
@@ -51,6 +42,3 @@ def causal_rows_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=False,
                                           scale=scale, enable_gqa=enable_gqa)
 
-
-def _row_dim(node: fx.Node) -> int:
-    return node.args[0].meta["val"].dim() - 2

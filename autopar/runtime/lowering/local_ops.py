@@ -5,26 +5,36 @@ Almost always the op itself, on the local tensors. Two ops change with their spl
   (vocab_parallel.vocab_parallel_embedding);
 - a causal attention whose query rows are split masks by its rows' global positions
   (context_parallel.causal_rows_attention).
-The rewriter (rewrite.py) and the rules' property test (tests/test_rules.py) both ask here, so the test
-runs what the runtime runs.
+The plan records which (sharding/local_ops.LocalOp, in planning/schedule.Lowering.ops): the rewriter (rewrite.py)
+runs `run_local` on that record, and the rules' property test (tests/test_rules.py) `local_call` on the same
+fields derived from the node as planning derives them, so the test runs what the runtime runs.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
+from ...sharding.local_ops import LocalOp, vocab_lookup
 from ...sharding.rules import causal_rows_split_axes
-from .context_parallel import causal_rows_attention, row_chunk
-from .vocab_parallel import local_target
+from ..collectives import rank_chunk
+from .context_parallel import causal_rows_attention
+from .vocab_parallel import lookup_target
 
 
 def local_call(node: fx.Node, strategy, coords, axis_sizes, args: tuple, kwargs: dict) -> tuple:
     """(callable, args, kwargs) that compute this rank's shard of `node`'s output under `strategy`, from
     `args` and `kwargs` (the op's own, its tensors already local). `coords`: this rank's place on each mesh
     axis."""
-    if causal_rows_split_axes(node, strategy, axis_sizes):
-        chunk, num_chunks = row_chunk(node, strategy, coords, axis_sizes)
+    op = LocalOp(vocab_lookup=vocab_lookup(node, strategy, axis_sizes),
+                 causal_rows=causal_rows_split_axes(node, strategy, axis_sizes))
+    return run_local(op, node.target, coords, axis_sizes, args, kwargs)
+
+
+def run_local(op: LocalOp, target, coords, axis_sizes, args: tuple, kwargs: dict) -> tuple:
+    """(callable, args, kwargs) that run op `target` as the plan's record `op` says, on this rank's shards."""
+    if op.causal_rows:
+        chunk, num_chunks = rank_chunk(op.causal_rows, coords, axis_sizes)
         return causal_rows_attention, args, {**kwargs, "chunk": chunk, "num_chunks": num_chunks}
-    target, extra = local_target(node, strategy, coords, axis_sizes)
+    target, extra = lookup_target(op.vocab_lookup, target, coords, axis_sizes)
     if extra:  # vocab_parallel_embedding(weight, indices, start, local padding_idx)
         return target, (args[0], args[1]) + extra, {}
     return target, args, kwargs

@@ -18,23 +18,20 @@ from torch.utils.checkpoint import checkpoint
 
 from ...capture.export import PARAM, Captured
 from ...errors import PlanError
-from ...sharding.op_spec import op_arg, op_name, tensor_args
-from ...sharding.placement import R, dim_factor, gathered_size, is_shard
-from ...sharding.redistribute import NONE, UnsupportedRedistribution, gathers_again, plan_steps
-from ...sharding.rules import ring_axes, ring_repeats, vocab_split_axes
+from ...sharding.local_ops import PLAIN
+from ...sharding.op_spec import op_name, tensor_args
+from ...sharding.placement import R
+from ...sharding.redistribute import NONE, gathers_again
 from ..collectives import CastAndRedistribute, Comm, Redistribute, forward_phase, scale_grad, transform
 from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
 from .recompute import CheckpointRegion, outline, recompute_all_but_logging
 from .regather import GatheredParams
-from ..rng import RandomOp, draws_random, shard_key
+from ..rng import RandomOp, shard_key
 from .float8 import Float8Linear
-from .local_ops import local_call
+from .local_ops import run_local
 from .ring_attention import ring_attention
 from .vocab_parallel import vocab_parallel_loss
 
-SHAPE_ARG_OPS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
-                 "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
-                 "aten.new_empty.default", "aten.new_full.default"}
 VIEW_OPS = {"aten.view.default", "aten._unsafe_view.default"}
 SQUEEZE_OPS = {"aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims"}
 DROPPED_OPS = {"aten._assert_tensor_metadata.default"}  # checks global metadata a local shard fails
@@ -124,14 +121,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise PlanError(f"the plan casts a weight to {name!r}, which is no torch dtype")
     return dtype
-
-
-def _step_whole(step, shape, axis_sizes) -> int | None:
-    """The length of the dim `step` splits or gathers on its axis, whole along that axis."""
-    for placements in (step.before, step.after):
-        if is_shard(placements[step.axis]):
-            return gathered_size(tuple(shape), placements, step.axis, axis_sizes)
-    return None
 
 
 def _describe(steps, axis_names) -> str:
@@ -262,31 +251,33 @@ class _Rewriter:
         if tuple(src) == tuple(dst) and set(gp) == set(keep) and producer.name not in self.casts:
             return self.env[producer.name]
         key = (producer.name, tuple(dst), gp)
+        # the steps planning chose for this change (planning/schedule.LayoutChange, one per key)
+        change = self.lowering.layout_changes.get(key)
+        if change is None:
+            raise PlanError(f"the plan's lowering has no layout change of {producer.name} to {tuple(dst)} (gradient "
+                            f"partial on {gp}): it was made for another graph; plan again (autopar.plan)")
         if key not in self._cache:
-            self._cache[key] = self._call_redistribute(producer, tuple(src), tuple(dst), gp, keep,
-                                                       reader if use is None else use)
+            self._cache[key] = self._call_redistribute(producer, change, reader if use is None else use)
         if reader in self.schedule.regathered and producer.name in self.grad_nodes:
             module = self.root.get_submodule(self._cache[key].target)
-            if module.gathered is None and gathers_again(module.steps, is_param=False):
+            if module.gathered is None and change.activation_gathers_again:
                 module.gathered, module.activation = self.gathered, True
         return self._cache[key]
 
-    def _call_redistribute(self, producer: fx.Node, src: tuple, dst: tuple, gp: tuple, keep: tuple, use) -> fx.Node:
-        """A new RedistributeModule for src -> dst, and the node calling it on `producer` for `use` (redistribute's)."""
-        try:
-            steps = plan_steps(src, dst, gp, keep_partial=keep)
-        except UnsupportedRedistribution as e:
-            raise PlanError(f"plan asks for an unsupported layout change at {producer.name}: {e}") from e
+    def _call_redistribute(self, producer: fx.Node, change, use) -> fx.Node:
+        """A new RedistributeModule making the plan's layout `change` of `producer`, and the node calling it on
+        `producer` for `use` (redistribute's)."""
+        steps = list(change.steps)
         is_param = self.cap.info[producer.name].kind == PARAM
         cast = self.casts.get(producer.name)
         # an FSDP weight, or one cast for its op (mixed precision), is made again for backward, not kept --
         # unless the plan keeps FSDP weights gathered until backward (plan.reshard_after_forward False); so
         # is an activation gathered whole for an op that keeps it (sequence parallelism, as Megatron)
         # (an activation is gathered again where redistribute finds a reader that keeps it)
-        gathers = gathers_again(steps, is_param)
+        gathers = change.weight_gathers_again
         regathered = is_param and (gathers and self.reshard or cast is not None and not gathers)
         # a parameter's storage may split a dim unevenly (placement.py): its steps need the whole length
-        wholes = [_step_whole(s, self.cap.info[producer.name].meta.hint, self.sizes) for s in steps] if is_param else None
+        wholes = change.wholes
         self._count += 1
         mod_name = f"redist_{self._count}_{producer.name}"
         label = f"{producer.name}: {_describe(steps, self.names)}" + (f"; cast to {cast[0]}" if cast else "")
@@ -373,28 +364,24 @@ class _Rewriter:
         if name in DROPPED_OPS:
             return
         s = self.strategies.get(node.name)
+        op = self.lowering.ops.get(node.name, PLAIN)   # how the plan runs it (sharding/local_ops.LocalOp)
         if name == "aten.sym_size.int":
-            self.env[node.name] = self._global_size(node)
+            self.env[node.name] = self._global_size(node, op.size_factor)
             return
         args, kwargs = self.map_args(node, s)
         if name in SQUEEZE_OPS:
             self.env[node.name] = self._squeeze(node, args)
             return
-        if name in SHAPE_ARG_OPS and s is not None:
-            args = (args[0], _localize_shape(self.g, args[1], s.output, self.sizes)) + tuple(args[2:])
+        if op.shape_factors:
+            args = (args[0], _localize_shape(self.g, args[1], op.shape_factors)) + tuple(args[2:])
         # a traced view may rely on strides the local tensor lacks (CPU SDPA returns a
         # transposed layout, so `.contiguous()` vanished from the trace): reshape copies only then
         if name in VIEW_OPS:
             new = self.g.call_function(torch.ops.aten.reshape.default, args, kwargs)
-        elif ring_axes(node, s, self.sizes):   # attention passing keys and values round a context axis
-            if draws_random(node):   # the rules plan no ring for it; another mode's graph may ask for one
-                raise PlanError(f"{node.name} runs as a ring attention over mesh axes "
-                                f"{[self.names[a] for a in ring_axes(node, s, self.sizes)]}, which applies no "
-                                f"dropout, and it has dropout_p={op_arg(node, 4, 'dropout_p', 0.0)}")
+        elif op.ring is not None:   # attention passing keys and values round a context axis
             self._count += 1
             mod_name = f"ring_attention_{self._count}_{node.name}"
-            self.root.add_module(mod_name, ring_attention(node, s, self.comm, self.sizes,
-                                                          ring_repeats(node, self.cap, s, self.sizes)))
+            self.root.add_module(mod_name, ring_attention(op.ring, self.comm, node.name))
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             new = self.g.call_module(mod_name, tuple(args[:3]) + ((mask,) if mask is not None else ()))
         elif node.name in self.lowering.float8:   # a linear whose matmuls run in float8
@@ -406,25 +393,25 @@ class _Rewriter:
                 for what, split in zip(("input", "weight", "grad"), splits))
             self.root.add_module(mod_name, Float8Linear(splits, recipe, self.comm, label))
             new = self.g.call_module(mod_name, tuple(args), kwargs)
-        elif vocab_split_axes(node, s, self.sizes):   # a cross-entropy over this rank's classes
+        elif op.vocab_loss is not None:   # a cross-entropy over this rank's classes
             self._count += 1
             mod_name = f"vocab_parallel_{self._count}_{node.name}"
-            self.root.add_module(mod_name, vocab_parallel_loss(node, s, self.comm, self.coords, self.sizes))
+            self.root.add_module(mod_name, vocab_parallel_loss(op.vocab_loss, self.comm, self.coords, self.sizes))
             new = self.g.call_module(mod_name, (args[0], args[1]))
         else:
             # the local op first: a causal attention over this rank's rows keeps its offset with dropout on too
-            target, args, kwargs = local_call(node, s, self.coords, self.sizes, args, kwargs)
-            if draws_random(node):
-                new = self._call_random(node, s, target, args, kwargs)
+            target, args, kwargs = run_local(op, node.target, self.coords, self.sizes, args, kwargs)
+            if op.random is not None:
+                new = self._call_random(node, op.random, target, args, kwargs)
             else:
                 new = self.g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.env[node.name] = new
 
-    def _call_random(self, node: fx.Node, s, target, args, kwargs) -> fx.Node:
-        """A random op (`target`, local_ops.local_call's) drawing from the stream of this rank's shard of its
-        output (rng.py): per shard where the output is split, shared where it is replicated."""
-        key = shard_key(s.output if s is not None else (R,) * len(self.sizes), self.coords, self.sizes)
+    def _call_random(self, node: fx.Node, axes: tuple, target, args, kwargs) -> fx.Node:
+        """A random op (`target`, local_ops.run_local's) drawing from the stream of this rank's shard of its
+        output (rng.py): per shard on the mesh `axes` that split the output, shared where none does."""
+        key = shard_key(axes, self.coords)
         self._count += 1
         mod_name = f"random_{self._count}_{node.name}"
         shards = ", ".join(f"{self.names[a]}={c}" for a, c in key) or "shared by all ranks"
@@ -432,11 +419,11 @@ class _Rewriter:
         self.root.add_module(mod_name, RandomOp(target, self.comm.random_streams, key, label))
         return self.g.call_module(mod_name, args, kwargs)
 
-    def _global_size(self, node: fx.Node) -> fx.Node:
-        """A sym_size read of a local tensor, multiplied back to the global size the graph computes with."""
+    def _global_size(self, node: fx.Node, f: int) -> fx.Node:
+        """A sym_size read of a local tensor, multiplied back (by `f`, the plan's split of the dim it reads) to the
+        global size the graph computes with."""
         t, d = node.args[0], node.args[1]
         x = self.g.call_function(node.target, (self.env[t.name], d))
-        f = dim_factor(self.out_placement(t.name), d, self.sizes)
         return self.g.call_function(operator.mul, (x, f)) if f > 1 else x
 
     def _squeeze(self, node: fx.Node, args) -> fx.Node:
@@ -521,10 +508,10 @@ def _is_tensor(n: fx.Node) -> bool:
     return isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and bool(v) and isinstance(v[0], torch.Tensor))
 
 
-def _localize_shape(g: fx.Graph, shape, placements, sizes):
+def _localize_shape(g: fx.Graph, shape, factors: tuple):
+    """A shape argument in global terms divided by the plan's split of each dim (`factors`, LocalOp.shape_factors)."""
     out = []
-    for d, v in enumerate(shape):
-        f = dim_factor(placements, d, sizes)
+    for v, f in zip(shape, factors):
         if f == 1 or (isinstance(v, int) and v == -1):
             out.append(v)
         elif isinstance(v, int):

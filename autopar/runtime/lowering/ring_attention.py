@@ -20,12 +20,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import InputShapeError
-from ...sharding.op_spec import op_arg
-from ...sharding.rules import ring_axes
+from ...sharding.local_ops import Ring
 from ..collectives import Comm, forward_phase
 from .ring_layout import RingLayout, exchange, flash_layout
 
@@ -205,9 +203,7 @@ class RingAttention(nn.Module):
         return f"{self.label}, axis={self.axis}, causal={self.causal}, repeats={self.repeats}"
 
 
-def ring_attention(node: fx.Node, strategy, comm: Comm, sizes, repeats: int = 1) -> RingAttention:
-    """The module that runs attention `node` as a ring over the one axis sharding/rules.ring_axes names, its
-    keys and values repeated `repeats` times per head (sharding/rules.ring_repeats)."""
-    (axis,) = ring_axes(node, strategy, sizes)
-    return RingAttention(comm, axis, bool(op_arg(node, 5, "is_causal", False)), op_arg(node, 6, "scale", None),
-                         bool(op_arg(node, 7, "enable_gqa", False)), node.name, repeats=repeats)
+def ring_attention(ring: Ring, comm: Comm, label: str) -> RingAttention:
+    """The module that runs an attention as the plan's record `ring` says (sharding/local_ops.Ring: the one axis
+    sharding/rules.ring_axes names, its keys and values repeated `ring.repeats` times per head)."""
+    return RingAttention(comm, ring.axis, ring.causal, ring.scale, ring.gqa, label, repeats=ring.repeats)

@@ -15,11 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ...sharding.op_spec import op_arg, op_name
-from ...sharding.placement import chunk_index, dim_factor
-from ...sharding.rules import vocab_split_axes
+from ...sharding.local_ops import VocabLookup, VocabLoss, vocab_lookup
 from ...sharding.redistribute import ALL_REDUCE
-from ..collectives import Comm, forward_phase, logged
+from ..collectives import Comm, forward_phase, logged, rank_chunk
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int,
@@ -112,34 +110,32 @@ class VocabParallelCrossEntropy(torch.nn.Module):
         return f"classes [{self.start}, ...) of {self.num_classes} split over axes {list(self.axes)}"
 
 
-def vocab_parallel_loss(node: fx.Node, strategy, comm: Comm, coords, sizes) -> VocabParallelCrossEntropy:
-    """The module that runs cross-entropy `node` on this rank's slice of the classes."""
-    ignore_index, smoothing = op_arg(node, 4, "ignore_index", -100), op_arg(node, 5, "label_smoothing", 0.0)
-    num_classes = node.args[0].meta["val"].shape[1]
-    pl = strategy.inputs[0]
-    local = num_classes // dim_factor(pl, 1, sizes)   # the strategies keep only splits that divide
-    start = chunk_index(pl, 1, coords, sizes) * local
-    return VocabParallelCrossEntropy(comm, vocab_split_axes(node, strategy, sizes), start, int(num_classes),
-                                     int(ignore_index), float(smoothing))
+def vocab_parallel_loss(loss: VocabLoss, comm: Comm, coords, sizes) -> VocabParallelCrossEntropy:
+    """The module that runs a cross-entropy on this rank's slice of the classes, as the plan records it."""
+    chunk, _ = rank_chunk(loss.axes, coords, sizes)
+    return VocabParallelCrossEntropy(comm, loss.axes, chunk * loss.per_rank, loss.num_classes, loss.ignore_index,
+                                     loss.smoothing)
 
 
 def local_target(node: fx.Node, strategy, coords, sizes):
     """The callable and extra trailing args that run `node` on this rank's shards.
 
     Almost always the op itself; an embedding whose table is split along the
-    vocab becomes a masked lookup of this rank's rows.
+    vocab becomes a masked lookup of this rank's rows. The rewriter reads the
+    plan's record instead (LocalOp.vocab_lookup, which planning makes with the
+    same sharding/local_ops.vocab_lookup) and calls lookup_target on it.
     """
-    if op_name(node) == "aten.embedding.default" and strategy is not None:
-        weight_pl = strategy.inputs[0]
-        f = dim_factor(weight_pl, 0, sizes)
-        if f > 1:
-            vocab = node.args[0].meta["val"].shape[0]
-            rows = vocab // f
-            start = chunk_index(weight_pl, 0, coords, sizes) * rows
-            padding_idx = op_arg(node, 2, "padding_idx", -1)
-            # the padding row in this rank's slice, -1 where another rank holds it (or none is:
-            # F.embedding has already turned a negative padding_idx into a row, so aten's is -1)
-            local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
-            # scale_grad_by_freq and sparse never get here: embedding_rule keeps such a lookup whole
-            return vocab_parallel_embedding, (start, local_pad)
-    return node.target, ()
+    return lookup_target(vocab_lookup(node, strategy, sizes), node.target, coords, sizes)
+
+
+def lookup_target(lookup: VocabLookup | None, target, coords, sizes):
+    """`target` and no extra args, or for an embedding over a split vocabulary (`lookup`), the masked lookup of
+    this rank's rows and its (start row, padding row)."""
+    if lookup is None:
+        return target, ()
+    chunk, _ = rank_chunk(lookup.axes, coords, sizes)
+    start = chunk * lookup.per_rank
+    # the padding row in this rank's slice, -1 where another rank holds it (or none is:
+    # F.embedding has already turned a negative padding_idx into a row, so aten's is -1)
+    local_pad = lookup.padding_idx - start if start <= lookup.padding_idx < start + lookup.per_rank else -1
+    return vocab_parallel_embedding, (start, local_pad)
