@@ -7,6 +7,11 @@ InfiniBand, so the same collective costs very differently on the two.
 Presets (PRESETS): "h100" (80 GB HBM3 SXM, 700 W), "h100-hbm2e" (the 96 GB HBM2e H100 capped at
 500 W of Meta's Grand Teton hosts, torchtitan's published cluster), "h200", "a100", "tpu-v5p", and
 "cpu" / "cpu-gloo" for CPU ranks. Each figure's source is the comment above it.
+
+peak_flops is keyed by dtype name; "float8" is the float8 (e4m3/e5m2) tensor-core peak that float8 linears'
+matmuls run at (autopar/cost/float8.py). Only presets whose device has float8 tensor cores give it (the
+Hopper ones; CPU ranks emulate it at their bf16 rate): a plan asking float8 on one without it is refused, not
+priced at another dtype's rate (Hardware.flops_per_second's float32 fallback would do that silently).
 """
 
 import json
@@ -108,6 +113,9 @@ class Hardware:
 
 
 GiB = 2**30
+FLOAT8 = "float8"   # peak_flops' key for float8 matmuls (module docstring)
+# The 500 W cap's clock factor of "h100-hbm2e" (its comment derives it): 884 TF of the SXM's 989 TF bf16
+H100_500W = 884 / 989
 
 # What NCCL's ring collectives (all-gather, reduce-scatter, all-reduce without NVLink SHARP) move per direction
 # over an H100's or H200's 18 NVLink 4 links: 20.6 GB/s a link, NCCL's own figure for them (SM90_NVLINK_BW in
@@ -123,12 +131,13 @@ NVLINK_4_NCCL = 18 * 20.6e9
 PRESETS = {
     # NVIDIA H100 SXM5 80GB datasheet: dense (no sparsity) tensor-core peaks.
     # float32 uses the TF32 tensor-core figure (494.5 TF), which is what matmuls run
-    # at with torch.backends.cuda.matmul.allow_tf32; plain FP32 is only 67 TF.
+    # at with torch.backends.cuda.matmul.allow_tf32; plain FP32 is only 67 TF. FP8: 1,979 TF dense (the
+    # datasheet's 3,958 TF is with sparsity, which no training matmul uses).
     # HBM3 3.35 TB/s; NVLink 4 900 GB/s total = 450 GB/s per direction, of which NCCL's collectives move
     # 370.8 GB/s (NVLINK_4_NCCL below); ConnectX-7 InfiniBand NDR 400 Gb/s = 50 GB/s per GPU.
     "h100": Hardware(
         name="h100",
-        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12, FLOAT8: 1979e12},
         memory_bytes=80 * GiB,
         memory_bandwidth=3.35e12,
         intra_node_link=Link(bandwidth=NVLINK_4_NCCL, latency=3e-6),
@@ -149,7 +158,8 @@ PRESETS = {
     #   GEMM's power is mostly dynamic, P ~ f V^2, and along the DVFS curve V ~ f, so P ~ f^3 and the clock a
     #   cap allows is f ~ P^(1/3): (500/700)^(1/3) = 0.894 of it, 884 TF bf16 (442 TF TF32). Checked against a
     #   datasheet of the same die at a lower cap: the H100 NVL (132 SMs, 400 W) lists 835 TF dense bf16, where
-    #   the same law from 700 W gives (400/700)^(1/3) x 989 = 821 TF (1.7% under it).
+    #   the same law from 700 W gives (400/700)^(1/3) x 989 = 821 TF (1.7% under it). float8 runs on the same
+    #   SMs at the same clock: the SXM's dense 1,979 TF x 884/989 (H100_500W) = 1,769 TF.
     # - Memory: 6 HBM2e stacks of 16 GiB = 96 GiB (GiB-sized like the SXM's 80 GB), 2.4 TB/s as stated.
     # - NVLink 4 inside a host: 18 links, as the SXM (NVLINK_4_NCCL); between hosts 400 Gb/s RDMA per GPU =
     #   50 GB/s. Latencies as "h100" (same fabric).
@@ -161,7 +171,7 @@ PRESETS = {
     #   (75.8 ms of bytes) that is 105.6 ms, a share of 0.72.
     "h100-hbm2e": Hardware(
         name="h100-hbm2e",
-        peak_flops={"bfloat16": 884e12, "float16": 884e12, "float32": 442e12},
+        peak_flops={"bfloat16": 884e12, "float16": 884e12, "float32": 442e12, FLOAT8: 1979e12 * H100_500W},
         memory_bytes=96 * GiB,
         memory_bandwidth=2.4e12,
         intra_node_link=Link(bandwidth=NVLINK_4_NCCL, latency=3e-6),
@@ -172,7 +182,8 @@ PRESETS = {
     # NVIDIA A100 80GB SXM datasheet: BF16/FP16 312 TF, TF32 156 TF (used for float32);
     # HBM2e 2,039 GB/s; NVLink 3 600 GB/s total = 300 GB/s per direction over 12 links, of which NCCL's
     # collectives move 12 x 20.0 = 240 GB/s (NCCL's SM80_NVLINK_BW; see NVLINK_4_NCCL);
-    # InfiniBand HDR 200 Gb/s = 25 GB/s per GPU.
+    # InfiniBand HDR 200 Gb/s = 25 GB/s per GPU. No "float8": Ampere's tensor cores have no float8 (a float8
+    # plan on it is refused: autopar/cost/float8.py).
     "a100": Hardware(
         name="a100",
         peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
@@ -182,13 +193,13 @@ PRESETS = {
         inter_node_link=Link(bandwidth=25e9, latency=10e-6),
     ),
     # NVIDIA H200 SXM 141GB datasheet: the H100's GH100 die, so the same dense peaks
-    # (BF16/FP16 989 TF; TF32 494.5 TF, used for float32; the datasheet's 1,979 / 989 TF
-    # are with sparsity); HBM3e 141 GB at 4.8 TB/s (141 GB is, like the H100's 80 GB,
+    # (BF16/FP16 989 TF; TF32 494.5 TF, used for float32; FP8 1,979 TF; the datasheet's 1,979 / 989 /
+    # 3,958 TF are with sparsity); HBM3e 141 GB at 4.8 TB/s (141 GB is, like the H100's 80 GB,
     # GiB-sized: nvidia-smi shows ~140 GiB); NVLink 4 as the H100 (NVLINK_4_NCCL);
     # 400 Gb/s InfiniBand NDR per GPU = 50 GB/s. Latencies as for the H100.
     "h200": Hardware(
         name="h200",
-        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12},
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494.5e12, FLOAT8: 1979e12},
         memory_bytes=141 * GiB,
         memory_bandwidth=4.8e12,
         intra_node_link=Link(bandwidth=NVLINK_4_NCCL, latency=3e-6),
@@ -214,7 +225,8 @@ PRESETS = {
     # on its 2 links: 2 x 100 = 200 GB/s. An axis spread over several torus
     # dimensions could use more links (up to 600 GB/s), and axes sharing one
     # dimension would share its links; the two-level model sees neither. The
-    # latencies are order-of-magnitude guesses (no published figures).
+    # latencies are order-of-magnitude guesses (no published figures). No "float8": v5p's MXUs multiply
+    # bf16 and int8.
     "tpu-v5p": Hardware(
         name="tpu-v5p",
         peak_flops={"bfloat16": 459e12, "float32": 153e12},
@@ -226,10 +238,11 @@ PRESETS = {
     ),
     # A generic CPU host for gloo test runs (order-of-magnitude figures, not a
     # datasheet): ranks are processes on one machine talking over loopback TCP,
-    # so intra and inter "node" links are the same.
+    # so intra and inter "node" links are the same. float8 at the bf16 rate: a CPU has no float8 units, and
+    # torch's scaled matmul on CPU upcasts and multiplies (what a float8 plan's CPU test runs do).
     "cpu": Hardware(
         name="cpu",
-        peak_flops={"float32": 1e11, "bfloat16": 1e11},
+        peak_flops={"float32": 1e11, "bfloat16": 1e11, FLOAT8: 1e11},
         memory_bytes=16 * GiB,
         memory_bandwidth=20e9,
         intra_node_link=Link(bandwidth=5e9, latency=20e-6),
@@ -245,7 +258,7 @@ PRESETS = {
     # on gloo). Compute as "cpu". The planner's default for a CPU mesh (autopar.planning.planner._hardware).
     "cpu-gloo": Hardware(
         name="cpu-gloo",   # "cpu..." : saved_tensors.kernel_family reads CPU kernels off the name
-        peak_flops={"float32": 1e11, "bfloat16": 1e11},
+        peak_flops={"float32": 1e11, "bfloat16": 1e11, FLOAT8: 1e11},
         memory_bytes=16 * GiB,
         memory_bandwidth=20e9,
         intra_node_link=Link(bandwidth=1e9, latency=5e-4, kinds={"reduce_scatter": Link(0.25e9, 5e-4)}),

@@ -17,16 +17,48 @@ a warning naming it).
 
 The rows a linear multiplies (batch x sequence on a rank) must be a multiple of 16 on a GPU as well, for
 the weight gradient's matmul; that is a run-time shape and the runtime says so when it is not.
+
+The price (float8_linear_seconds; cost/terms.node_compute_time and op_collectives apply it to each float8
+linear in the layout priced). Per step, a float8 linear runs:
+- its three matmuls (forward, and backward's two: cost_models.TRAIN_FLOPS_FACTOR x forward's FLOPs) at the
+  hardware's float8 peak (peak_flops["float8"]) times the share of the peak a step's matmuls reach
+  (matmul_efficiency, measured in bf16: no float8 measurement is at hand);
+- its casts, memory-bound: forward casts the activation and the weight (read each in the compute dtype,
+  write 1 byte), backward casts the output's gradient and casts the activation and the weight again with
+  forward's scales (runtime/lowering/float8.py: it keeps them in the compute dtype, as torchao does): 2, 2
+  and 1 casts of the three tensors' local pieces; and one read of each to find its amax. Priced as one fused
+  kernel each (what torch.compile makes of a cast, and torchao's kernels): run eagerly, a cast is four
+  elementwise kernels through float32, and the backward matmuls' operands are transposed copies, which
+  this leaves out;
+- one all-reduce (MAX) of each amax, a scalar in the tensor's dtype, over each mesh axis its tensor is split
+  on: the activation's and the weight's (as the op reads it) in forward, the output gradient's in backward
+  (amax_collectives).
+What it keeps for backward does not change (the activation and weight in the compute dtype). An FSDP weight
+is gathered in the compute dtype, as the runtime gathers it (it casts after the gather), so its all-gather
+is priced as bf16's: Float8.enable_fsdp_float8_all_gather changes no price.
+
+auto-fp8 (Float8.auto_filter_small_kn) keeps a linear in float8 only where this price is below the same
+matmuls' in the compute dtype (float8_pays): the casts grow with the tensors, the saving with the FLOPs, so
+small K and N (few FLOPs per element cast) lose.
 """
 from __future__ import annotations
 
+import cost_models as cm
+
 from ..capture.export import PARAM, Captured
+from ..errors import PlanError
 from ..sharding.op_spec import op_name, tensor_args
-from ..sharding.placement import P, dim_factor
+from ..sharding.placement import P, dim_factor, is_shard
+from ..sharding.redistribute import ALL_REDUCE, Collective
 from .precision import Float8
 
 FLOAT8_DIM_MULTIPLE = 16
 LINEAR = "aten.linear.default"
+FLOAT8_ITEMSIZE = 1
+# casts per step of the activation, the weight and the output's gradient (module docstring)
+CASTS = (2, 2, 1)
+# a float8 linear's amax all-reduces, in a Collective's `tensor`: the linear's name and this, per tensor
+AMAX_OF = (":amax of input", ":amax of weight", ":amax of output gradient")
 
 
 def _path_has(path: str, fqn: str) -> bool:
@@ -84,4 +116,67 @@ def float8_strategies(strategies: dict, float8: dict) -> dict:
         if key not in cut:
             cut[key] = [s for s in ns.strategies if castable(s)]
         out[name] = type(ns)(ns.node, ns.kind, cut[key], ns.replicated_fallback)
+    return out
+
+
+def runs_float8(strategy, weight_hint, axis_sizes) -> bool:
+    """Does a float8 linear (weight of shape `weight_hint`, (N, K)) run in float8 in `strategy`? Where its
+    pieces are not multiples of 16 the plan runs it in the compute dtype (planning/result.float8_linears),
+    and it is priced so."""
+    n, k = weight_hint
+    return castable(strategy) and pieces_fit(strategy, k, n, axis_sizes)
+
+
+def float8_peak(hw) -> float:
+    """FLOP/s of float8 matmuls on `hw`; PlanError where its peak_flops gives none (no float8 tensor cores)."""
+    peaks = dict(hw.peak_flops)
+    if cm.FLOAT8 not in peaks:
+        raise PlanError(f"float8 matmuls asked (precision 'fp8-mixed', 'auto-fp8' or Precision(float8=...)) on "
+                        f"hardware {hw.name!r}, which gives no float8 peak (its peak_flops: {', '.join(peaks)}): a "
+                        f"device without float8 tensor cores (an A100 has none) cannot run them. Plan with "
+                        f"precision='bf16-mixed'; or, for a device that has them, give peak_flops['{cm.FLOAT8}'] "
+                        f"(FLOP/s) in a custom cost_models.Hardware or hardware JSON spec")
+    return peaks[cm.FLOAT8]
+
+
+def matmul_seconds(flops, dtype: str, hw):
+    """Seconds of a linear's three matmuls in `dtype` (a forward of `flops`): what cost/terms.node_compute_time
+    prices every matmul at."""
+    return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw) / hw.matmul_efficiency
+
+
+def cast_bytes(pieces) -> object:
+    """Bytes a float8 linear's casts and amaxes move per step. `pieces`: ((elements, itemsize) of the
+    activation, the weight and the output's gradient on this rank). Each cast reads the tensor and writes
+    its float8 copy; each amax reads it once (module docstring)."""
+    return sum(elements * (casts * (itemsize + FLOAT8_ITEMSIZE) + itemsize)
+               for (elements, itemsize), casts in zip(pieces, CASTS))
+
+
+def float8_linear_seconds(flops, pieces, hw):
+    """Seconds of a float8 linear's step on one rank: its three matmuls (a forward of `flops`) at the float8
+    peak, and its casts (`pieces`: cast_bytes') at the memory bandwidth a step's small kernels reach."""
+    return cm.TRAIN_FLOPS_FACTOR * flops / (float8_peak(hw) * hw.matmul_efficiency) \
+        + cm.memory_time(cast_bytes(pieces), hw)
+
+
+def float8_pays(tokens: int, k: int, n: int, itemsize: int, dtype: str, hw) -> bool:
+    """Is a linear of weight (N, K) over `tokens` rows faster in float8 (casts included) than in `dtype`
+    on `hw`? The rule auto-fp8 keeps a linear in float8 by (planning/planner.float8_linears)."""
+    flops = 2 * tokens * k * n
+    pieces = ((tokens * k, itemsize), (k * n, itemsize), (tokens * n, itemsize))
+    return float8_linear_seconds(flops, pieces, hw) < matmul_seconds(flops, dtype, hw)
+
+
+def amax_collectives(node, strategy, metas, out_meta) -> list:
+    """A float8 linear's amax all-reduces in `strategy`, as the runtime launches and logs them: one per mesh
+    axis its tensor is split on (S(d)), a scalar of the tensor's dtype (its element size: 2 bytes in bf16);
+    the activation's, then the weight's (as the op reads it, strategy.inputs[1]) in forward, the output
+    gradient's in backward. `metas`: the activation's and the weight's TensorMeta."""
+    out = []
+    for (meta, placements, phase), what in zip(((metas[0], strategy.inputs[0], "forward"),
+                                                (metas[1], strategy.inputs[1], "forward"),
+                                                (out_meta, strategy.output, "backward")), AMAX_OF):
+        out += [Collective(ALL_REDUCE, a, meta.itemsize, phase, node.name, node.name + what)
+                for a, p in enumerate(placements) if is_shard(p)]
     return out

@@ -300,15 +300,17 @@ def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
         s = ns.strategies[choice[name]]
         # repeats of a block's op cost alike: price each kind once, count how many (80 layers
         # of sympy sums would otherwise dominate the planning time)
-        key = (prob.canonical.get(name, name), choice[name], charge_key(saved, name), name in rerun, regions[name])
+        float8 = name in prob.float8
+        key = (prob.canonical.get(name, name), choice[name], charge_key(saved, name), name in rerun, regions[name],
+               float8)
         if key not in op_terms:
             a = activation_bytes(name, cap, s.output, prob.mesh, saved, symbolic, strategy=s)
-            t = node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, symbolic)
+            t = node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, symbolic, float8=float8)
             # a recomputed op runs its forward (a third of forward + backward) once more
             t = t + t / cm.TRAIN_FLOPS_FACTOR if name in rerun else t
             # the overlap model orders by time at the example's sizes (overlap.py): a number either way
-            t_num = float(node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, False)) \
-                if symbolic else t
+            t_num = float(node_compute_time(cap.node(name), cap, s, prob.mesh, prob.hardware, False,
+                                            float8=float8)) if symbolic else t
             op_terms[key] = [a, t, 0, t_num + t_num / cm.TRAIN_FLOPS_FACTOR if symbolic and name in rerun else t_num,
                              is_memory_bound(cap.node(name)), regions[name]]
         op_terms[key][2] += 1
@@ -348,7 +350,8 @@ def _op_collectives(prob, choice, rerun: set, symbolic: bool) -> list[Collective
     colls = []
     for name, ns in prob.strategies.items():
         if prob.cap.info[name].kind == OP:
-            own = op_collectives(prob.cap.node(name), prob.cap, ns.strategies[choice[name]], prob.mesh, symbolic)
+            own = op_collectives(prob.cap.node(name), prob.cap, ns.strategies[choice[name]], prob.mesh, symbolic,
+                                 float8=name in prob.float8)
             # a recomputed op runs its forward again (its backward's collectives run once)
             colls += own + ([replace(c, phase="recompute") for c in own if c.phase == "forward"]
                             if name in rerun else [])

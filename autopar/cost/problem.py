@@ -189,9 +189,10 @@ def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_par
 def node_recompute_time(prob: Problem, name: str, s) -> float:
     """What an op costs again when a checkpointed block reruns it in backward: its forward's compute (a
     third of its training time) and the collectives it launches in forward (its backward's run once)."""
-    node = prob.cap.node(name)
-    compute = float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware)) / cm.TRAIN_FLOPS_FACTOR
-    colls = [c for c in op_collectives(node, prob.cap, s, prob.mesh) if c.phase == "forward"]
+    node, float8 = prob.cap.node(name), name in prob.float8
+    compute = float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware, float8=float8)) \
+        / cm.TRAIN_FLOPS_FACTOR
+    colls = [c for c in op_collectives(node, prob.cap, s, prob.mesh, float8=float8) if c.phase == "forward"]
     return compute + float(collectives_time(colls, prob.mesh, prob.links))
 
 
@@ -209,9 +210,9 @@ def node_time(prob: Problem, name: str, s) -> float:
             return update
         colls = zero_collectives(name, meta, s, prob.mesh, prob.param_bytes[name])
         return update + float(collectives_time(colls, prob.mesh, prob.links))
-    node = prob.cap.node(name)
-    compute = float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware))
-    colls = op_collectives(node, prob.cap, s, prob.mesh)
+    node, float8 = prob.cap.node(name), name in prob.float8
+    compute = float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware, float8=float8))
+    colls = op_collectives(node, prob.cap, s, prob.mesh, float8=float8)
     t = compute + float(collectives_time(colls, prob.mesh, prob.links))
     if colls and prob.hardware.comm_overlaps_compute:   # a ring's key/value sends hide behind its own steps
         t -= sum(ring_hidden(colls, {name: compute}, prob.mesh, prob.links, prob.cap.hints).values())

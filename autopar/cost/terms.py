@@ -30,6 +30,7 @@ from ..sharding.redistribute import (COMMUNICATING, Collective, UnsupportedRedis
                                      int_step_full_bytes, planned_steps, step_collectives)
 from ..sharding.rules import causal_rows_split_axes, ring_axes, ring_repeats, vocab_split_axes
 from .activations import ActivationModel, activation_model, node_activation_bytes
+from .float8 import amax_collectives, float8_linear_seconds, matmul_seconds, runs_float8
 from .precision import ParamBytes
 
 MATMUL_OPS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default",
@@ -76,10 +77,14 @@ def needs_grad(cap: Captured) -> set[str]:
     return out
 
 
-def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw: cm.Hardware, symbolic=False):
+def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw: cm.Hardware, symbolic=False,
+                      float8=False):
     """Seconds of an op's forward and backward, run eagerly: a matmul at the FLOP/s a step's matmuls reach,
     attention at its own share of the peak, any other op (is_memory_bound) at the memory bandwidth over the
-    bytes it reads and writes. (Compiled, predict.py keeps Hardware.compiled_memory_fraction of the last.)"""
+    bytes it reads and writes. (Compiled, predict.py keeps Hardware.compiled_memory_fraction of the last.)
+    `float8`: the node is a linear the problem runs in float8 (Problem.float8; the caller says so, as this
+    stage knows no plan): its matmuls at the float8 peak and its casts (float8.float8_linear_seconds), in a
+    layout where it can run so (float8.runs_float8)."""
     info = cap.info[node.name]
     out = first_meta(info.meta)
     if node.op != "call_function" or out is None:
@@ -94,7 +99,11 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
     if name in MATMUL_OPS and len(locals_) >= 2:
         k = locals_[1][-1] if name == "aten.addmm.default" else locals_[0][-1]
         flops = 2 * numel(out_local) * k
-        return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw) / hw.matmul_efficiency
+        if float8 and runs_float8(strategy, metas[1].hint, sizes):
+            pieces = ((numel(locals_[0]), metas[0].itemsize), (numel(locals_[1]), metas[1].itemsize),
+                      (numel(out_local), out.itemsize))
+            return float8_linear_seconds(flops, pieces, hw)
+        return matmul_seconds(flops, dtype, hw)
     if name == SDPA:
         q, kk = locals_[0], locals_[1]
         keys = kk[-2]
@@ -118,11 +127,19 @@ def is_memory_bound(node: fx.Node) -> bool:
     return op_name(node) not in MATMUL_OPS and op_name(node) != SDPA
 
 
-def op_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, symbolic=False) -> list[Collective]:
+def op_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, symbolic=False,
+                   float8=False) -> list[Collective]:
     """Collectives an op launches inside itself: a cross-entropy over classes split on some axes
     all-reduces a max and then a sum of exponentials, one number per position (fp32 at least), over each
     of them (runtime/lowering/vocab_parallel.py); a ring attention passes keys and values round
-    (ring_collectives). Every other op launches none."""
+    (ring_collectives); a float8 linear (`float8`, as node_compute_time's) all-reduces the amax of each
+    tensor it casts over the axes that split it (float8.amax_collectives). Every other op launches none."""
+    if float8:
+        args = tensor_args(node)
+        metas = [first_meta(cap.info[a.name].meta) for a in args[:2]]
+        if not runs_float8(strategy, metas[1].hint, mesh.axis_sizes):
+            return []
+        return amax_collectives(node, strategy, metas, first_meta(cap.info[node.name].meta))
     if ring_axes(node, strategy, mesh.axis_sizes):
         return ring_collectives(node, cap, strategy, mesh, symbolic)
     axes = vocab_split_axes(node, strategy, mesh.axis_sizes)

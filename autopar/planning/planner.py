@@ -10,6 +10,7 @@ arguments and calls plan_captured; result.py holds what comes out.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -20,7 +21,7 @@ from ..capture.blocks import find_blocks
 from ..capture.export import PARAM, Captured
 from ..capture.gc_paused import gc_paused
 from ..cost.checkpointing import checkpointable_stacks
-from ..cost.float8 import float8_candidates, float8_strategies
+from ..cost.float8 import float8_candidates, float8_pays, float8_peak, float8_strategies
 from ..cost.liveness import backward_start, live_sets
 from ..cost.precision import optimizer_spec
 from ..cost.precision import param_bytes as param_bytes_of
@@ -39,7 +40,7 @@ from ..search.pipeline import (AUTO, MIN_STAGES_PER_DEVICE, check_depth, check_r
 from ..search.solution import INFEASIBLE, Solution
 from ..search.stage_costs import device_prediction, op_basis, op_costs
 from ..search.stage_partition import partition, step_floor
-from ..sharding.op_spec import op_name
+from ..sharding.op_spec import op_name, tensor_args
 from ..sharding.strategies import all_strategies, batch_outputs
 from .options import PlanOptions, reshard_after
 from .result import Plan, Searched, make_plan
@@ -255,7 +256,7 @@ def _base_problem(cap: Captured, env: Request, checkpointing: str):
         raise MeshError(str(e)) from e
     canonical = find_blocks(cap).canonical if env.tie_blocks else {}
     strategies = all_strategies(cap, spec, same_as=canonical)
-    float8 = float8_linears(cap, policy, hw)
+    float8 = float8_linears(cap, policy, hw, spec)
     strategies = float8_strategies(strategies, float8)
     grad_nodes = needs_grad(cap)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
@@ -266,13 +267,31 @@ def _base_problem(cap: Captured, env: Request, checkpointing: str):
     return prob, policy, opt, hw
 
 
-def float8_linears(cap: Captured, policy, hw) -> dict:
+def float8_linears(cap: Captured, policy, hw, spec: MeshSpec) -> dict:
     """{linear node: (K, N)} of the linears the precision policy runs in float8 (cost/float8.py's rule); {}
-    without float8."""
+    without float8. PlanError where the hardware has no float8 peak (cost/float8.float8_peak): priced at
+    another dtype's rate, a float8 plan would be a guess, and on an A100 it could not run.
+
+    Under auto-fp8 (Float8.auto_filter_small_kn) only those float8 pays for on `hw` (cost/float8.float8_pays).
+    That is decided once, before the search lays anything out, so at the linear's whole weight and its
+    tokens (batch x sequence at the example's sizes) divided evenly over all the mesh's devices: the work a
+    device does under data parallelism. Other layouts split the work differently (tensor parallelism splits
+    the weight, a pipeline axis no tokens), which moves the casts' share but not, at the sizes where it
+    matters, which side of the line a linear falls on."""
     if policy.float8 is None:
         return {}
+    float8_peak(hw)
     eligible, _ = float8_candidates(cap, policy.float8)
-    return eligible
+    if not policy.float8.auto_filter_small_kn:
+        return eligible
+    devices = math.prod(spec.axis_sizes)
+    kept = {}
+    for name, (k, n) in eligible.items():
+        x = first_meta(cap.info[tensor_args(cap.node(name))[0].name].meta)
+        tokens = max(math.prod(x.hint) // k // devices, 1)
+        if float8_pays(tokens, k, n, x.itemsize, str(x.dtype).removeprefix("torch."), hw):
+            kept[name] = (k, n)
+    return kept
 
 
 def _flat_plan(cap: Captured, env: Request) -> Plan:
