@@ -283,3 +283,27 @@ def test_the_rule_says_which_linears_run_in_float8():
         autopar.Float8(filter_fqns="lm_head")
     with pytest.raises(autopar.AutoparError, match="recipe_name"):
         autopar.Float8(recipe_name="blockwise")
+
+
+# ---------------------------------------------------------------------------------------------------- measured
+def _audit(rank, strategy, shape, axes, precision):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, _ = _batch(8)
+    pm = autopar.parallelize(model, init_device_mesh("cpu", shape, mesh_dim_names=axes), (x,), strategy=strategy,
+                             precision=precision, hardware="cpu")
+    opt = autopar.ShardedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
+    return autopar.audit(pm, *pm.plan.local_inputs(x), optimizer=opt)
+
+
+@pytest.mark.parametrize("strategy, shape, axes", [("fsdp", (2,), ("dp",)), ("tp", (2,), ("tp",)),
+                                                   ("fsdp+tp", (2, 2), ("dp", "tp"))])
+def test_every_byte_a_float8_step_moves_and_keeps_is_predicted(strategy, shape, axes):
+    """The amax all-reduces are collectives like any other: measured equal to the plan's prediction, with the
+    parameters, gradients, optimizer state and saved activations (the bf16 activation and weight, as bf16's)."""
+    world = shape[0] * (shape[1] if len(shape) > 1 else 1)
+    for precision in ("fp8-mixed", _fp8("rowwise")):
+        for report in run_threaded(world, _audit, strategy, shape, axes, precision):
+            for row in report.rows:
+                assert row.measured == row.predicted, (precision, row, str(report))
+            assert report.row("comm bytes on " + axes[-1]).measured > 0, str(report)

@@ -48,15 +48,16 @@ import cost_models as cm
 from ..capture.export import PARAM, Captured
 from ..errors import PlanError
 from ..sharding.op_spec import op_name, tensor_args
-from ..sharding.placement import P, dim_factor, is_shard
+from ..sharding.placement import P, dim_factor, is_shard, numel, shard_dim
 from ..sharding.redistribute import ALL_REDUCE, Collective
 from .precision import Float8
 
 FLOAT8_DIM_MULTIPLE = 16
 LINEAR = "aten.linear.default"
 FLOAT8_ITEMSIZE = 1
-# casts per step of the activation, the weight and the output's gradient (module docstring)
-CASTS = (2, 2, 1)
+# casts per step of the activation, the weight and the output's gradient, by recipe (module docstring): tensorwise
+# casts the gradient once for both backward matmuls; rowwise scales it along another dim for each
+CASTS = {"tensorwise": (2, 2, 1), "rowwise": (2, 2, 2)}
 # a float8 linear's amax all-reduces, in a Collective's `tensor`: the linear's name and this, per tensor
 AMAX_OF = (":amax of input", ":amax of weight", ":amax of output gradient")
 
@@ -145,19 +146,20 @@ def matmul_seconds(flops, dtype: str, hw):
     return cm.compute_time(cm.TRAIN_FLOPS_FACTOR * flops, dtype, hw) / hw.matmul_efficiency
 
 
-def cast_bytes(pieces) -> object:
+def cast_bytes(pieces, recipe: str = "tensorwise") -> object:
     """Bytes a float8 linear's casts and amaxes move per step. `pieces`: ((elements, itemsize) of the
     activation, the weight and the output's gradient on this rank). Each cast reads the tensor and writes
-    its float8 copy; each amax reads it once (module docstring)."""
-    return sum(elements * (casts * (itemsize + FLOAT8_ITEMSIZE) + itemsize)
-               for (elements, itemsize), casts in zip(pieces, CASTS))
+    its float8 copy; tensorwise reads each for its amax once, rowwise once per cast (its scales run along
+    another dim in backward: module docstring)."""
+    return sum(elements * (casts * (itemsize + FLOAT8_ITEMSIZE) + (casts if recipe == "rowwise" else 1) * itemsize)
+               for (elements, itemsize), casts in zip(pieces, CASTS[recipe]))
 
 
-def float8_linear_seconds(flops, pieces, hw):
+def float8_linear_seconds(flops, pieces, hw, recipe: str = "tensorwise"):
     """Seconds of a float8 linear's step on one rank: its three matmuls (a forward of `flops`) at the float8
     peak, and its casts (`pieces`: cast_bytes') at the memory bandwidth a step's small kernels reach."""
     return cm.TRAIN_FLOPS_FACTOR * flops / (float8_peak(hw) * hw.matmul_efficiency) \
-        + cm.memory_time(cast_bytes(pieces), hw)
+        + cm.memory_time(cast_bytes(pieces, recipe), hw)
 
 
 def float8_pays(tokens: int, k: int, n: int, itemsize: int, dtype: str, hw) -> bool:
@@ -168,15 +170,39 @@ def float8_pays(tokens: int, k: int, n: int, itemsize: int, dtype: str, hw) -> b
     return float8_linear_seconds(flops, pieces, hw) < matmul_seconds(flops, dtype, hw)
 
 
-def amax_collectives(node, strategy, metas, out_meta) -> list:
-    """A float8 linear's amax all-reduces in `strategy`, as the runtime launches and logs them: one per mesh
-    axis its tensor is split on (S(d)), a scalar of the tensor's dtype (its element size: 2 bytes in bf16);
-    the activation's, then the weight's (as the op reads it, strategy.inputs[1]) in forward, the output
-    gradient's in backward. `metas`: the activation's and the weight's TensorMeta."""
-    out = []
-    for (meta, placements, phase), what in zip(((metas[0], strategy.inputs[0], "forward"),
-                                                (metas[1], strategy.inputs[1], "forward"),
-                                                (out_meta, strategy.output, "backward")), AMAX_OF):
-        out += [Collective(ALL_REDUCE, a, meta.itemsize, phase, node.name, node.name + what)
-                for a, p in enumerate(placements) if is_shard(p)]
-    return out
+def amax_collectives(node, strategy, metas, out_meta, recipe: str = "tensorwise", shapes=()) -> list:
+    """A float8 linear's amax all-reduces in `strategy`, as the runtime launches and logs them. `metas`: the
+    activation's and the weight's TensorMeta; `shapes` (rowwise): the activation's, the weight's and the
+    output's local shapes.
+
+    Tensorwise: one per mesh axis its tensor is split on (S(d)), a scalar of the tensor's dtype (2 bytes in
+    bf16): the activation's, then the weight's (as the op reads it, strategy.inputs[1]) in forward, the
+    output gradient's in backward. Rowwise: one per axis that splits the dim a scale runs along, a row (or
+    column) of amaxes: in forward the activation's per row and the weight's per output row (both along K);
+    in backward the gradient's per row (along N), the weight's per column (along N), then the gradient's and
+    the activation's per column (along the rows M)."""
+    if recipe == "tensorwise":
+        out = []
+        for (meta, placements, phase), what in zip(((metas[0], strategy.inputs[0], "forward"),
+                                                    (metas[1], strategy.inputs[1], "forward"),
+                                                    (out_meta, strategy.output, "backward")), AMAX_OF):
+            out += [Collective(ALL_REDUCE, a, meta.itemsize, phase, node.name, node.name + what)
+                    for a, p in enumerate(placements) if is_shard(p)]
+        return out
+    x, w, g = zip((metas[0], metas[1], out_meta), (strategy.inputs[0], strategy.inputs[1], strategy.output), shapes)
+
+    def rows(t):   # a tensor's elements but its last dim's: one amax per row
+        return numel(t[2][:-1])
+
+    def split_on(t, last: bool):   # axes splitting the tensor's last dim (last), or any other
+        nd = len(t[2])
+        return [a for a, p in enumerate(t[1]) if is_shard(p) and (shard_dim(p) == nd - 1) == last]
+    # (tensor, axes its scales are reduced over, amaxes in the reduced tensor, phase), in the runtime's order
+    reductions = ((x, split_on(x, True), rows(x), "forward", AMAX_OF[0]),
+                  (w, split_on(w, True), w[2][0], "forward", AMAX_OF[1]),
+                  (g, split_on(g, True), rows(g), "backward", AMAX_OF[2]),
+                  (w, split_on(w, False), w[2][1], "backward", AMAX_OF[1]),
+                  (g, split_on(g, False), g[2][-1], "backward", AMAX_OF[2]),
+                  (x, split_on(x, False), x[2][-1], "backward", AMAX_OF[0]))
+    return [Collective(ALL_REDUCE, a, count * t[0].itemsize, phase, node.name, node.name + what)
+            for t, axes, count, phase, what in reductions for a in axes]

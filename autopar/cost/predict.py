@@ -300,7 +300,7 @@ def _op_terms(prob, choice, symbolic: bool, saved, rerun: set):
         s = ns.strategies[choice[name]]
         # repeats of a block's op cost alike: price each kind once, count how many (80 layers
         # of sympy sums would otherwise dominate the planning time)
-        float8 = name in prob.float8
+        float8 = prob.float8_of(name)
         key = (prob.canonical.get(name, name), choice[name], charge_key(saved, name), name in rerun, regions[name],
                float8)
         if key not in op_terms:
@@ -351,7 +351,7 @@ def _op_collectives(prob, choice, rerun: set, symbolic: bool) -> list[Collective
     for name, ns in prob.strategies.items():
         if prob.cap.info[name].kind == OP:
             own = op_collectives(prob.cap.node(name), prob.cap, ns.strategies[choice[name]], prob.mesh, symbolic,
-                                 float8=name in prob.float8)
+                                 float8=prob.float8_of(name))
             # a recomputed op runs its forward again (its backward's collectives run once)
             colls += own + ([replace(c, phase="recompute") for c in own if c.phase == "forward"]
                             if name in rerun else [])

@@ -67,8 +67,13 @@ class Problem:
     # memory more), or whichever is faster within a memory limit (None: search/ilp.solve tries both)
     reshard_after_forward: bool | None = True
     pipelined: bool = False                          # stages hold their own weights: no FSDP layer groups
-    # linear node -> (K, N) of each linear priced and run in float8 (float8.py), in graph order
+    # linear node -> (K, N) of each linear priced and run in float8 (float8.py), in graph order, by this recipe
     float8: dict = field(default_factory=dict)
+    float8_recipe: str = "tensorwise"
+
+    def float8_of(self, name: str) -> str | None:
+        """The float8 recipe node `name` runs by, None when it runs in the compute dtype."""
+        return self.float8_recipe if name in self.float8 else None
 
 
 def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
@@ -189,7 +194,7 @@ def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_par
 def node_recompute_time(prob: Problem, name: str, s) -> float:
     """What an op costs again when a checkpointed block reruns it in backward: its forward's compute (a
     third of its training time) and the collectives it launches in forward (its backward's run once)."""
-    node, float8 = prob.cap.node(name), name in prob.float8
+    node, float8 = prob.cap.node(name), prob.float8_of(name)
     compute = float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware, float8=float8)) \
         / cm.TRAIN_FLOPS_FACTOR
     colls = [c for c in op_collectives(node, prob.cap, s, prob.mesh, float8=float8) if c.phase == "forward"]
@@ -210,7 +215,7 @@ def node_time(prob: Problem, name: str, s) -> float:
             return update
         colls = zero_collectives(name, meta, s, prob.mesh, prob.param_bytes[name])
         return update + float(collectives_time(colls, prob.mesh, prob.links))
-    node, float8 = prob.cap.node(name), name in prob.float8
+    node, float8 = prob.cap.node(name), prob.float8_of(name)
     compute = float(node_compute_time(node, prob.cap, s, prob.mesh, prob.hardware, float8=float8))
     colls = op_collectives(node, prob.cap, s, prob.mesh, float8=float8)
     t = compute + float(collectives_time(colls, prob.mesh, prob.links))

@@ -82,8 +82,8 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
     """Seconds of an op's forward and backward, run eagerly: a matmul at the FLOP/s a step's matmuls reach,
     attention at its own share of the peak, any other op (is_memory_bound) at the memory bandwidth over the
     bytes it reads and writes. (Compiled, predict.py keeps Hardware.compiled_memory_fraction of the last.)
-    `float8`: the node is a linear the problem runs in float8 (Problem.float8; the caller says so, as this
-    stage knows no plan): its matmuls at the float8 peak and its casts (float8.float8_linear_seconds), in a
+    `float8`: the recipe of a linear the problem runs in float8 (Problem.float8_of; the caller says so, as
+    this stage knows no plan), else None: its matmuls at the float8 peak and its casts (float8.float8_linear_seconds), in a
     layout where it can run so (float8.runs_float8)."""
     info = cap.info[node.name]
     out = first_meta(info.meta)
@@ -102,7 +102,7 @@ def node_compute_time(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, hw
         if float8 and runs_float8(strategy, metas[1].hint, sizes):
             pieces = ((numel(locals_[0]), metas[0].itemsize), (numel(locals_[1]), metas[1].itemsize),
                       (numel(out_local), out.itemsize))
-            return float8_linear_seconds(flops, pieces, hw)
+            return float8_linear_seconds(flops, pieces, hw, float8)
         return matmul_seconds(flops, dtype, hw)
     if name == SDPA:
         q, kk = locals_[0], locals_[1]
@@ -132,14 +132,17 @@ def op_collectives(node: fx.Node, cap: Captured, strategy, mesh: MeshSpec, symbo
     """Collectives an op launches inside itself: a cross-entropy over classes split on some axes
     all-reduces a max and then a sum of exponentials, one number per position (fp32 at least), over each
     of them (runtime/lowering/vocab_parallel.py); a ring attention passes keys and values round
-    (ring_collectives); a float8 linear (`float8`, as node_compute_time's) all-reduces the amax of each
+    (ring_collectives); a float8 linear (`float8`: its recipe, as node_compute_time's) all-reduces the amax of each
     tensor it casts over the axes that split it (float8.amax_collectives). Every other op launches none."""
     if float8:
         args = tensor_args(node)
         metas = [first_meta(cap.info[a.name].meta) for a in args[:2]]
         if not runs_float8(strategy, metas[1].hint, mesh.axis_sizes):
             return []
-        return amax_collectives(node, strategy, metas, first_meta(cap.info[node.name].meta))
+        out = first_meta(cap.info[node.name].meta)
+        shapes = [local_shape(shape_of(m, symbolic), pl, mesh.axis_sizes)
+                  for m, pl in zip(metas + [out], strategy.inputs[:2] + (strategy.output,))]
+        return amax_collectives(node, strategy, metas, out, float8, shapes)
     if ring_axes(node, strategy, mesh.axis_sizes):
         return ring_collectives(node, cap, strategy, mesh, symbolic)
     axes = vocab_split_axes(node, strategy, mesh.axis_sizes)

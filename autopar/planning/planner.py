@@ -263,7 +263,8 @@ def _base_problem(cap: Captured, env: Request, checkpointing: str):
                    grad_nodes, saved_outputs(cap, hw), param_bytes, canonical, live_sets(cap),
                    backward_start=backward_start(cap, grad_nodes),
                    stacks=checkpointable_stacks(cap, hw) if checkpointing != "none" else (),
-                   bucket_bytes=env.options.bucket_bytes, float8=float8)
+                   bucket_bytes=env.options.bucket_bytes, float8=float8,
+                   float8_recipe=policy.float8.recipe_name if policy.float8 is not None else "tensorwise")
     return prob, policy, opt, hw
 
 

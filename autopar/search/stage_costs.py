@@ -137,8 +137,8 @@ def op_basis(prob, choice, groups) -> OpBasis:
         elif info.kind == OP and name in pos:
             i = pos[name]
             compute[i] = float(node_compute_time(cap.node(name), cap, s, mesh, prob.hardware,
-                                                 float8=name in prob.float8))
-            own[i] = op_collectives(cap.node(name), cap, s, mesh, float8=name in prob.float8)
+                                                 float8=prob.float8_of(name)))
+            own[i] = op_collectives(cap.node(name), cap, s, mesh, float8=prob.float8_of(name))
     first, colls, colls_inside = [], [], []
     for r in groups:
         first.append(min((pos[c] for c, _ in r.consumers if c in pos), default=len(order) - 1))
