@@ -76,8 +76,11 @@ def test_rows_are_the_published_settings():
     assert row.mesh == {"dp": 16, "tp": 8} and list(row.mesh)[-1] == "tp" and row.strategy == "fsdp+tp"
     assert row.tokens_per_gpu(2 * 8192 / (109 * 8)) == pytest.approx(109)
     assert published.BY_NAME["t1-8b-fsdp8"].mesh == {"dp": 8}
-    # every row is bf16 on the cluster it ran on; float8 rows are left out and counted
+    # every row on the cluster it ran on, in the precision it ran in: the float8 rows (issue 55) on the H100s
     assert {r.hardware for r in published.ROWS} == {"h100-hbm2e", "a100"}
+    assert {r.precision for r in published.ROWS} == {"bf16-mixed", "fp8-mixed"}
+    assert all(r.hardware == "h100-hbm2e" for r in published.ROWS if r.precision == "fp8-mixed")
+    assert sum(r.precision == "fp8-mixed" for r in published.ROWS) == published.NUM_FLOAT8_ROWS
     assert "float8 rows" in "\n".join(published.table([]))
 
 
