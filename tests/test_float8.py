@@ -307,3 +307,19 @@ def test_every_byte_a_float8_step_moves_and_keeps_is_predicted(strategy, shape, 
             for row in report.rows:
                 assert row.measured == row.predicted, (precision, row, str(report))
             assert report.row("comm bytes on " + axes[-1]).measured > 0, str(report)
+
+
+def test_the_plan_says_and_saves_which_linears_run_in_float8():
+    x, _ = _batch(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        plan = autopar.plan(_model(), (x,), {"dp": 2}, strategy="fsdp", precision=_fp8("rowwise"), hardware="cpu")
+    assert "float8 (rowwise): 12 linears" in str(plan)
+    back = autopar.Plan.from_json(plan.to_json())
+    assert back.float8_linears == plan.float8_linears and len(plan.float8_linears) == 12
+    assert back.schedule.lowering.float8 == plan.schedule.lowering.float8
+    assert {recipe for recipe, _ in back.schedule.lowering.float8.values()} == {"rowwise"}
+    assert back.precision == plan.precision and back.precision["float8"]["recipe_name"] == "rowwise"
+    # a plan without float8 writes none of it (plans saved before float8 read the same)
+    plain = autopar.plan(_model(), (x,), {"dp": 2}, strategy="fsdp", precision="bf16-mixed", hardware="cpu")
+    assert "float8" not in plain.to_json()

@@ -63,6 +63,8 @@ def render(plan) -> str:
         lines.append("optimizer state split: " + ", ".join(f"{k} ({n} parameters)" for k, n in by_kind.items()))
     if plan.pipeline is not None:
         lines += pipeline_lines(plan.pipeline)
+    if plan.float8_linears:
+        lines.append(float8_line(plan))
     lines += backward_lines(plan)
     if plan.schedule is not None and schedule_line(plan.schedule):
         lines.append(schedule_line(plan.schedule))
@@ -133,6 +135,16 @@ def backward_lines(plan) -> list:
                if kind == "per-op" else "")
         lines.append(f"activation checkpointing ({kind}): {what} of {path} is recomputed in backward{but}")
     return lines
+
+
+def float8_line(plan) -> str:
+    """Which linears run in float8 (cost/float8.py), by which recipe, and the ones the policy's rule kept out
+    that the plan has in its graph (by module path)."""
+    config = (plan.precision.get("float8") or {})
+    paths = sorted({plan.module_paths.get(n, n) for n in plan.float8_linears})
+    shown = ", ".join(paths[:3]) + (f", ... ({len(paths)} in all)" if len(paths) > 3 else "")
+    return (f"float8 ({config.get('recipe_name', 'tensorwise')}): {_count(len(plan.float8_linears), 'linear')}, "
+            f"{shown}; the others in {plan.precision.get('compute') or 'their own dtype'}")
 
 
 def schedule_line(schedule) -> str:
