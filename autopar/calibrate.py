@@ -25,6 +25,7 @@ import torch.distributed as dist
 import cost_models as cm
 from cost_models.hardware import Calibration
 
+from ._compat import scaled_mm
 from .errors import MeshError
 
 KINDS = (cm.ALL_REDUCE, cm.ALL_GATHER, cm.REDUCE_SCATTER, cm.ALL_TO_ALL)
@@ -87,6 +88,7 @@ def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False)
         _warm_up(group, device_type)
     local = [_time_collective(kind, b, group, n, device_type, repeats) for _, group, n, kind, b in points]
     local += [_matmul_time(getattr(torch, d), side, device_type, repeats) for d in dtypes]
+    local.append(_float8_matmul_time(side, device_type, repeats))
     attention_dtype = "float32" if device_type == "cpu" else "bfloat16"
     attention_shape = ATTENTION_SHAPES.get("quick" if quick else device_type, DEFAULT_ATTENTION_SHAPE)
     local.append(_attention_time(attention_shape, getattr(torch, attention_dtype), device_type, repeats))
@@ -97,7 +99,7 @@ def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False)
         times.setdefault(name, {}).setdefault(kind, []).append((b, t))
     links = {a: axis_link(kinds, axis_sizes[a]) for a, kinds in times.items()}
     matmul, attention, elementwise = worst[len(points):-2], worst[-2], worst[-1]
-    flops = {d: 2 * side**3 / t for d, t in zip(dtypes, matmul) if t < float("inf")}
+    flops = {d: 2 * side**3 / t for d, t in zip(dtypes + (cm.FLOAT8,), matmul) if t < float("inf")}
     # counted as the cost model counts them (terms.node_compute_time): 3 x (QK^T + PV) FLOPs, causal or not
     b, h, s, d = attention_shape
     attention_rate = cm.TRAIN_FLOPS_FACTOR * 4 * b * h * s * s * d / attention
@@ -238,6 +240,19 @@ def _matmul_time(dtype, side: int, device_type: str, repeats: int) -> float:
         a = torch.randn(side, side, device=device_type).to(dtype)
         return _typical_time(lambda: torch.mm(a, a), repeats, device_type)
     except (RuntimeError, TypeError):
+        return float("inf")
+
+
+def _float8_matmul_time(side: int, device_type: str, repeats: int) -> float:
+    """Median seconds of a side^3 float8 matmul as a float8 linear runs it (e4m3 operands, the second column by
+    column, a bf16 product); inf where this device cannot run one (a GPU without float8 tensor cores), so a
+    calibrated hardware prices float8 at what this device does (a CPU emulates it, slowly) or refuses it."""
+    try:
+        a = torch.randn(side, side, device=device_type).to(torch.float8_e4m3fn)
+        b = torch.randn(side, side, device=device_type).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device_type)
+        return _typical_time(lambda: scaled_mm(a, b, one, one, torch.bfloat16, False), repeats, device_type)
+    except (RuntimeError, TypeError, AttributeError):
         return float("inf")
 
 

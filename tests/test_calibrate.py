@@ -207,6 +207,8 @@ def test_calibrate_on_two_threaded_ranks_agrees_and_is_positive():
                *(t for pts in first.times["dp"].values() for _, t in pts)]
     assert all(0 < v < math.inf for v in numbers), numbers
     assert "float32" in dict(hw.peak_flops)
+    # float8 at the rate this CPU emulates it, so a calibrated plan can price fp8-mixed (and auto-fp8 refuse it)
+    assert cm.FLOAT8 in dict(hw.peak_flops)
     assert hw.intra_node_link == link   # both ranks on one host: the axis is inside a node
 
 
