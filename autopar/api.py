@@ -21,7 +21,8 @@ from .errors import AutoparError, CaptureError, MeshError, PlanError
 from .mesh import MeshSpec, mesh_spec
 from .planning.result import Plan
 from .planning.options import PlanOptions
-from .planning.schedule import lowering_key, lowering_of, schedule_of, stage_cut
+from .planning.lowering import lowering_key, lowering_of
+from .planning.schedule import schedule_of, stage_cut
 from .planning.planner import plan_captured
 from .planning.progress import shown
 from .runtime.collectives import AxisGroup, Comm
@@ -288,9 +289,9 @@ def _with_schedule(plan: Plan, cap: Captured, grad_nodes: set) -> Plan:
 
 
 def _with_lowering(plan: Plan, cap: Captured, grad_nodes: set) -> Plan:
-    """`plan` with a schedule.Lowering (what the rewriter does beyond the layouts) for `cap`: a plan of JSON
+    """`plan` with a lowering.Lowering (what the rewriter does beyond the layouts) for `cap`: a plan of JSON
     format 3 or older has none, and one edited after planning (a layout forced, a weight frozen since) has one
-    made for something else (schedule.lowering_key); planning makes it here for this capture, as the runtime
+    made for something else (lowering.lowering_key); planning makes it here for this capture, as the runtime
     once derived it."""
     low = plan.schedule.lowering
     if low is not None and low.made_for == lowering_key(cap, plan):

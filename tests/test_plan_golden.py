@@ -166,7 +166,7 @@ def _message(case: str, want: dict, got: dict, failures: list, changed: list, pi
 
 def _in_format_of(want: dict, got: dict) -> dict:
     """`got` as a plan of the file's JSON format: the file's plans were written at format 3, before the schedule
-    recorded its lowering (format 4: planning/schedule.Lowering, derived from the layouts the file holds), so
+    recorded its lowering (format 4: planning/lowering.Lowering, derived from the layouts the file holds), so
     a plan compares without it, as a format-3 reader sees it."""
     if want.get("format_version") == 3 and got.get("format_version") == 4:
         got = {**got, "format_version": 3}

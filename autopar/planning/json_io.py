@@ -19,7 +19,7 @@ from ..sharding.strategies import Strategy
 from .schedule import Schedule
 
 # 2: the schedule (schedule.py); 1 still reads, without it. 3: the pipeline's stages_per_device (v, searched
-# under interleaving); 2 still reads, its interleaved plans at v = 2. 4: the schedule's lowering (schedule.Lowering:
+# under interleaving); 2 still reads, its interleaved plans at v = 2. 4: the schedule's lowering (lowering.Lowering:
 # partial gradients, gradient scales, casts, grouped weight uses, recomputed blocks); 3 still reads, without it
 # (the module makes it when built: api._with_schedule)
 FORMAT_VERSION = 4

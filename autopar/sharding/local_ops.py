@@ -9,7 +9,7 @@ Most ops run as traced, on their local tensors. Some need to know how the plan s
   - a causal attention whose query rows split masks at its rows' offset (runtime/lowering/context_parallel.py);
   - an op that draws random numbers draws from the stream of its output's shard (runtime/rng.py).
 `local_op` says which, and with what, as a LocalOp. Planning records one for each op that needs one
-(planning/schedule.Lowering.ops), so the rewriter (runtime/lowering/rewrite.py) reads what the plan decided
+(planning/lowering.Lowering.ops), so the rewriter (runtime/lowering/rewrite.py) reads what the plan decided
 instead of asking the rules again. What an op needs is read from its arguments and the strategy's layouts with
 the rules' own functions (rules.ring_axes, ...), which the cost model prices the same ops by.
 """

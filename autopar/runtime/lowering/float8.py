@@ -1,4 +1,4 @@
-"""Float8 linears at run time: a captured `aten.linear` the plan runs in float8 (planning/schedule.Lowering.float8).
+"""Float8 linears at run time: a captured `aten.linear` the plan runs in float8 (planning/lowering.Lowering.float8).
 
 Forward casts the activation and the weight to float8_e4m3fn and multiplies them with PyTorch's scaled matmul into
 the compute dtype; backward casts the output's gradient to float8_e5m2 and makes the input's and the weight's

@@ -5,7 +5,7 @@ Almost always the op itself, on the local tensors. Two ops change with their spl
   (vocab_parallel.vocab_parallel_embedding);
 - a causal attention whose query rows are split masks by its rows' global positions
   (context_parallel.causal_rows_attention).
-The plan records which (sharding/local_ops.LocalOp, in planning/schedule.Lowering.ops): the rewriter (rewrite.py)
+The plan records which (sharding/local_ops.LocalOp, in planning/lowering.Lowering.ops): the rewriter (rewrite.py)
 runs `run_local` on that record, and the rules' property test (tests/test_rules.py) `local_call` on the same
 fields derived from the node as planning derives them, so the test runs what the runtime runs.
 """

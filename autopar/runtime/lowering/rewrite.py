@@ -111,7 +111,7 @@ class RedistributeModule(torch.nn.Module):
 
 def weight_casts(lowering) -> dict:
     """Parameter node -> (compute dtype, reduce dtype) for each weight the plan stores in a master dtype and
-    casts where it is used (planning/schedule.Lowering.casts, dtypes by name); empty without mixed precision."""
+    casts where it is used (planning/lowering.Lowering.casts, dtypes by name); empty without mixed precision."""
     return {name: tuple(_dtype(d) for d in pair) for name, pair in lowering.casts.items()}
 
 
@@ -201,7 +201,7 @@ class _Rewriter:
         # one layout change per (producer, layout, gradient reduction), shared by all its consumers
         self._cache: dict = {}
         self._count = 0
-        # what the plan decided for this graph beyond its layouts (planning/schedule.Lowering): the api makes sure
+        # what the plan decided for this graph beyond its layouts (planning/lowering.Lowering): the api makes sure
         # it was made for this graph (api._with_schedule, api._for_graph)
         self.lowering = plan.schedule.lowering
         self.casts = weight_casts(self.lowering)
@@ -251,7 +251,7 @@ class _Rewriter:
         if tuple(src) == tuple(dst) and set(gp) == set(keep) and producer.name not in self.casts:
             return self.env[producer.name]
         key = (producer.name, tuple(dst), gp)
-        # the steps planning chose for this change (planning/schedule.LayoutChange, one per key)
+        # the steps planning chose for this change (planning/lowering.LayoutChange, one per key)
         change = self.lowering.layout_changes.get(key)
         if change is None:
             raise PlanError(f"the plan's lowering has no layout change of {producer.name} to {tuple(dst)} (gradient "
@@ -446,7 +446,7 @@ def _mark_recomputed_groups(gm: fx.GraphModule) -> None:
 
 def _checkpoint_blocks(gm: fx.GraphModule, cap: Captured, plan, made_for: list, comm: Comm,
                        recomputed: tuple) -> fx.GraphModule:
-    """Run every block the plan recomputes (`recomputed`: planning/schedule.Region, a block of a stack in
+    """Run every block the plan recomputes (`recomputed`: planning/lowering.Region, a block of a stack in
     `plan.checkpointed`, or its attention core) under activation checkpointing (recompute.py); a per-op one
     caching what the plan priced (its SavePolicy)."""
     order = {(r.path, r.index): k for k, r in enumerate(recomputed)}

@@ -3,7 +3,7 @@
 A weight replicated on a data axis gets, on each rank, the gradient of that
 rank's share of the batch: a partial sum over the axis. Reducing each one
 where autograd makes it would be one blocking all-reduce per weight. Instead
-the local graph leaves those gradients partial (the plan's schedule.Lowering.partial_gradients) and
+the local graph leaves those gradients partial (the plan's lowering.Lowering.partial_gradients) and
 this module does what DDP's reducer does:
 
     arrive   a weight's partial gradient reaches DeferredReduce.backward and is
