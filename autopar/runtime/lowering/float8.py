@@ -1,22 +1,25 @@
 """Float8 linears at run time: a captured `aten.linear` the plan runs in float8 (planning/lowering.Lowering.float8).
 
-Forward casts the activation and the weight to float8_e4m3fn and multiplies them with PyTorch's scaled matmul into
-the compute dtype; backward casts the output's gradient to float8_e5m2 and makes the input's and the weight's
-gradients the same way. These are the casts and matmuls of torchao's Float8Linear (tensorwise recipe), so a
-plan on one device computes what torchao computes.
+Forward casts the activation and the weight to float8 and multiplies them with PyTorch's scaled matmul into
+the compute dtype; backward casts the output's gradient and makes the input's and the weight's gradients the
+same way. These are the casts and matmuls of torchao's Float8Linear, by its tensorwise recipe (e4m3 forward,
+e5m2 gradient, one scale per tensor) or its rowwise one (every cast e4m3, a scale per row or column, rounded
+down to a power of 2), so a plan on one device computes what torchao computes.
 
-What is ours is the scale. A cast's scale comes from the amax (largest magnitude) of the tensor, and a rank
-holds only its piece of it: the activation split over the batch (data parallel), the sequence (context
-parallel), the weight over its rows or columns (tensor parallel). Each amax here is all-reduced with MAX over
-every mesh axis the tensor is split on, so every rank casts with the scale one device would have used, and the
-parallel run equals the one-device float8 run. (torchao under DDP or FSDP scales each rank's batch by its own
-amax: its runs differ from one device's.) The amax all-reduces are two bytes each, at most three per linear
-and step (plus a recompute's), and they are priced and logged like every other collective.
+What is ours is the scale. A cast's scale comes from the amax (largest magnitude) of the tensor, or of its row,
+and a rank holds only its piece of it: the activation split over the batch (data parallel), the sequence
+(context parallel), the weight over its rows or columns (tensor parallel). Each amax here is all-reduced with
+MAX over every mesh axis that splits what it runs along, so every rank casts with the scale one device would
+have used, and the parallel run equals the one-device float8 run. (torchao under DDP or FSDP scales each
+rank's batch by its own amax: its runs differ from one device's.) Tensorwise all-reduces at most three
+2-byte amaxes per linear and step (plus a recompute's), rowwise up to six rows or columns of them; they are
+priced and logged like every other collective.
 
-Backward reuses forward's scales: they are the same tensors' amaxes, so recasting with them is the cast
-torchao makes again, without reducing the amaxes again. It keeps the activation and the weight as forward
-got them (in the compute dtype, as torchao does), so an FSDP weight is still kept as its shard and gathered
-again (regather.py): it is that tensor autograd saves.
+Tensorwise backward reuses forward's scales: they are the same tensors' amaxes, so recasting with them is the
+cast torchao makes again, without reducing the amaxes again; rowwise backward scales along other dims and
+takes its amaxes afresh. Both keep the activation and the weight as forward got them (in the compute dtype, as
+torchao does), so an FSDP weight is still kept as its shard and gathered again (regather.py): it is that
+tensor autograd saves.
 """
 from __future__ import annotations
 
