@@ -33,6 +33,9 @@ linear in the layout priced). Per step, a float8 linear runs:
 - one all-reduce (MAX) of each amax, a scalar in the tensor's dtype, over each mesh axis its tensor is split
   on: the activation's and the weight's (as the op reads it) in forward, the output gradient's in backward
   (amax_collectives).
+The rowwise recipe scales along other dims in backward, so its gradient is cast twice and each cast reads its
+tensor for its own amaxes; its all-reduces are rows or columns of amaxes, one per axis splitting the dim each
+runs along, up to six (CASTS, cast_bytes, amax_collectives).
 What it keeps for backward does not change (the activation and weight in the compute dtype). An FSDP weight
 is gathered in the compute dtype, as the runtime gathers it (it casts after the gather), so its all-gather
 is priced as bf16's: Float8.enable_fsdp_float8_all_gather changes no price.
