@@ -212,10 +212,11 @@ def _train(rank, model, strategy, shape, axes, optimizer, x, y, compiled, recipe
     ("fsdp", (2,), ("dp",), torch.optim.AdamW, 8, True, "tensorwise"),
     ("tp", (2,), ("tp",), torch.optim.AdamW, 8, False, "tensorwise"),
     ("tp+sp", (2,), ("tp",), torch.optim.SGD, 8, False, "tensorwise"),
-    ("fsdp", (2,), ("dp",), torch.optim.SGD, 8, True, "rowwise"),
+    # (rowwise compiled passes too, in 40-85 s on 2 cores: the tensorwise case above keeps the compiled path)
+    ("fsdp", (2,), ("dp",), torch.optim.SGD, 8, False, "rowwise"),
     ("tp", (2,), ("tp",), torch.optim.AdamW, 8, False, "rowwise")],
     ids=["ddp-2-sgd", "fsdp-3-adamw", "cp-2-sgd", "fsdp-2-adamw-compiled", "tp-2-adamw", "tp+sp-2-sgd",
-         "rowwise-fsdp-2-sgd-compiled", "rowwise-tp-2-adamw"])
+         "rowwise-fsdp-2-sgd", "rowwise-tp-2-adamw"])
 def test_a_gpt_trains_as_torchao_float8_on_one_device(strategy, shape, axes, optimizer, rows, compiled, recipe):
     x, y = _batch(rows)
     want = _torchao_reference(_model(), x, y, optimizer, recipe)
