@@ -401,3 +401,25 @@ def test_hugging_face_llama_called_with_labels_matches_torchao():
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=2 ** -5 * float(want_logits.abs().max()))
     for name, g in want.items():
         assert float((ranks[0][1][name] - g).abs().max() / g.abs().max()) < 0.15, name
+
+
+def test_a_filter_naming_one_layer_unties_it_from_its_repeats():
+    """filter_fqns naming one block's layer ("h.0") leaves its linears in bf16 and the other blocks' in float8:
+    the search, which lays a repeated block out as its first copy, lays the float8 ones out on their own (tied,
+    they took h.0's layouts, partial inputs included, and the search failed on their lists' lengths); what runs
+    is what is priced."""
+    precision = autopar.Precision(**{**autopar.FP8_MIXED.to_dict(),
+                                     "float8": autopar.Float8(filter_fqns=["h.0", "lm_head"])})
+    torch.manual_seed(0)
+    x, _ = _batch(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autopar.UnsupportedOpWarning)
+        plan = autopar.plan(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32)), (x,),
+                            {"a": 2, "b": 2}, precision=precision, hardware="cpu")
+    assert {plan.module_paths[n].split(".")[1] for n in plan.float8_linears} == {"1", "2"}
+    assert len(plan.float8_linears) == 12
+    layouts = [plan.node_strategies[n].inputs[:2] for n in plan.float8_linears]
+    assert not [pair for pair in layouts if "P" in pair[0] + pair[1]]   # whole-valued inputs only
+    for report in run_threaded(4, _audit, "fsdp+tp", (2, 2), ("dp", "tp"), precision):
+        for row in report.rows:
+            assert row.measured == row.predicted, (row, str(report))

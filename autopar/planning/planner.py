@@ -254,9 +254,12 @@ def _base_problem(cap: Captured, env: Request, checkpointing: str):
         axis_links = cm.axis_links(list(zip(spec.axis_names, spec.axis_sizes)), hw, links)
     except cm.CostModelError as e:
         raise MeshError(str(e)) from e
-    canonical = find_blocks(cap).canonical if env.tie_blocks else {}
-    strategies = all_strategies(cap, spec, same_as=canonical)
     float8 = float8_linears(cap, policy, hw, spec)
+    canonical = find_blocks(cap).canonical if env.tie_blocks else {}
+    # a repeated block's linear that runs in another precision than its first copy's (filter_fqns naming one
+    # layer) is priced and laid out on its own: tied, it would take the first copy's layouts and prices
+    canonical = {n: first for n, first in canonical.items() if (n in float8) == (first in float8)}
+    strategies = all_strategies(cap, spec, same_as=canonical)
     strategies = float8_strategies(strategies, float8)
     grad_nodes = needs_grad(cap)
     prob = Problem(cap, spec, axis_links, hw, strategies, build_edges(cap, strategies),
