@@ -341,12 +341,9 @@ def _check_plan_matches(plan: Plan, cap: Captured, spec: MeshSpec) -> None:
 
 
 def _check_float8(config, device) -> None:
-    """What of float8 this runtime and device can run: both recipes with compute-dtype gathers, on a CPU (torch
-    emulates the scaled matmul) or a GPU with float8 tensor cores (compute capability 8.9: Ada, Hopper and
-    later; the rowwise recipe's kernel needs Hopper, 9.0)."""
-    if config.enable_fsdp_float8_all_gather:
-        raise PlanError("float8 enable_fsdp_float8_all_gather=True: autopar does not run float8 all-gathers yet "
-                        "(its FSDP gathers move the compute dtype, as priced); plan with it False")
+    """What of float8 this runtime and device can run: both recipes, on a CPU (torch emulates the scaled matmul)
+    or a GPU with float8 tensor cores (compute capability 8.9: Ada, Hopper and later; the rowwise recipe's
+    kernel needs Hopper, 9.0)."""
     if device is None or device.type != "cuda":
         return
     capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)

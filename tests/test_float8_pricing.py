@@ -157,3 +157,33 @@ def test_auto_fp8_keeps_the_linears_float8_speeds_up():
     assert [every.module_paths[n] for n in every.float8_linears] == ["layers.0", "layers.2", "layers.4"]
     assert math.isclose(auto.predicted.compute_time, every.predicted.compute_time) is False
     assert auto.predicted.compute_time < every.predicted.compute_time
+
+
+def test_float8_all_gathers_move_half_the_bytes_of_bf16():
+    """enable_fsdp_float8_all_gather: each float8 linear's weight is gathered at 1 byte an element (forward and
+    backward's re-gather), the layer's amaxes are all-reduced once per forward on the FSDP axis (4 bytes each),
+    and the linears reduce no weight amax; nothing else moves otherwise."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, block_size=1024, n_layer=2, n_head=16, n_embd=2048))
+    inputs = (torch.randint(0, 256, (16, 1024), device="meta"),)
+    gathered = autopar.Precision(**{**autopar.FP8_MIXED.to_dict(),
+                                    "float8": autopar.Float8(enable_fsdp_float8_all_gather=True)})
+    plain = _plan(model, inputs, {"dp": 4}, precision="fp8-mixed", strategy="fsdp")
+    f8 = _plan(model, inputs, {"dp": 4}, precision=gathered, strategy="fsdp")
+    assert len(f8.schedule.lowering.float8_gathers) == len(f8.float8_linears) == 12
+    assert "12 weights all-gathered in float8" in str(f8) and "all-gathered in float8" not in str(plain)
+    assert autopar.Plan.from_json(f8.to_json()).schedule.lowering.float8_gathers == f8.schedule.lowering.float8_gathers
+
+    def gathers(plan):
+        return sum(c.bytes for c in plan.collectives if c.kind == cm.ALL_GATHER)
+    # q, k, v, o (2048 x 2048) and fc, proj (2048 x 8192) of 2 blocks, in elements
+    linear_weights = 2 * (4 * 2048 * 2048 + 2 * 2048 * 8192)
+    # each gathered twice a step (forward, and backward's re-gather), one byte less an element
+    assert gathers(plain) - gathers(f8) == pytest.approx(2 * linear_weights)
+    assert not any(c.tensor.endswith(AMAX_OF[1]) for c in f8.collectives)
+    layer_amaxes = [c for c in f8.collectives if c.tensor.endswith(":amaxes")]
+    assert sorted((c.where, c.bytes) for c in layer_amaxes) == [("layer h.0", 24.0), ("layer h.1", 24.0)]
+    assert f8.predicted.comm_time["dp"] < plain.predicted.comm_time["dp"]
+    # a rowwise recipe has one scale per row, not per weight: no float8 all-gather (torchao's rule)
+    with pytest.raises(autopar.AutoparError, match="tensorwise"):
+        autopar.Float8(recipe_name="rowwise", enable_fsdp_float8_all_gather=True)

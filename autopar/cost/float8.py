@@ -37,8 +37,11 @@ The rowwise recipe scales along other dims in backward, so its gradient is cast 
 tensor for its own amaxes; its all-reduces are rows or columns of amaxes, one per axis splitting the dim each
 runs along, up to six (CASTS, cast_bytes, amax_collectives).
 What it keeps for backward does not change (the activation and weight in the compute dtype). An FSDP weight
-is gathered in the compute dtype, as the runtime gathers it (it casts after the gather), so its all-gather
-is priced as bf16's: Float8.enable_fsdp_float8_all_gather changes no price.
+is gathered in the compute dtype, as the runtime gathers it (it casts after the gather), unless
+Float8.enable_fsdp_float8_all_gather: then a tensorwise linear's weight that only it reads, gathered with its
+layer and handed to it as gathered (float8_gathered_params, gathers_in_float8), is cast on each rank before
+the gather and moves 1 byte an element (cost/terms.edge_collectives: Problem.gather_itemsize), its layer's
+amaxes are all-reduced once per forward gather (float8_gather_amaxes), and the op reduces no weight amax.
 
 auto-fp8 (Float8.auto_filter_small_kn) keeps a linear in float8 only where this price is below the same
 matmuls' in the compute dtype (float8_pays): the casts grow with the tensors, the saving with the FLOPs, so
@@ -53,6 +56,7 @@ from ..errors import PlanError
 from ..sharding.op_spec import op_name, tensor_args
 from ..sharding.placement import P, dim_factor, is_shard, numel, shard_dim
 from ..sharding.redistribute import ALL_REDUCE, Collective
+from .layer_groups import gathers_float8
 from .precision import Float8
 
 FLOAT8_DIM_MULTIPLE = 16
@@ -209,3 +213,50 @@ def amax_collectives(node, strategy, metas, out_meta, recipe: str = "tensorwise"
                   (x, split_on(x, False), x[2][-1], "backward", AMAX_OF[0]))
     return [Collective(ALL_REDUCE, a, count * t[0].itemsize, phase, node.name, node.name + what)
             for t, axes, count, phase, what in reductions for a in axes]
+
+AMAX_GATHER_ITEMSIZE = 4   # a layer's weight amaxes, all-reduced together in float32 (runtime/reduction/layer_groups.py)
+
+
+def float8_gathered_params(cap: Captured, linears, config: Float8 | None) -> frozenset:
+    """The parameter nodes whose FSDP all-gathers move float8 where the plan gathers them with their layer
+    (gathers_in_float8): with enable_fsdp_float8_all_gather, the weight of each tensorwise float8 linear of
+    `linears` that no other op reads (the gathered float8 bits serve that linear only; torchao's rowwise
+    recipe has no float8 all-gather either: its scales run along a dim a gather would split)."""
+    if config is None or not config.enable_fsdp_float8_all_gather or config.recipe_name != "tensorwise":
+        return frozenset()
+    out = set()
+    for name in linears:
+        weight = tensor_args(cap.node(name))[1]
+        if cap.info[weight.name].kind == PARAM and len(weight.users) == 1:
+            out.add(weight.name)
+    return frozenset(out)
+
+
+def gathers_in_float8(steps: list, weight_hint, dst, axis_sizes) -> bool:
+    """Does the layout change `steps` of a float8-gathered weight (float8_gathered_params) to `dst`, its
+    linear's layout of it, gather it in float8? Where it joins its layer's group as is, and the linear runs in
+    float8 in `dst` (its pieces multiples of 16)."""
+    n, k = weight_hint
+    return gathers_float8(steps) and all((size // dim_factor(dst, d, axis_sizes)) % FLOAT8_DIM_MULTIPLE == 0
+                                         for d, size in enumerate((n, k)))
+
+
+def float8_gather_amaxes(colls: list, members: dict, float8_axes: dict) -> list:
+    """`colls` (the prediction's, its FSDP layer groups made: layer_groups.grouped) as the runtime launches them
+    where layers gather float8 weights. `members`: parameter node -> layer group key; `float8_axes`: {parameter
+    node gathered in float8: (its linear, the mesh axes its whole amax is reduced over)}. The linears reduce no
+    weight amax; each group with float8 members all-reduces their amaxes (float32) once per forward, on each
+    axis any of them needs."""
+    if not float8_axes:
+        return colls
+    linears = {linear + AMAX_OF[1] for linear, _ in float8_axes.values()}
+    out = [c for c in colls if c.tensor not in linears]
+    by_group: dict = {}
+    for param, (_, axes) in float8_axes.items():
+        by_group.setdefault(members[param], []).append((param, axes))
+    for key, entries in by_group.items():
+        names = ",".join(p for p, _ in entries)
+        for axis in sorted(set().union(*(set(a) for _, a in entries))):
+            out.append(Collective(ALL_REDUCE, axis, AMAX_GATHER_ITEMSIZE * len(entries), "forward",
+                                  f"layer {key[0] or 'root'}", names + ":amaxes"))
+    return out

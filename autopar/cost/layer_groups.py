@@ -42,6 +42,13 @@ def groupable(steps: list) -> bool:
                     for s in steps[1:]))
 
 
+def gathers_float8(steps: list) -> bool:
+    """A weight's redistribution whose gather can move float8 (a float8 linear's weight, torchao's
+    enable_fsdp_float8_all_gather): one that joins its layer's group and hands the op the gathered weight as
+    is (no local cut after the gather; sums of the gradient on other axes are the group's, after it)."""
+    return groupable(steps) and all(s.forward_kind == NONE for s in steps[1:])
+
+
 def sums_gradient(step) -> bool:
     """A step that only sums the gradient on its axis (a grouped weight's: its group all-reduces the shard)."""
     return step.forward_kind == NONE and step.backward_kind == ALL_REDUCE

@@ -50,7 +50,10 @@ class Float8:
     recipe_name: "tensorwise" (one scale per tensor) or "rowwise" (one per row of a matmul's left operand and
       per column of its right, scales rounded down to a power of 2, every cast e4m3: torchao's rowwise).
     enable_fsdp_float8_all_gather: an FSDP weight cast to float8 before its all-gather (half the bytes of
-      bf16). Off, as torchtitan's default; autopar does not run it yet and refuses a plan that asks for it.
+      bf16), with the whole weight's scale (its shards' amaxes all-reduced once per layer and forward). Off,
+      as torchtitan's default. Tensorwise only, as torchao's. A float8 linear's weight gathers in float8 where
+      the plan gathers it with its FSDP layer and hands it to the linear as gathered, and no other op reads it
+      (cost/float8.py); eager only: under torch.compile the module gathers each weight alone, in bf16.
     filter_fqns: linears whose module path contains one of these stay in the compute dtype: torchtitan's
       default "output", and Hugging Face's "lm_head", keep the output head out (its gradient feeds the loss's
       softmax, where float8's 3-bit mantissa costs most).
@@ -67,6 +70,10 @@ class Float8:
             raise AutoparError(f"Float8(recipe_name={self.recipe_name!r}): use one of {', '.join(FLOAT8_RECIPES)}")
         if isinstance(self.filter_fqns, str):
             raise AutoparError(f"Float8(filter_fqns={self.filter_fqns!r}): a list of module-path parts, not one string")
+        if self.enable_fsdp_float8_all_gather and self.recipe_name != "tensorwise":
+            raise AutoparError(f"Float8(recipe_name={self.recipe_name!r}, enable_fsdp_float8_all_gather=True): "
+                               "float8 all-gathers take one scale per weight, the tensorwise recipe's (as "
+                               "torchao's); use recipe_name='tensorwise' or leave the all-gathers in bf16")
         object.__setattr__(self, "filter_fqns", tuple(self.filter_fqns))
 
     def to_dict(self) -> dict:

@@ -15,10 +15,11 @@ import cost_models as cm
 
 from ..capture.blocks import block_nodes
 from ..capture.export import BUFFER, INPUT, OP, PARAM
-from ..sharding.placement import local_shape, numel
+from ..sharding.placement import is_shard, local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, gathers_again, plan_steps
 from .buckets import assign_buckets, graph_uses, params_by_first_use, partial_gradients, zero_buckets
 from .checkpointing import recomputed_ops, rerun_blocks, rerun_ops, stacks_of
+from .float8 import float8_gather_amaxes, gathers_in_float8
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import BUCKET, hidden_comm_time
 from .problem import charge_key, checkpoint_model, edge_regathers, reshards
@@ -82,7 +83,8 @@ def redistribution_collectives(prob, r: Redistribution, symbolic=False, memo: di
         info = prob.cap.info[r.producer]
         meta = first_meta(info.meta)
         key = (id(prob.cap), prob.mesh.axis_sizes, meta.shape, meta.hint, meta.dtype, info.kind == PARAM,
-               r.producer in prob.grad_nodes, reduce_itemsize(prob.param_bytes, r.producer), r.src, r.dst,
+               r.producer in prob.grad_nodes, reduce_itemsize(prob.param_bytes, r.producer),
+               prob.gather_itemsize(r.producer), r.src, r.dst,
                r.grad_partial, r.keep_partial, r.regather_count, symbolic)
         found = memo.get(key)
         if found is None:
@@ -95,7 +97,8 @@ def _redistribution_collectives(prob, r: Redistribution, symbolic) -> list[tuple
     where = r.consumers[0][0]
     colls = edge_collectives(r.producer, r.src, r.dst, r.grad_partial, prob.cap, prob.mesh,
                              r.producer in prob.grad_nodes, False, where, symbolic,
-                             keep_partial=r.keep_partial, reduce_itemsize=reduce_itemsize(prob.param_bytes, r.producer))
+                             keep_partial=r.keep_partial, reduce_itemsize=reduce_itemsize(prob.param_bytes, r.producer),
+                             gather_itemsize=prob.gather_itemsize(r.producer))
     steps = plan_steps(r.src, r.dst, r.grad_partial if r.producer in prob.grad_nodes else (),
                        keep_partial=r.keep_partial)
     again = gathers_again(steps, prob.cap.info[r.producer].kind == PARAM)
@@ -165,7 +168,9 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     acts = acts + _kept_weights(prob, groups, stacks, symbolic)
     colls = zero_bucketed(prob, choice, colls) + _redistributions(prob, groups, stacks, passed, symbolic)
     colls = bucketed(prob, choice, colls + _op_collectives(prob, choice, rerun, symbolic))
-    colls = grouped(colls, layer_members(prob, groups), prob.mesh.axis_sizes)
+    members = layer_members(prob, groups)
+    colls = grouped(colls, members, prob.mesh.axis_sizes)
+    colls = float8_gather_amaxes(colls, members, float8_gathers(prob, groups, members))
     transient = transient_bytes(prob, choice, groups, stacks, symbolic, zero_bucket_hold(colls))
     comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
     hidden = hidden_comm_time(prob, colls, op_times, rerun)
@@ -195,6 +200,30 @@ def layer_members(prob, groups: list) -> dict:
         if groupable(steps):
             members[r.producer] = group_key(info.target_name, steps, first_meta(info.meta).dtype)
     return members
+
+
+def float8_gathers(prob, groups: list, members: dict) -> dict:
+    """{parameter node: (its float8 linear, the mesh axes its amax is reduced over)} of the grouped weights whose
+    layer gathers them in float8 (cost/float8.gathers_in_float8): the group's axis and those splitting the
+    weight as its linear reads it, as the runtime reduces them (runtime/reduction/layer_groups.py)."""
+    out = {}
+    for r in groups:
+        if r.producer in members and _gather_itemsize(prob, r):
+            axes = {members[r.producer][1]} | {a for a, p in enumerate(r.dst) if is_shard(p)}
+            out[r.producer] = (r.consumers[0][0], tuple(sorted(axes)))
+    return out
+
+
+def _gather_itemsize(prob, r) -> int | None:
+    """Bytes an element of redistribution r's gathered weight where its layer gathers it in float8
+    (cost/float8.gathers_in_float8), else None (its own dtype's)."""
+    itemsize = prob.gather_itemsize(r.producer)
+    if not itemsize:
+        return None
+    steps = plan_steps(r.src, r.dst, r.grad_partial if r.producer in prob.grad_nodes else (),
+                       keep_partial=r.keep_partial)
+    hint = first_meta(prob.cap.info[r.producer].meta).hint
+    return itemsize if gathers_in_float8(steps, hint, r.dst, prob.mesh.axis_sizes) else None
 
 
 def bucketed(prob, choice, colls: list) -> list:
@@ -374,7 +403,8 @@ def _kept_weights(prob, groups, stacks, symbolic: bool):
     for r in groups:
         if any(c not in region_of and kept_weight_bytes(prob.cap, r.producer, c, i, r.src, r.dst, prob.grad_nodes,
                                                          prob.mesh) for c, i in r.consumers):
-            total = total + gathered_weight_bytes(prob.cap, r.producer, r.src, r.dst, prob.mesh, symbolic)
+            total = total + gathered_weight_bytes(prob.cap, r.producer, r.src, r.dst, prob.mesh, symbolic,
+                                                  _gather_itemsize(prob, r))
     return total
 
 
@@ -415,7 +445,8 @@ def _gathered_layers(prob, groups, members: dict) -> list:
         key = members.get(r.producer)
         if key is None:
             continue
-        size[key] = size.get(key, 0) + int(gathered_weight_bytes(prob.cap, r.producer, r.src, r.dst, prob.mesh))
+        size[key] = size.get(key, 0) + int(gathered_weight_bytes(prob.cap, r.producer, r.src, r.dst, prob.mesh,
+                                                                 itemsize=_gather_itemsize(prob, r)))
         uses.setdefault(key, []).extend(position[c] for c, _ in r.consumers if c in position)
     at = [0] * len(prob.live)
     for key, (start, end) in alive_spans(uses).items():

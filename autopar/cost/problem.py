@@ -23,6 +23,7 @@ from ..sharding.redistribute import ALL_GATHER, UnsupportedRedistribution
 from ..sharding.strategies import NodeStrategies
 from .buckets import DEFAULT_BUCKET_BYTES
 from .checkpointing import checkpointed_model
+from .float8 import FLOAT8_ITEMSIZE
 from .overlap import ring_hidden
 from .terms import (activation_bytes, collectives_time, edge_collectives, edge_seconds, first_meta,
                     node_compute_time, op_collectives, param_memory, reduce_itemsize, regathers, zero_collectives)
@@ -71,9 +72,18 @@ class Problem:
     float8: dict = field(default_factory=dict)
     float8_recipe: str = "tensorwise"
 
+    # parameter nodes whose all-gathers move float8 where a layout change gathers them so (float8.py:
+    # enable_fsdp_float8_all_gather); none on a pipeline, whose stages gather no layer groups
+    float8_gathered: frozenset = frozenset()
+
     def float8_of(self, name: str) -> str | None:
         """The float8 recipe node `name` runs by, None when it runs in the compute dtype."""
         return self.float8_recipe if name in self.float8 else None
+
+    def gather_itemsize(self, name: str) -> int | None:
+        """Bytes per element of parameter `name`'s all-gathers where its layout change gathers it in float8
+        (float8.gathers_in_float8); None: its own dtype's."""
+        return FLOAT8_ITEMSIZE if name in self.float8_gathered and not self.pipelined else None
 
 
 def build_edges(cap: Captured, strategies: dict) -> list[Edge]:
@@ -155,7 +165,7 @@ def edge_signature(prob: Problem, e: Edge) -> int:
     meta = first_meta(prob.cap.info[e.producer].meta)
     # (the example's sizes, not the symbolic shape: the search prices at the example's sizes, and ints hash fast)
     described = (meta.hint, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
-                 edge_regathers(prob, e), reduce_itemsize(prob.param_bytes, e.producer))
+                 edge_regathers(prob, e), reduce_itemsize(prob.param_bytes, e.producer), prob.gather_itemsize(e.producer))
     sig = prob.edge_signatures[key] = prob.signature_ids.setdefault(described, len(prob.signature_ids))
     return sig
 
@@ -167,7 +177,8 @@ def _edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_partial):
         return edge_seconds(first_meta(info.meta), info.kind == PARAM, src, dst, grad_partial, prob.mesh, prob.links,
                             e.producer in prob.grad_nodes, edge_regathers(prob, e), keep_partial=keep_partial,
                             reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer),
-                            seconds=prob.edge_cost_cache.setdefault(("collective seconds",), {}))
+                            seconds=prob.edge_cost_cache.setdefault(("collective seconds",), {}),
+                            gather_itemsize=prob.gather_itemsize(e.producer))
     except UnsupportedRedistribution as err:
         return _Refused(str(err))
 
@@ -182,7 +193,8 @@ def recompute_edge_cost(prob: Problem, e: Edge, src, dst, grad_partial, keep_par
     if cost is None:
         colls = edge_collectives(e.producer, src, dst, grad_partial, prob.cap, prob.mesh,
                                  e.producer in prob.grad_nodes, False, e.consumer, keep_partial=keep_partial,
-                                 reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer))
+                                 reduce_itemsize=reduce_itemsize(prob.param_bytes, e.producer),
+                                 gather_itemsize=prob.gather_itemsize(e.producer))
         forward = [c for c in colls if c.phase == "forward"]
         cost = float(collectives_time(forward, prob.mesh, prob.links))
         if edge_regathers(prob, e):

@@ -30,7 +30,7 @@ from ..sharding.redistribute import (COMMUNICATING, Collective, UnsupportedRedis
                                      int_step_full_bytes, planned_steps, step_collectives)
 from ..sharding.rules import causal_rows_split_axes, ring_axes, ring_repeats, vocab_split_axes
 from .activations import ActivationModel, activation_model, node_activation_bytes
-from .float8 import amax_collectives, float8_linear_seconds, matmul_seconds, runs_float8
+from .float8 import amax_collectives, float8_linear_seconds, gathers_in_float8, matmul_seconds, runs_float8
 from .precision import ParamBytes
 
 MATMUL_OPS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default",
@@ -262,13 +262,14 @@ def ring_saved_correction(cap: Captured, node: fx.Node, strategy, mesh: MeshSpec
 
 
 def gathered_weight_bytes(cap: Captured, producer: str, src: Placements, dst: Placements, mesh: MeshSpec,
-                          symbolic=False):
-    """Bytes of a parameter gathered whole on a redistribution (FSDP): it lives while its op runs."""
+                          symbolic=False, itemsize=None):
+    """Bytes of a parameter gathered whole on a redistribution (FSDP): it lives while its op runs. `itemsize`:
+    bytes an element where it is gathered in another dtype than its own (float8)."""
     if cap.info[producer].kind != PARAM or not any(
             st.forward_kind == cm.ALL_GATHER for st in plan_steps(src, dst)):
         return 0
     meta = first_meta(cap.info[producer].meta)
-    return local_numel(meta, dst, mesh, symbolic) * meta.itemsize
+    return local_numel(meta, dst, mesh, symbolic) * (itemsize or meta.itemsize)
 
 
 def kept_weight_bytes(cap: Captured, producer: str, consumer: str, index: int, src: Placements, dst: Placements,
@@ -360,12 +361,15 @@ def reduce_itemsize(param_bytes: dict, producer: str):
 
 def edge_collectives(producer: str, src: Placements, dst: Placements, grad_partial, cap: Captured,
                      mesh: MeshSpec, grad_flows: bool, regather: int, where: str,
-                     symbolic=False, keep_partial=(), reduce_itemsize=None) -> list[Collective]:
+                     symbolic=False, keep_partial=(), reduce_itemsize=None,
+                     gather_itemsize=None) -> list[Collective]:
     """Collectives on one edge; raises UnsupportedRedistribution if it cannot be done.
 
     `keep_partial`: a ZeRO parameter's axes, where its gradient is left unreduced.
     `reduce_itemsize`: bytes per element of a parameter's gradient reductions
     (a precision policy may reduce in another dtype than the weight's).
+    `gather_itemsize`: bytes per element of a float8-gathered weight's all-gathers, where this change
+    gathers it in float8 (Problem.gather_itemsize; float8.gathers_in_float8).
     """
     meta = first_meta(cap.info[producer].meta)
     keep_partial = keep_partial if grad_flows else ()
@@ -374,6 +378,8 @@ def edge_collectives(producer: str, src: Placements, dst: Placements, grad_parti
     steps = plan_steps(src, dst, grad_partial if grad_flows else (), keep_partial=keep_partial)
     check_uneven_gathered(meta, src, steps, mesh)
     regather = regather if gathers_again(steps, cap.info[producer].kind == PARAM) else 0
+    if gather_itemsize and not gathers_in_float8(steps, meta.hint, dst, mesh.axis_sizes):
+        gather_itemsize = None
     out = []
     for st in steps:
         for c in step_collectives(st, shape_of(meta, symbolic), meta.itemsize, mesh.axis_sizes, where, regather,
@@ -383,13 +389,15 @@ def edge_collectives(producer: str, src: Placements, dst: Placements, grad_parti
             if reduce_itemsize and reduce_itemsize != meta.itemsize and c.phase == "backward" \
                     and c.kind != cm.ALL_GATHER:
                 c = replace(c, full_bytes=c.full_bytes * reduce_itemsize / meta.itemsize)
+            if gather_itemsize and c.kind == cm.ALL_GATHER:
+                c = replace(c, full_bytes=c.full_bytes * gather_itemsize / meta.itemsize)
             out.append(c)
     return out
 
 
 def edge_seconds(meta: TensorMeta, is_param: bool, src: Placements, dst: Placements, grad_partial, mesh: MeshSpec,
                  links: dict, grad_flows: bool, regather: int, keep_partial=(), reduce_itemsize=None,
-                 seconds: dict | None = None) -> float:
+                 seconds: dict | None = None, gather_itemsize=None) -> float:
     """float(collectives_time(edge_collectives(...))) at the example's sizes, without listing the collectives.
 
     The search prices ~100k layout pairs a plan (Llama-3-70B on three axes), where making a Collective per
@@ -413,22 +421,27 @@ def edge_seconds(meta: TensorMeta, is_param: bool, src: Placements, dst: Placeme
     check_uneven_gathered(meta, src, steps, mesh)
     regather = regather if gathers_again(steps, is_param) else 0
     shape, itemsize, axis_sizes = tuple(meta.hint), meta.itemsize, tuple(mesh.axis_sizes)
+    if gather_itemsize and not gathers_in_float8(steps, shape, dst, axis_sizes):
+        gather_itemsize = None
     t = 0
     for st in steps:
         forward, backward = st.forward_kind, st.backward_kind
         fb = None
         if forward in COMMUNICATING:
             fb = int_step_full_bytes(st, shape, itemsize, axis_sizes)
-            t = t + time_of(forward, fb, st.axis)
+            gathered = fb * gather_itemsize / itemsize if gather_itemsize and forward == cm.ALL_GATHER else fb
+            t = t + time_of(forward, gathered, st.axis)
             if forward == cm.ALL_GATHER:
                 for _ in range(int(regather)):   # gathered again for backward: counted whatever grad_flows
-                    t = t + time_of(cm.ALL_GATHER, fb, st.axis)
+                    t = t + time_of(cm.ALL_GATHER, gathered, st.axis)
         # (edge_collectives' filter: a backward collective where no gradient flows is dropped, an all-gather
         # on an edge that gathers again kept)
         if backward in COMMUNICATING and (grad_flows or (regather and backward == cm.ALL_GATHER)):
             fb = int_step_full_bytes(st, shape, itemsize, axis_sizes) if fb is None else fb
             if reduce_itemsize and reduce_itemsize != itemsize and backward != cm.ALL_GATHER:
                 fb = fb * reduce_itemsize / itemsize
+            if gather_itemsize and backward == cm.ALL_GATHER:
+                fb = fb * gather_itemsize / itemsize
             t = t + time_of(backward, fb, st.axis)
     return float(t)
 

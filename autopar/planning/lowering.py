@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from ..capture.export import PARAM, Captured
 from ..cost.buckets import bucket_grad_scale, output_grad_scale, partial_gradients
 from ..cost.checkpointing import SavePolicy, checkpointable_stacks
+from ..cost.float8 import float8_gathered_params, gathers_in_float8
 from ..cost.layer_groups import groupable, sums_gradient
 from ..cost.precision import precision_of
 from ..cost.terms import first_meta
@@ -81,6 +82,9 @@ class Lowering:
     # activation's rows, its in_features), (its weight's out_features, in_features), (its output gradient's rows,
     # out_features): what each amax is reduced over (cost/float8.py; runtime/lowering/float8.py)
     float8: dict = field(default_factory=dict)
+    # the float8 linears whose weight its FSDP layer group casts and gathers in float8 (cost/float8.py:
+    # enable_fsdp_float8_all_gather), in graph order
+    float8_gathers: tuple = ()
 
     def to_dict(self) -> dict:
         return {"partial_gradients": [[n, list(axes)] for n, axes in self.partial_gradients.items()],
@@ -95,7 +99,8 @@ class Lowering:
                 "ops": {n: _local_op_dict(op) for n, op in self.ops.items()},
                 "layout_changes": [_layout_change_dict(key, c) for key, c in self.layout_changes.items()],
                 **({"float8": [[n, recipe, [[list(a) for a in pair] for pair in splits]]
-                                for n, (recipe, splits) in self.float8.items()]} if self.float8 else {})}
+                                for n, (recipe, splits) in self.float8.items()]} if self.float8 else {}),
+                **({"float8_gathers": list(self.float8_gathers)} if self.float8_gathers else {})}
 
     @staticmethod
     def from_dict(d: dict) -> "Lowering":
@@ -110,7 +115,8 @@ class Lowering:
                         d["made_for"], ops={n: _read_local_op(op) for n, op in d["ops"].items()},
                         layout_changes=dict(_read_layout_change(c) for c in d["layout_changes"]),
                         float8={n: (recipe, tuple(tuple(tuple(a) for a in pair) for pair in splits))
-                                for n, recipe, splits in d.get("float8", ())})
+                                for n, recipe, splits in d.get("float8", ())},
+                        float8_gathers=tuple(d.get("float8_gathers", ())))
 
 
 # LocalOp's fields that are records of their own (a dict each in JSON)
@@ -166,11 +172,29 @@ def lowering_of(cap: Captured, plan, grad_nodes: set) -> Lowering:
     casts = weight_casts(cap, plan)
     uses = list(_uses(cap, plan, grad_nodes, deferred))
     changes = layout_changes(cap, plan, uses, casts)
+    grouped = _grouped_uses(cap, plan, uses, changes, casts)
     return Lowering(deferred, bucket_grad_scale(cap, plan, grad_nodes, deferred), scales,
                     {n: (str(c), str(r)) for n, (c, r) in casts.items()},
-                    _grouped_uses(cap, plan, uses, changes, casts), recomputed_regions(cap, plan),
+                    grouped, recomputed_regions(cap, plan),
                     lowering_key(cap, plan), ops=local_ops_of(cap, plan), layout_changes=changes,
-                    float8=float8_uses(cap, plan))
+                    float8=float8_uses(cap, plan), float8_gathers=float8_gathers(cap, plan, uses, changes, grouped))
+
+
+def float8_gathers(cap: Captured, plan, uses: list, changes: dict, grouped: dict) -> tuple:
+    """The float8 linears (plan.float8_linears) whose weight's FSDP layer group gathers it in float8: the
+    weights cost/float8.float8_gathered_params names, where their layout change joins the group as is
+    (cost/float8.gathers_in_float8, the rule the cost model priced the gather by)."""
+    if not plan.float8_linears:
+        return ()
+    gathered = float8_gathered_params(cap, plan.float8_linears, precision_of(plan.precision).float8)
+    out = []
+    for use, producer, _, dst, gp, _ in uses:
+        if producer in gathered and use[1] == 1 and use[0] in plan.float8_linears and use in grouped and \
+                gathers_in_float8(changes[(producer, dst, gp)].steps, first_meta(cap.info[producer].meta).hint,
+                                  dst, plan.mesh.axis_sizes):
+            out.append(use[0])
+    order = {n: k for k, n in enumerate(plan.float8_linears)}
+    return tuple(sorted(set(out), key=order.get))
 
 
 def float8_uses(cap: Captured, plan) -> dict:

@@ -21,7 +21,7 @@ from ..capture.blocks import find_blocks
 from ..capture.export import PARAM, Captured
 from ..capture.gc_paused import gc_paused
 from ..cost.checkpointing import checkpointable_stacks
-from ..cost.float8 import float8_candidates, float8_pays, float8_peak, float8_strategies
+from ..cost.float8 import float8_candidates, float8_gathered_params, float8_pays, float8_peak, float8_strategies
 from ..cost.liveness import backward_start, live_sets
 from ..cost.precision import optimizer_spec
 from ..cost.precision import param_bytes as param_bytes_of
@@ -267,7 +267,8 @@ def _base_problem(cap: Captured, env: Request, checkpointing: str):
                    backward_start=backward_start(cap, grad_nodes),
                    stacks=checkpointable_stacks(cap, hw) if checkpointing != "none" else (),
                    bucket_bytes=env.options.bucket_bytes, float8=float8,
-                   float8_recipe=policy.float8.recipe_name if policy.float8 is not None else "tensorwise")
+                   float8_recipe=policy.float8.recipe_name if policy.float8 is not None else "tensorwise",
+                   float8_gathered=float8_gathered_params(cap, float8, policy.float8))
     return prob, policy, opt, hw
 
 

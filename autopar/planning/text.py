@@ -143,8 +143,11 @@ def float8_line(plan) -> str:
     config = (plan.precision.get("float8") or {})
     paths = sorted({plan.module_paths.get(n, n) for n in plan.float8_linears})
     shown = ", ".join(paths[:3]) + (f", ... ({len(paths)} in all)" if len(paths) > 3 else "")
+    lowering = plan.schedule.lowering if plan.schedule is not None else None
+    gathers = len(lowering.float8_gathers) if lowering is not None else 0
+    gathered = f"; {_count(gathers, 'weight')} all-gathered in float8" if gathers else ""
     return (f"float8 ({config.get('recipe_name', 'tensorwise')}): {_count(len(plan.float8_linears), 'linear')}, "
-            f"{shown}; the others in {plan.precision.get('compute') or 'their own dtype'}")
+            f"{shown}; the others in {plan.precision.get('compute') or 'their own dtype'}{gathered}")
 
 
 def schedule_line(schedule) -> str:

@@ -82,6 +82,7 @@ class ParallelModule(ModuleCall, torch.nn.Module):
         self._input_keys, self._constant_inputs = list(cap.input_keys), dict(cap.constant_inputs)
         self.zero_optimizer = None   # set by autopar.ShardedOptimizer, which ZeRO parameters need
         self._told_uncounted = False   # whether a compiled call warned of the re-gathers record_comm misses
+        self._told_float8_gathers = False   # whether a compiled call warned that it gathers float8 weights in bf16
         self._zero_checks = ZeroGradientChecks(self)
         # weights frozen when captured: the graph reduces no gradient of theirs (cost/terms.needs_grad)
         self._frozen = sorted(n for n, _ in self.store.named_parameters() if n in cap.frozen_params)

@@ -45,6 +45,12 @@ class ModuleCall:
         graph_module, gathered = self._graph_for_mode()
         if through_buckets and self.comm.log is not None:
             self._check_compiled_logging(gathered)
+        if through_buckets and self.plan.schedule.lowering.float8_gathers and not self._told_float8_gathers:
+            self._told_float8_gathers = True
+            warnings.warn(f"under torch.compile the module gathers each FSDP weight alone, in the compute dtype: the "
+                          f"{len(self.plan.schedule.lowering.float8_gathers)} weights the plan gathers in float8 "
+                          "(enable_fsdp_float8_all_gather) move twice the bytes priced; eager runs gather them "
+                          "in float8", stacklevel=2)
         args, weights = graph_args(self._placeholder_sources, self.store, self._constants, local_inputs, self)
         # the weights routed here (the others the graph routes at their first use)
         here = [(k, fqn) for k, fqn in weights if fqn not in self._routed or through_buckets]

@@ -15,6 +15,10 @@ rank's batch by its own amax: its runs differ from one device's.) Tensorwise all
 2-byte amaxes per linear and step (plus a recompute's), rowwise up to six rows or columns of them; they are
 priced and logged like every other collective.
 
+Under enable_fsdp_float8_all_gather, a tensorwise linear whose weight its FSDP layer group gathers takes the
+weight's local shard instead, and the group casts it before the gather (reduction/layer_groups.py): the weight's
+amax is then the group's to reduce (_TensorwiseGathered).
+
 Tensorwise backward reuses forward's scales: they are the same tensors' amaxes, so recasting with them is the
 cast torchao makes again, without reducing the amaxes again; rowwise backward scales along other dims and
 takes its amaxes afresh. Both keep the activation and the weight as forward got them (in the compute dtype, as
@@ -24,41 +28,19 @@ tensor autograd saves.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..._compat import scaled_mm as _scaled_mm
 from ...errors import AutoparError
-from ...sharding.redistribute import ALL_REDUCE
-from ..collectives import Comm, forward_phase, logged
+from ..collectives import Comm, forward_phase
+from ..float8_casts import E4M3, E5M2, reduce_max, scale_of, to_float8
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-AMAX_FLOOR = 1e-12   # torchao's EPS: an all-zero tensor gets a finite scale
 DIM_MULTIPLE = 16    # the scaled matmul on a GPU: every dim it multiplies over, and the output's columns
 
 
 def amax(x: torch.Tensor, axes: tuple, comm: Comm, phase: str, dim: int | None = None) -> torch.Tensor:
     """The largest magnitude in the whole tensor of which `x` is this rank's piece, split on mesh `axes`; with
     `dim`, of each row along `dim` (kept, size 1), where `axes` split that dim."""
-    out = x.abs().max() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    for axis in axes:
-        out = logged(out, comm, ALL_REDUCE, axis, out.numel() * out.element_size(), phase)
-        t0 = comm.start()
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=comm.axes[axis].group)
-        comm.stop(axis, t0)
-    return out
-
-
-def scale_of(amax_value: torch.Tensor, dtype: torch.dtype, power_of_2: bool = False) -> torch.Tensor:
-    """float8 max / amax, as torchao computes it (in float64, then float32: eager and compiled agree); rounded
-    down to a power of 2 where asked (torchao's rowwise recipe: the scale then multiplies exactly)."""
-    scale = (torch.finfo(dtype).max / torch.clamp(amax_value.to(torch.float64), min=AMAX_FLOOR)).to(torch.float32)
-    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
-
-
-def to_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x` times `scale`, saturated to `dtype`'s range and cast (torchao's to_fp8_saturated)."""
-    top = torch.finfo(dtype).max
-    return (x.to(torch.float32) * scale).clamp(min=-top, max=top).to(dtype)
+    return reduce_max(x.abs().max() if dim is None else x.abs().amax(dim=dim, keepdim=True), axes, comm, phase)
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
@@ -153,6 +135,43 @@ class _Rowwise(torch.autograd.Function):
         return grad_x.reshape(x.shape), grad_w, None, None
 
 
+class _TensorwiseGathered(torch.autograd.Function):
+    """_Tensorwise of a weight its FSDP layer group gathers in float8 (reduction/layer_groups.py: torchao's
+    enable_fsdp_float8_all_gather). The group casts each rank's shard with the whole weight's scale (the amax
+    reduced over the shards) and gathers the float8 bytes: the bits one device casts, on half the bytes.
+    Forward multiplies with them; backward reads them again (autograd saves them: gathered again where the plan
+    reshards after forward, regather.py; kept where it does not) and hands the weight's whole gradient to the
+    group, which reduce-scatters it with the layer's, as GroupGather's backward does. `gather`: the weight's
+    RedistributeModule, which the group knows it by."""
+
+    @staticmethod
+    def forward(ctx, x, local, splits: tuple, comm: Comm, gather, phase: str):
+        (x_rows, x_in), _, ctx.grad_split = splits
+        x_scale = scale_of(amax(x, x_rows + x_in, comm, phase), E4M3)
+        w8, w_scale = gather.group.gathered(gather.group_index, phase)
+        if gather.gathered is not None:   # kept as the shard, gathered again by the group when backward reads it
+            gather.gathered.register(w8, local.detach(), gather)
+        x2 = x.reshape(-1, x.shape[-1])
+        _check_rows(x2.shape[0], x.device)
+        out = scaled_mm(to_float8(x2, x_scale, E4M3), x_scale, w8.t(), w_scale, x.dtype, fast_accum=True)
+        ctx.save_for_backward(x, w8)
+        ctx.x_scale, ctx.w_scale, ctx.comm, ctx.gather = x_scale, w_scale, comm, gather
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x, w8), x_scale, w_scale = ctx.saved_tensors, ctx.x_scale, ctx.w_scale
+        g2 = grad.reshape(-1, grad.shape[-1])
+        g_rows, g_out = ctx.grad_split
+        g_scale = scale_of(amax(g2, g_rows + g_out, ctx.comm, "backward"), E5M2)
+        g8 = to_float8(g2, g_scale, E5M2)
+        grad_x = scaled_mm(g8, g_scale, w8, w_scale, grad.dtype, fast_accum=False)
+        x8 = to_float8(x.reshape(-1, x.shape[-1]), x_scale, E4M3)
+        grad_w = scaled_mm(g8.t(), g_scale, x8, x_scale, grad.dtype, fast_accum=False)
+        ctx.gather.group.arrive(ctx.gather.group_index, grad_w)
+        return grad_x.reshape(x.shape), None, None, None, None, None
+
+
 RECIPES = {"tensorwise": _Tensorwise, "rowwise": _Rowwise}
 
 
@@ -169,13 +188,26 @@ class Float8Linear(torch.nn.Module):
     `splits`: the mesh axes that split (the activation's rows, its in_features), (the weight's out_features,
     its in_features), (the output gradient's rows, its out_features), over which each amax is reduced."""
 
-    def __init__(self, splits: tuple, recipe: str, comm: Comm, label: str):
+    def __init__(self, splits: tuple, recipe: str, comm: Comm, label: str, gather=None):
         super().__init__()
         self.splits = tuple(tuple(tuple(axes) for axes in pair) for pair in splits)
         self.matmul, self.comm, self.label = RECIPES[recipe], comm, label
+        # the weight's RedistributeModule, where its FSDP layer group gathers it in float8: `weight` is then the
+        # local shard, and the group gathers it (a tensorwise linear only: the scale is one per weight)
+        self.gather = gather
 
     def forward(self, x, weight, bias=None):
-        out = self.matmul.apply(x, weight, self.splits, self.comm)
+        if self.gather is not None and torch.compiler.is_dynamo_compiling():
+            # compiled, no layer groups (Python state the compiler cannot trace): the weight's own layout change,
+            # in the compute dtype, as RedistributeModule._compiled runs every gather (the module warns of it)
+            weight = self.gather(weight)
+        if self.gather is None or torch.compiler.is_dynamo_compiling():
+            out = self.matmul.apply(x, weight, self.splits, self.comm)
+        else:
+            group, i, phase = self.gather.group, self.gather.group_index, forward_phase()
+            if phase != "recompute" and torch.is_grad_enabled() and weight.requires_grad:
+                group.used(i)   # (a recompute's gradient never reaches the group; GroupGather's rule)
+            out = _TensorwiseGathered.apply(x, weight, self.splits, self.comm, self.gather, phase)
         return out if bias is None else out + bias.to(out.dtype)
 
     def extra_repr(self) -> str:

@@ -97,6 +97,8 @@ class RedistributeModule(torch.nn.Module):
     def gather_again(self, local):
         if self.group is not None:
             x = self.group.unpacked(self.group_index)
+            if isinstance(x, tuple):   # gathered in float8 (its bits, its scale): a float8 linear reads the bits
+                return x[0]
             for s, whole in zip(self.steps[1:], self.wholes[1:]):
                 x = transform(x, s.src, s.dst, s.axis, self.comm, "backward", whole)
             return x
@@ -215,6 +217,7 @@ class _Rewriter:
         # weights whose data-axis gradient the buckets reduce, and activations whose gradient flows on to them
         # partial (Lowering.partial_gradients, made by cost/buckets.partial_gradients)
         self.deferred = self.lowering.partial_gradients
+        self._float8_gathers: dict = {}   # float8 linear -> its weight's RedistributeModule, from map_args to emit
         self.bucket_grad_scale = self.lowering.grad_scale
 
     def emit(self, node: fx.Node) -> None:
@@ -256,6 +259,8 @@ class _Rewriter:
         if change is None:
             raise PlanError(f"the plan's lowering has no layout change of {producer.name} to {tuple(dst)} (gradient "
                             f"partial on {gp}): it was made for another graph; plan again (autopar.plan)")
+        if reader is not None and reader[1] == 1 and reader[0] in self.lowering.float8_gathers:
+            return self._float8_gathered(producer, change, reader)
         if key not in self._cache:
             self._cache[key] = self._call_redistribute(producer, change, reader if use is None else use)
         if reader in self.schedule.regathered and producer.name in self.grad_nodes:
@@ -267,6 +272,25 @@ class _Rewriter:
     def _call_redistribute(self, producer: fx.Node, change, use) -> fx.Node:
         """A new RedistributeModule making the plan's layout `change` of `producer`, and the node calling it on
         `producer` for `use` (redistribute's)."""
+        self._count += 1
+        mod_name = f"redist_{self._count}_{producer.name}"
+        self.root.add_module(mod_name, self._redistribute_module(producer, change, use))
+        return self.g.call_module(mod_name, (self.env[producer.name],))
+
+    def _float8_gathered(self, producer: fx.Node, change, reader: tuple) -> fx.Node:
+        """The weight of float8 linear `reader[0]` that its FSDP layer group gathers in float8 (the plan's
+        Lowering.float8_gathers): its RedistributeModule joins the group but is not called; the linear's
+        Float8Linear calls the group with the local shard, which this returns."""
+        module = self._redistribute_module(producer, change, reader)
+        if module.group is None or any(st.forward_kind != NONE for st in change.steps[1:]):
+            raise PlanError(f"the plan gathers the weight of {reader[0]} in float8, and its layout change here "
+                            f"({module.label}) is not one gather with its layer: plan again (autopar.plan)")
+        self._float8_gathers[reader[0]] = module
+        return self.env[producer.name]
+
+    def _redistribute_module(self, producer: fx.Node, change, use) -> RedistributeModule:
+        """The RedistributeModule making the plan's layout `change` of `producer` for `use`, joined to its FSDP
+        layer group where the plan serves that use from one."""
         steps = list(change.steps)
         is_param = self.cap.info[producer.name].kind == PARAM
         cast = self.casts.get(producer.name)
@@ -278,8 +302,6 @@ class _Rewriter:
         regathered = is_param and (gathers and self.reshard or cast is not None and not gathers)
         # a parameter's storage may split a dim unevenly (placement.py): its steps need the whole length
         wholes = change.wholes
-        self._count += 1
-        mod_name = f"redist_{self._count}_{producer.name}"
         label = f"{producer.name}: {_describe(steps, self.names)}" + (f"; cast to {cast[0]}" if cast else "")
         module = RedistributeModule(steps, self.comm, label, self.gathered if regathered else None, wholes, cast)
         # a weight use the plan serves from its FSDP layer group (none on a pipeline: its stages hold only their
@@ -287,8 +309,7 @@ class _Rewriter:
         grouped = self.lowering.grouped.get(use) if is_param and not self.pipelined else None
         if grouped is not None:
             self._join_group(module, producer.name, steps, grouped)
-        self.root.add_module(mod_name, module)
-        return self.g.call_module(mod_name, (self.env[producer.name],))
+        return module
 
     def _join_group(self, module: RedistributeModule, producer: str, steps: list, grouped: tuple) -> None:
         """Serve `module`'s gather from the plan's layer group of its weight (planning.schedule.LayerGroup) with
@@ -391,7 +412,12 @@ class _Rewriter:
             label = f"{node.name}: {recipe}, amaxes reduced over " + ", ".join(
                 f"{what} {[self.names[a] for pair in split for a in pair] or 'none'}"
                 for what, split in zip(("input", "weight", "grad"), splits))
-            self.root.add_module(mod_name, Float8Linear(splits, recipe, self.comm, label))
+            gather = self._float8_gathers.pop(node.name, None)
+            if gather is not None:   # its group casts the weight's shard and gathers float8 (layer_groups.py)
+                member = gather.group.members[gather.group_index]
+                member.float8_axes = tuple(sorted({gather.group.axis, *splits[1][0], *splits[1][1]}))
+                label += f"; weight gathered in float8 on {self.names[gather.group.axis]} ({gather.label})"
+            self.root.add_module(mod_name, Float8Linear(splits, recipe, self.comm, label, gather))
             new = self.g.call_module(mod_name, tuple(args), kwargs)
         elif op.vocab_loss is not None:   # a cross-entropy over this rank's classes
             self._count += 1

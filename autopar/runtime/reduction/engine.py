@@ -171,18 +171,27 @@ def all_gather_flat(xs: list, dims: list, wholes: list, comm: Comm, axis: int, p
                     async_op: bool = False):
     """Several tensors split on `axis` (along dims[i], whole length wholes[i]) gathered whole in one
     all-gather: each rank's pieces padded to ceil(whole / n) and concatenated, as FSDP2 lays out a layer.
-    Returns the whole tensors, or with async_op (launched, finish): finish() waits and returns them."""
+    Tensors of several dtypes (a layer's float8 weights beside its norms') travel as their bytes, as FSDP2
+    gathers them. Returns the whole tensors, or with async_op (launched, finish): finish() waits and returns
+    them."""
     n = comm.axes[axis].size
     moved = [pad_to(x.movedim(d, 0), -(-w // n)).contiguous() for x, d, w in zip(xs, dims, wholes)]
-    send = torch.cat([t.reshape(-1) for t in moved])
+    mixed = len({t.dtype for t in moved}) > 1
+    flat = [t.reshape(-1).view(torch.uint8) if mixed else t.reshape(-1) for t in moved]
+    send = torch.cat(flat)
+    del flat
     launched = launch(ALL_GATHER, send, comm, axis, phase)
 
     def finish() -> list:
         per_rank = launched.wait().view(n, send.numel())
         fulls, off = [], 0
         for t, d, w in zip(moved, dims, wholes):
-            full = per_rank[:, off: off + t.numel()].reshape((n * t.shape[0],) + tuple(t.shape[1:]))[:w]
-            off += t.numel()
+            count = t.numel() * (t.element_size() if mixed else 1)
+            part = per_rank[:, off: off + count]
+            off += count
+            if mixed:   # its bytes, copied out (aligned for its dtype), read as that dtype
+                part = part.clone(memory_format=torch.contiguous_format).view(t.dtype)
+            full = part.reshape((n * t.shape[0],) + tuple(t.shape[1:]))[:w]
             fulls.append(full if d == 0 else full.movedim(0, d).contiguous())
         return fulls
     return (launched, finish) if async_op else finish()

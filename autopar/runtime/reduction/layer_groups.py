@@ -28,6 +28,14 @@ does, the weights of one layer (cost/layer_groups.layer_of) move together:
               e.g. norm weights under sequence parallelism) and each weight's .grad
               is set from its piece (added to one already there)
 
+    float8    a float8 linear's weight the plan gathers in float8 (Lowering.float8_gathers,
+              torchao's enable_fsdp_float8_all_gather) is cast on each rank before the
+              gather, with the whole weight's scale: the layer's shard amaxes go out in
+              one all-reduce (MAX) per mesh axis at forward's gather, and backward's and
+              a recompute's gathers reuse the scales. The flat gather then moves bytes
+              (engine.all_gather_flat), and the member is served as (float8 bits, scale)
+              to its Float8Linear (lowering/float8.py), which calls the group itself
+
 The cost model (cost/layer_groups.py) groups the same weights, so the plan's
 collectives are the module's.
 """
@@ -41,6 +49,7 @@ from ..._compat import RETURNED, backward_keeps_graph, leaf_gradient_use
 from ...sharding.redistribute import ALL_REDUCE
 # collectives' shard_dim: uncached, as torch.compile traces these calls (it warns at a functools cache)
 from ..collectives import Comm, shard_dim
+from ..float8_casts import E4M3, reduce_max, scale_of, to_float8
 from .engine import BackwardEnd, InFlight, accumulate_grad, all_gather_flat, launch, reduce_scatter_flat
 from .grad_buckets import returned_gradient_error
 
@@ -54,6 +63,10 @@ class _Member:
         # forward uses and saved uses since the last backward that did not keep its graph (retain_graph=True):
         # another backward through a kept graph brings as many again
         self.uses = self.saves = 0
+        # a float8 linear's weight gathered in float8 (set by the rewriter): the mesh axes over which the amax of
+        # its whole weight is reduced (this group's axis and those splitting it at the op); None: gathered as is
+        self.float8_axes = None
+        self.scale = None             # its float8 scale, made at the step's forward gather
 
 
 class LayerGroup:
@@ -80,8 +93,8 @@ class LayerGroup:
         return len(self.members) - 1
 
     # ------------------------------------------------------------ gathers
-    def gathered(self, i: int, phase: str) -> torch.Tensor:
-        """Member i's whole weight: from the layer's last gather (or the one launched ahead of it), or a
+    def gathered(self, i: int, phase: str):
+        """Member i's whole weight (a member gathered in float8: its float8 bits and their scale): from the layer's last gather (or the one launched ahead of it), or a
         new gather of the whole layer; a new gather launches the next layer's (in backward and in a
         recompute: the previous one's, where this backward gathers it again) ahead of its use, as FSDP2
         prefetches."""
@@ -125,9 +138,35 @@ class LayerGroup:
 
     def _gather(self, phase: str):
         locals_ = [self._local(m) for m in self.members]
-        return all_gather_flat(locals_, [self._dim(m) for m in self.members],
-                               [self._whole(m, x) for m, x in zip(self.members, locals_)], self.comm, self.axis,
-                               phase, async_op=True)
+        wholes = [self._whole(m, x) for m, x in zip(self.members, locals_)]
+        float8 = [k for k, m in enumerate(self.members) if m.float8_axes is not None]
+        scales = self._float8_scales(locals_, float8, phase) if float8 else {}
+        for k in float8:   # cast before the gather: 1 byte an element on the link, and no cast after it
+            locals_[k] = to_float8(locals_[k], scales[k], E4M3).view(torch.uint8)
+        launched, finish = all_gather_flat(locals_, [self._dim(m) for m in self.members], wholes, self.comm,
+                                           self.axis, phase, async_op=True)
+        if not float8:
+            return launched, finish
+
+        def finish_float8() -> list:
+            fulls = finish()
+            return [(f.view(E4M3), scales[k]) if k in scales else f for k, f in enumerate(fulls)]
+        return launched, finish_float8
+
+    def _float8_scales(self, locals_: list, float8: list, phase: str) -> dict:
+        """{member index: its float8 scale} for the members gathered in float8. A forward gather makes them from
+        the whole weights' amaxes: the shards' amaxes, all-reduced with MAX in one collective per mesh axis
+        for the whole layer (torchao makes one per step for the whole model, after the optimizer step: the
+        same scales, fewer launches, and a hook on the optimizer). Backward's and a recompute's gathers reuse
+        them: the weights have not changed since."""
+        if phase == "forward" or any(self.members[k].scale is None for k in float8):
+            amaxes = torch.stack([locals_[k].abs().max().float() if locals_[k].numel()
+                                  else locals_[k].new_zeros((), dtype=torch.float32) for k in float8])
+            axes = sorted(set().union(*(self.members[k].float8_axes for k in float8)))
+            amaxes = reduce_max(amaxes, axes, self.comm, phase)
+            for j, k in enumerate(float8):
+                self.members[k].scale = scale_of(amaxes[j], E4M3)
+        return {k: self.members[k].scale for k in float8}
 
     def packed(self, i: int) -> None:
         """Autograd saved member i's gathered weight: backward will read it once."""
