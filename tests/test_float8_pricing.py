@@ -110,12 +110,16 @@ def _amax_records(plan) -> set:
 
 def _expected_amax(plan) -> set:
     """One all-reduce of a 2-byte scalar per split axis: activation and weight (as the op reads it) in
-    forward, the output's gradient in backward."""
+    forward, the output's gradient in backward; the activation's only by the first of the linears reading it
+    (the query, key and value projections share one: Lowering.float8_shared_scales)."""
     out = set()
+    shared = plan.schedule.lowering.float8_shared_scales
     for name in plan.float8_linears:
         s = plan.node_strategies[name]
         for placements, what, phase in ((s.inputs[0], AMAX_OF[0], "forward"), (s.inputs[1], AMAX_OF[1], "forward"),
                                          (s.output, AMAX_OF[2], "backward")):
+            if name in shared and what == AMAX_OF[0]:
+                continue
             out |= {(name, what, plan.mesh.axis_names[a], phase, 2.0) for a, p in enumerate(placements)
                     if is_shard(p)}
     return out
@@ -144,7 +148,12 @@ def test_amax_bytes_in_predicted_comm(gpt_plans):
         count = sum(1 for c in fp8.collectives if c.axis == axis and c.tensor[len(c.where):] in AMAX_OF)
         extra = count * cm.bytes_moved(cm.ALL_REDUCE, 2, MESH[axis])
         assert fp8.predicted.comm_bytes[axis] - bf16.predicted.comm_bytes[axis] == pytest.approx(extra)
-        assert count == 2 * len(fp8.float8_linears)
+        # the activation's (one per set of linears reading it) and the gradient's
+        assert count == 2 * len(fp8.float8_linears) - len(fp8.schedule.lowering.float8_shared_scales)
+    # k and v reuse q's scale in each of the 2 blocks
+    shared = fp8.schedule.lowering.float8_shared_scales
+    assert sorted(fp8.module_paths[n] for n in shared) == [f"h.{i}.attn.{m}" for i in (0, 1) for m in "kv"]
+    assert all(fp8.module_paths[first] == f"h.{fp8.module_paths[n][2]}.attn.q" for n, first in shared.items())
 
 
 def test_auto_fp8_keeps_the_linears_float8_speeds_up():

@@ -260,3 +260,26 @@ def float8_gather_amaxes(colls: list, members: dict, float8_axes: dict) -> list:
             out.append(Collective(ALL_REDUCE, axis, AMAX_GATHER_ITEMSIZE * len(entries), "forward",
                                   f"layer {key[0] or 'root'}", names + ":amaxes"))
     return out
+
+
+def shared_input_scales(cap: Captured, linears, strategies: dict) -> dict:
+    """{float8 linear: the first float8 linear (graph order) reading the same activation in the same layout}, for
+    each linear after the first of such a set: its forward scale of the activation (its amax, all-reduced over
+    the axes splitting it) is the first one's (runtime: the rewriter makes one scale per set), so only the first
+    launches those all-reduces. `strategies`: node -> the plan's chosen strategy."""
+    first: dict = {}
+    out = {}
+    for name in linears:   # (graph order)
+        key = (tensor_args(cap.node(name))[0].name, tuple(strategies[name].inputs[0]))
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
+
+
+def shared_scale_amaxes(colls: list, shared) -> list:
+    """`colls` without the forward (and recomputed) activation amax all-reduces of the linears that reuse an
+    earlier linear's scale (`shared`: shared_input_scales' keys)."""
+    dropped = {name + AMAX_OF[0] for name in shared}
+    return [c for c in colls if not (c.tensor in dropped and c.phase in ("forward", "recompute"))]

@@ -19,7 +19,8 @@ from ..sharding.placement import is_shard, local_shape, numel
 from ..sharding.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, gathers_again, plan_steps
 from .buckets import assign_buckets, graph_uses, params_by_first_use, partial_gradients, zero_buckets
 from .checkpointing import recomputed_ops, rerun_blocks, rerun_ops, stacks_of
-from .float8 import float8_gather_amaxes, gathers_in_float8
+from .float8 import (float8_gather_amaxes, gathers_in_float8, runs_float8, shared_input_scales,
+                     shared_scale_amaxes)
 from .layer_groups import alive_spans, group_key, groupable, grouped
 from .overlap import BUCKET, hidden_comm_time
 from .problem import charge_key, checkpoint_model, edge_regathers, reshards
@@ -384,6 +385,10 @@ def _op_collectives(prob, choice, rerun: set, symbolic: bool) -> list[Collective
             # a recomputed op runs its forward again (its backward's collectives run once)
             colls += own + ([replace(c, phase="recompute") for c in own if c.phase == "forward"]
                             if name in rerun else [])
+    if prob.float8:   # linears reading one activation share its scale (cost/float8.shared_input_scales)
+        chosen = {n: prob.strategies[n].strategies[choice[n]] for n in prob.float8}
+        running = [n for n, (k, n_out) in prob.float8.items() if runs_float8(chosen[n], (n_out, k), prob.mesh.axis_sizes)]
+        colls = shared_scale_amaxes(colls, shared_input_scales(prob.cap, running, chosen))
     return colls
 
 

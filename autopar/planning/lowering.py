@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from ..capture.export import PARAM, Captured
 from ..cost.buckets import bucket_grad_scale, output_grad_scale, partial_gradients
 from ..cost.checkpointing import SavePolicy, checkpointable_stacks
-from ..cost.float8 import float8_gathered_params, gathers_in_float8
+from ..cost.float8 import float8_gathered_params, gathers_in_float8, shared_input_scales
 from ..cost.layer_groups import groupable, sums_gradient
 from ..cost.precision import precision_of
 from ..cost.terms import first_meta
@@ -85,6 +85,10 @@ class Lowering:
     # the float8 linears whose weight its FSDP layer group casts and gathers in float8 (cost/float8.py:
     # enable_fsdp_float8_all_gather), in graph order
     float8_gathers: tuple = ()
+    # float8 linear -> the earlier float8 linear whose forward activation scale it reuses: both read the same
+    # tensor in the same layout by the same recipe (the query, key and value projections; gate and up), so one
+    # amax and its all-reduce serve both (cost/float8.shared_input_scales)
+    float8_shared_scales: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"partial_gradients": [[n, list(axes)] for n, axes in self.partial_gradients.items()],
@@ -100,7 +104,8 @@ class Lowering:
                 "layout_changes": [_layout_change_dict(key, c) for key, c in self.layout_changes.items()],
                 **({"float8": [[n, recipe, [[list(a) for a in pair] for pair in splits]]
                                 for n, (recipe, splits) in self.float8.items()]} if self.float8 else {}),
-                **({"float8_gathers": list(self.float8_gathers)} if self.float8_gathers else {})}
+                **({"float8_gathers": list(self.float8_gathers)} if self.float8_gathers else {}),
+                **({"float8_shared_scales": dict(self.float8_shared_scales)} if self.float8_shared_scales else {})}
 
     @staticmethod
     def from_dict(d: dict) -> "Lowering":
@@ -116,7 +121,8 @@ class Lowering:
                         layout_changes=dict(_read_layout_change(c) for c in d["layout_changes"]),
                         float8={n: (recipe, tuple(tuple(tuple(a) for a in pair) for pair in splits))
                                 for n, recipe, splits in d.get("float8", ())},
-                        float8_gathers=tuple(d.get("float8_gathers", ())))
+                        float8_gathers=tuple(d.get("float8_gathers", ())),
+                        float8_shared_scales=dict(d.get("float8_shared_scales", {})))
 
 
 # LocalOp's fields that are records of their own (a dict each in JSON)
@@ -177,7 +183,8 @@ def lowering_of(cap: Captured, plan, grad_nodes: set) -> Lowering:
                     {n: (str(c), str(r)) for n, (c, r) in casts.items()},
                     grouped, recomputed_regions(cap, plan),
                     lowering_key(cap, plan), ops=local_ops_of(cap, plan), layout_changes=changes,
-                    float8=float8_uses(cap, plan), float8_gathers=float8_gathers(cap, plan, uses, changes, grouped))
+                    float8=float8_uses(cap, plan), float8_gathers=float8_gathers(cap, plan, uses, changes, grouped),
+                    float8_shared_scales=shared_input_scales(cap, plan.float8_linears, plan.node_strategies))
 
 
 def float8_gathers(cap: Captured, plan, uses: list, changes: dict, grouped: dict) -> tuple:

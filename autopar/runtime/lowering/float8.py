@@ -64,15 +64,41 @@ def scaled_mm_then_scaled(a: torch.Tensor, a_scale, b: torch.Tensor, b_scale, ou
     return out
 
 
+def input_scale(x: torch.Tensor, recipe: str, splits: tuple, comm: Comm, phase: str) -> torch.Tensor:
+    """The forward scale of a float8 linear's activation `x` (this rank's piece): tensorwise, one from the whole
+    tensor's amax; rowwise, one per row (along K, [M, 1]), rounded down to a power of 2."""
+    (x_rows, x_in), _, _ = splits
+    if recipe == "tensorwise":
+        return scale_of(amax(x, x_rows + x_in, comm, phase), E4M3)
+    return scale_of(amax(x.reshape(-1, x.shape[-1]), x_in, comm, phase, dim=-1), E4M3, power_of_2=True)
+
+
+class Float8InputScale(torch.nn.Module):
+    """The forward scale of an activation several float8 linears read in one layout (the query, key and value
+    projections of one input): made once, its amax all-reduced once, and handed to each (Lowering.float8_shared_scales)."""
+
+    def __init__(self, recipe: str, splits: tuple, comm: Comm, label: str):
+        super().__init__()
+        self.recipe, self.splits, self.comm, self.label = recipe, splits, comm, label
+
+    def forward(self, x):
+        with torch.no_grad():
+            return input_scale(x, self.recipe, self.splits, self.comm, forward_phase())
+
+    def extra_repr(self) -> str:
+        return self.label
+
+
 class _Tensorwise(torch.autograd.Function):
     """x @ w.t() in float8 (x: [..., K] in the compute dtype, w: [N, K]), one scale per tensor from the whole
-    tensor's amax. `splits`: Float8Linear's."""
+    tensor's amax. `splits`: Float8Linear's; `x_scale`: the activation's, where a Float8InputScale made it."""
 
     @staticmethod
-    def forward(ctx, x, w, splits: tuple, comm: Comm):
+    def forward(ctx, x, w, splits: tuple, comm: Comm, x_scale=None):
         (x_rows, x_in), (w_out, w_in), ctx.grad_split = splits
         phase = forward_phase()
-        x_scale = scale_of(amax(x, x_rows + x_in, comm, phase), E4M3)
+        if x_scale is None:
+            x_scale = input_scale(x, "tensorwise", splits, comm, phase)
         w_scale = scale_of(amax(w, w_out + w_in, comm, phase), E4M3)
         x2 = x.reshape(-1, x.shape[-1])
         _check_rows(x2.shape[0], x.device)
@@ -94,7 +120,7 @@ class _Tensorwise(torch.autograd.Function):
         grad_x = scaled_mm(g8, g_scale, to_float8(w, w_scale, E4M3), w_scale, grad.dtype, fast_accum=False)
         x8 = to_float8(x.reshape(-1, x.shape[-1]), x_scale, E4M3)
         grad_w = scaled_mm(g8.t(), g_scale, x8, x_scale, grad.dtype, fast_accum=False)
-        return grad_x.reshape(x.shape), grad_w, None, None
+        return grad_x.reshape(x.shape), grad_w, None, None, None
 
 
 class _Rowwise(torch.autograd.Function):
@@ -103,12 +129,13 @@ class _Rowwise(torch.autograd.Function):
     Backward's operands sum over other dims than forward's, so it takes their amaxes afresh."""
 
     @staticmethod
-    def forward(ctx, x, w, splits: tuple, comm: Comm):
+    def forward(ctx, x, w, splits: tuple, comm: Comm, x_scale=None):
         (_, x_in), (_, w_in), _ = splits
         phase = forward_phase()
         x2 = x.reshape(-1, x.shape[-1])
         _check_rows(x2.shape[0], x.device)
-        x_scale = scale_of(amax(x2, x_in, comm, phase, dim=-1), E4M3, power_of_2=True)   # per row: [M, 1]
+        if x_scale is None:   # per row: [M, 1]
+            x_scale = input_scale(x, "rowwise", splits, comm, phase)
         w_scale = scale_of(amax(w, w_in, comm, phase, dim=1), E4M3, power_of_2=True)    # per out row: [N, 1]
         out = scaled_mm(to_float8(x2, x_scale, E4M3), x_scale, to_float8(w, w_scale, E4M3).t(), w_scale.t(),
                         x.dtype, fast_accum=True)
@@ -132,7 +159,7 @@ class _Rowwise(torch.autograd.Function):
         x_scale = scale_of(amax(x2, x_rows, comm, phase, dim=0), E4M3, power_of_2=True)
         grad_w = scaled_mm_then_scaled(to_float8(g2, g_scale, E4M3).t(), g_scale.t(), to_float8(x2, x_scale, E4M3),
                                        x_scale, grad.dtype)
-        return grad_x.reshape(x.shape), grad_w, None, None
+        return grad_x.reshape(x.shape), grad_w, None, None, None
 
 
 class _TensorwiseGathered(torch.autograd.Function):
@@ -145,9 +172,10 @@ class _TensorwiseGathered(torch.autograd.Function):
     RedistributeModule, which the group knows it by."""
 
     @staticmethod
-    def forward(ctx, x, local, splits: tuple, comm: Comm, gather, phase: str):
-        (x_rows, x_in), _, ctx.grad_split = splits
-        x_scale = scale_of(amax(x, x_rows + x_in, comm, phase), E4M3)
+    def forward(ctx, x, local, splits: tuple, comm: Comm, gather, phase: str, x_scale=None):
+        _, _, ctx.grad_split = splits
+        if x_scale is None:
+            x_scale = input_scale(x, "tensorwise", splits, comm, phase)
         w8, w_scale = gather.group.gathered(gather.group_index, phase)
         if gather.gathered is not None:   # kept as the shard, gathered again by the group when backward reads it
             gather.gathered.register(w8, local.detach(), gather)
@@ -169,7 +197,7 @@ class _TensorwiseGathered(torch.autograd.Function):
         x8 = to_float8(x.reshape(-1, x.shape[-1]), x_scale, E4M3)
         grad_w = scaled_mm(g8.t(), g_scale, x8, x_scale, grad.dtype, fast_accum=False)
         ctx.gather.group.arrive(ctx.gather.group_index, grad_w)
-        return grad_x.reshape(x.shape), None, None, None, None, None
+        return grad_x.reshape(x.shape), None, None, None, None, None, None
 
 
 RECIPES = {"tensorwise": _Tensorwise, "rowwise": _Rowwise}
@@ -196,18 +224,19 @@ class Float8Linear(torch.nn.Module):
         # local shard, and the group gathers it (a tensorwise linear only: the scale is one per weight)
         self.gather = gather
 
-    def forward(self, x, weight, bias=None):
+    def forward(self, x, weight, bias=None, x_scale=None):
+        """`x_scale`: the activation's forward scale where a Float8InputScale made it for several linears."""
         if self.gather is not None and torch.compiler.is_dynamo_compiling():
             # compiled, no layer groups (Python state the compiler cannot trace): the weight's own layout change,
             # in the compute dtype, as RedistributeModule._compiled runs every gather (the module warns of it)
             weight = self.gather(weight)
         if self.gather is None or torch.compiler.is_dynamo_compiling():
-            out = self.matmul.apply(x, weight, self.splits, self.comm)
+            out = self.matmul.apply(x, weight, self.splits, self.comm, x_scale)
         else:
             group, i, phase = self.gather.group, self.gather.group_index, forward_phase()
             if phase != "recompute" and torch.is_grad_enabled() and weight.requires_grad:
                 group.used(i)   # (a recompute's gradient never reaches the group; GroupGather's rule)
-            out = _TensorwiseGathered.apply(x, weight, self.splits, self.comm, self.gather, phase)
+            out = _TensorwiseGathered.apply(x, weight, self.splits, self.comm, self.gather, phase, x_scale)
         return out if bias is None else out + bias.to(out.dtype)
 
     def extra_repr(self) -> str:

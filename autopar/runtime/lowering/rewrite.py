@@ -27,7 +27,7 @@ from ..reduction.layer_groups import GroupGather, LayerGroup, in_flight
 from .recompute import CheckpointRegion, outline, recompute_all_but_logging
 from .regather import GatheredParams
 from ..rng import RandomOp, shard_key
-from .float8 import Float8Linear
+from .float8 import Float8InputScale, Float8Linear
 from .local_ops import run_local
 from .ring_attention import ring_attention
 from .vocab_parallel import vocab_parallel_loss
@@ -218,6 +218,7 @@ class _Rewriter:
         # partial (Lowering.partial_gradients, made by cost/buckets.partial_gradients)
         self.deferred = self.lowering.partial_gradients
         self._float8_gathers: dict = {}   # float8 linear -> its weight's RedistributeModule, from map_args to emit
+        self._float8_scales: dict = {}    # float8 linear -> the node making the input scale it shares
         self.bucket_grad_scale = self.lowering.grad_scale
 
     def emit(self, node: fx.Node) -> None:
@@ -418,7 +419,7 @@ class _Rewriter:
                 member.float8_axes = tuple(sorted({gather.group.axis, *splits[1][0], *splits[1][1]}))
                 label += f"; weight gathered in float8 on {self.names[gather.group.axis]} ({gather.label})"
             self.root.add_module(mod_name, Float8Linear(splits, recipe, self.comm, label, gather))
-            new = self.g.call_module(mod_name, tuple(args), kwargs)
+            new = self.g.call_module(mod_name, tuple(args), {**kwargs, **self._float8_input_scale(node, args[0])})
         elif op.vocab_loss is not None:   # a cross-entropy over this rank's classes
             self._count += 1
             mod_name = f"vocab_parallel_{self._count}_{node.name}"
@@ -433,6 +434,25 @@ class _Rewriter:
                 new = self.g.call_function(target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.env[node.name] = new
+
+    def _float8_input_scale(self, node: fx.Node, x: fx.Node) -> dict:
+        """{"x_scale": the node making the forward scale of float8 linear `node`'s activation `x`} where linears
+        share it (Lowering.float8_shared_scales: the first makes it, before itself; the others read it); {} where
+        the linear makes its own."""
+        shared = self.lowering.float8_shared_scales
+        owner = shared.get(node.name)
+        if owner is not None:
+            return {"x_scale": self._float8_scales[owner]}
+        if node.name not in set(shared.values()):
+            return {}
+        recipe, splits = self.lowering.float8[node.name]
+        self._count += 1
+        mod_name = f"float8_scale_{self._count}_{node.name}"
+        readers = [n for n, o in shared.items() if o == node.name]
+        self.root.add_module(mod_name, Float8InputScale(recipe, splits, self.comm,
+                                                        f"{x.name} for {', '.join([node.name] + readers)}"))
+        self._float8_scales[node.name] = self.g.call_module(mod_name, (x,))
+        return {"x_scale": self._float8_scales[node.name]}
 
     def _call_random(self, node: fx.Node, axes: tuple, target, args, kwargs) -> fx.Node:
         """A random op (`target`, local_ops.run_local's) drawing from the stream of this rank's shard of its
