@@ -30,7 +30,7 @@ from .runtime.devices import mesh_device
 from .runtime.module import OtherMode, ParallelModule
 from .runtime.lowering.rewrite import rewrite
 from .runtime.rng import RandomStreams, agreed_seed
-from .search.classics import STRATEGIES
+from .search.classics import CONTEXT_STRATEGIES, STRATEGIES
 from .search.pipeline import check_request
 
 log = logging.getLogger("autopar")   # progress (INFO), as planning/planner.py's
@@ -85,7 +85,8 @@ def compare(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dic
     heads, a memory_limit it cannot meet)}. The table engineers draw by hand before a launch.
 
     `strategies`: "auto" and every named strategy by default. `example_kwargs` and the other options are
-    autopar.plan's (hardware, memory_limit, precision, optimizer, progress, ...), the same for every strategy.
+    autopar.plan's (hardware, memory_limit, precision, optimizer, progress, ...), the same for every strategy
+    (context_weights for those with a context axis, and auto).
     Each plan's planning_seconds (stats, print(plan)) is the capture's and its own search's.
     """
     example_inputs, example_kwargs = _call_inputs(example_inputs, example_kwargs)
@@ -100,9 +101,12 @@ def compare(model: torch.nn.Module, example_inputs, mesh, *, example_kwargs: dic
         for i, strategy in enumerate(strategies):
             log.info("strategy %s (%d of %d)", strategy, i + 1, len(strategies))
             start = time.perf_counter() - t_capture
+            # context_weights is for the strategies with a context axis: the others are compared without it
+            weights = opts.context_weights if strategy in CONTEXT_STRATEGIES + ("auto",) else None
             try:
-                out[strategy] = _timed(plan_captured(cap, mesh, replace(opts, strategy=strategy), t_capture=t_capture,
-                                                     recapture=recapture, problems=problems), start)
+                asked = replace(opts, strategy=strategy, context_weights=weights)
+                out[strategy] = _timed(plan_captured(cap, mesh, asked, t_capture=t_capture, recapture=recapture,
+                                                     problems=problems), start)
             except AutoparError as e:
                 out[strategy] = e
     return out

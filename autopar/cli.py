@@ -29,7 +29,7 @@ from .api import compare, plan
 from .errors import AutoparError, InfeasiblePlanError, UnsupportedOpWarning
 from .planning.result import Plan
 from .planning.progress import say, shown
-from .search.classics import STRATEGIES
+from .search.classics import CONTEXT_WEIGHTS, STRATEGIES
 from .whatif import max_batch
 
 
@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="FSDP weights: true gathers each again in backward, false keeps it whole from "
                             "forward to backward (one all-gather fewer a layer, its bytes more), auto lets the "
                             "search pick (default: true for a named strategy, auto under --strategy auto)")
+        s.add_argument("--context-weights", default=None, choices=CONTEXT_WEIGHTS,
+                       help="how cp axes store weights: split (FSDP over them) or whole (as ddp) (default: split "
+                            "under fsdp+cp and fsdp+tp+cp, whole under cp, the search's choice under auto)")
         if name == "plan":
             s.add_argument("--strategy", default="auto", choices=STRATEGIES, help="default: auto")
             s.add_argument("--pipeline", default=None, metavar="AXIS|auto",
@@ -153,6 +156,8 @@ def _options(args) -> dict:
         options["bucket_bytes"] = max(1, int(args.bucket_mb * 2**20))
     if args.reshard_after_forward is not None:
         options["reshard_after_forward"] = {"true": True, "false": False, "auto": "auto"}[args.reshard_after_forward]
+    if args.context_weights is not None:
+        options["context_weights"] = args.context_weights
     return options
 
 

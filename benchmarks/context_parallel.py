@@ -5,7 +5,8 @@
 
 For each sequence length it plans, on the meta device (nothing is allocated), in bf16-mixed with AdamW (as
 `autopar plan` does by default), under an 80 GB limit:
-- fsdp+cp: fsdp over dp (8), the sequence over the other axis (8);
+- fsdp+cp: the sequence over the other axis (8), the weights split over both (fsdp over dp x cp, as
+  torchtitan's dp_shard_cp; the note's table predates that: context_weights="whole" kept them whole on cp);
 - fsdp+tp with every block recomputed, tp+sp with every block recomputed: the hand-written baselines;
 - auto (which searches a context axis where no plan of its own fits, and says so where it recomputes).
 It prints predicted memory per device, step time and tokens/s, or why a strategy has no plan. Predictions

@@ -19,8 +19,9 @@ in the parts torchtitan compiled (`predicted.fused_time` of Row.compiled_regions
 2025; a pipelined prediction claims no fusion). tokens/s/GPU is local batch x seq / (step x TP x PP x CP),
 torchtitan's count.
 
-A row whose settings autopar cannot say yet (a checkpointing mode not in autopar.cost.checkpointing.MODES;
-context parallelism as torchtitan ran it) is printed with the reason instead of a figure. Async-TP rows are
+A row whose settings autopar cannot say yet (a checkpointing mode not in autopar.cost.checkpointing.MODES) is
+printed with the reason instead of a figure. A context-parallel row runs "fsdp+cp" ("fsdp+tp+cp" with TP): FSDP
+over the data and context ranks together, as torchtitan's dp_shard_cp mesh (Row.strategy). Async-TP rows are
 held against the vanilla-TP figure where one is published: autopar does not model async TP. Planning seconds
 are per row, capture included, on this machine. Nothing here is fitted to a row: see docs/published-runs.md
 for a reading.
@@ -89,6 +90,11 @@ class Row:
 
     @property
     def strategy(self) -> str:
+        """As torchtitan ran it: FSDP over the data axis, tp last; with CP the weights split over the data and
+        context ranks together (its dp_shard_cp mesh), which "fsdp+cp" and "fsdp+tp+cp" do by default, also
+        with no data axis (the cp8 rows: dp_shard 1)."""
+        if self.cp > 1:
+            return "fsdp+tp+cp" if self.tp > 1 else "fsdp+cp"
         return "fsdp+tp" if self.tp > 1 else "fsdp"
 
     @property
@@ -177,13 +183,6 @@ def not_plannable(row: Row) -> str:
         what = {"per-op": "per-op selective AC (issue 52 item 6)",
                 "per-layer": "layer selective AC: every other block checkpointed"}[row.ac]
         return f"checkpointing {mode!r} (torchtitan's {what}) is not an autopar mode yet (modes: {', '.join(MODES)})"
-    if row.cp > 1:
-        # torchtitan applies FSDP over its dp_shard_cp mesh (the data and context axes flattened), so each weight
-        # is split over both; autopar's named context strategies keep weights whole on the context axis (only
-        # strategy="auto" may split them there, search/classics.Roles.context_weights_split)
-        return ("context parallelism as torchtitan ran it: FSDP shards the weights over the FSDP and CP ranks "
-                "together (dp_shard_cp); autopar's 'cp', 'fsdp+cp' and 'fsdp+tp+cp' keep weights whole on the "
-                "context axis")
     return ""
 
 

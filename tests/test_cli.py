@@ -91,3 +91,17 @@ def test_bucket_size_and_reshard_choice_reach_the_plan(tmp_path, capsys):
     assert plans["small"].bucket_bytes == int(0.01 * 2**20) and plans["small"].reshard_after_forward is False
     assert main(["plan", str(model), "--mesh", "dp=2", "--bucket-mb", "0"]) == 2
     assert "--bucket-mb 0.0: must be a positive number of MiB" in capsys.readouterr().err
+
+
+def test_context_weights_reach_the_plan(tmp_path, capsys):
+    """--context-weights is autopar.plan's context_weights: fsdp+cp splits the weights over cp by default (as
+    torchtitan's FSDP over dp x cp), and keeps them whole there when asked."""
+    model = _small_llama_dir(tmp_path)
+    on_cp = {}
+    for name, extra in (("default", []), ("whole", ["--context-weights", "whole"])):
+        path = tmp_path / f"{name}.json"
+        assert main(["plan", str(model), "--mesh", "dp=2,cp=2", "--strategy", "fsdp+cp", "--batch", "4", "--seq",
+                     "32", "--hardware", "cpu", "--json", str(path), *extra]) == 0
+        on_cp[name] = {pl[1] for pl in autopar.Plan.from_json(path.read_text()).param_placements.values()}
+    capsys.readouterr()
+    assert on_cp["whole"] == {"R"} and "R" not in on_cp["default"], on_cp

@@ -157,8 +157,10 @@ CASES = {
     ((2, 2), ("dp", "pp")): {"dp2 x pp2 (fsdp), 1f1b": dict(pipeline_axis="pp", strategy="fsdp")},
     # context parallelism inside each stage: the stage's attention gathers K and V over cp; or, where cp's
     # all-to-alls are dear and its other collectives cheap, runs as a ring
+    # (fsdp+cp on pp x cp: no data axis, so the weights split over cp, as torchtitan's 405B cp rows run)
     ((2, 2), ("pp", "cp")): {"pp2 x cp2, 1f1b": dict(pipeline_axis="pp", strategy="cp"),
-                             "pp2 x cp2 ring, 1f1b": dict(pipeline_axis="pp", strategy="cp", links={"cp": RING_LINKS})},
+                             "pp2 x cp2 ring, 1f1b": dict(pipeline_axis="pp", strategy="cp", links={"cp": RING_LINKS}),
+                             "pp2 x cp2 (fsdp+cp), 1f1b": dict(pipeline_axis="pp", strategy="fsdp+cp")},
     ((2, 2), ("pp", "tp")): {
         "pp2 x tp2, gpipe": dict(pipeline_axis="pp", strategy="tp", schedule="gpipe"),
         "pp2 x tp2, 1f1b": dict(pipeline_axis="pp", strategy="tp", microbatches=2)},
@@ -199,6 +201,9 @@ def test_pipelined_training_matches_one_device(mesh, four_ranks):
     by_case = four_ranks[mesh]
     for case, kwargs in cases.items():
         _check_case(case, kwargs, [r[case] for r in by_case], refs[kwargs.get("n_layer", 4)])
+        if kwargs.get("strategy") == "fsdp+cp":   # every weight split over cp, whole on pp (each stage's own)
+            plan = Plan.from_json(by_case[0][case]["plan"])
+            assert all(pl[0] == "R" and pl[1].startswith("S(") for pl in plan.param_placements.values()), case
         if "ring" in case:   # keys split with the rows on cp: each stage's attention is a ring
             plan = Plan.from_json(by_case[0][case]["plan"])
             attention = [s for n, s in plan.node_strategies.items() if n.startswith("scaled_dot_product_attention")]

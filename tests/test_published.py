@@ -82,6 +82,12 @@ def test_rows_are_the_published_settings():
     assert all(r.hardware == "h100-hbm2e" for r in published.ROWS if r.precision == "fp8-mixed")
     assert sum(r.precision == "fp8-mixed" for r in published.ROWS) == published.NUM_FLOAT8_ROWS
     assert "float8 rows" in "\n".join(published.table([]))
+    # context parallelism as torchtitan ran it: FSDP over the data and cp ranks together, also with no data axis
+    cp_rows = [r for r in published.ROWS if r.cp > 1]
+    assert len(cp_rows) == 6 and not any(published.not_plannable(r) for r in cp_rows)
+    cp8 = published.BY_NAME["t2-8b-cp8-float8"]
+    assert cp8.mesh == {"cp": 8} and cp8.strategy == "fsdp+cp"
+    assert published.BY_NAME["t6-405b-pp8-cp8-float8"].strategy == "fsdp+tp+cp"
 
 
 def test_auto_is_no_slower_than_the_row_as_it_ran(plans):

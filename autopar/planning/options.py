@@ -12,6 +12,7 @@ from ..cost.buckets import DEFAULT_BUCKET_BYTES
 from ..cost.checkpointing import check_mode
 from ..cost.precision import optimizer_spec, precision_of
 from ..errors import AutoparError, PlanError
+from ..search.classics import CONTEXT_STRATEGIES, CONTEXT_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,16 @@ class PlanOptions:
       (autopar.STRATEGIES). "cp" (context parallelism) splits the sequence over every axis, weights whole as
       under ddp; each rank attends from its rows to keys and values gathered whole, or, where that moves
       fewer bytes, from every row on its share of the heads (an all-to-all each way). "fsdp+cp" puts fsdp on
-      the first axis and cp on the last; "fsdp+tp+cp" fsdp on the first, cp on the second last, tp on the
-      last. `auto` searches a cp axis only where no plan of its own fits `memory_limit`.
+      the first axis and cp on the last, and splits every weight over both (torchtitan's FSDP over its
+      dp_shard_cp mesh: each weight gathered over cp and dp for use, its gradient reduce-scattered back);
+      "fsdp+tp+cp" fsdp on the first, cp on the second last, tp on the last, weights split over fsdp and cp
+      as well. Their data axes (all before cp) may be absent: "fsdp+cp" on {"cp": 8} splits the sequence and
+      the weights 8 ways (torchtitan's dp_shard 1). `auto` searches a cp axis only where no plan of its own
+      fits `memory_limit`.
+    - `context_weights`: how context axes store weights: "split" (FSDP over them; gathered whole for each
+      use) or "whole" (as ddp: their gradients all-reduced). None: "split" under "fsdp+cp" and
+      "fsdp+tp+cp", "whole" under "cp", the search's choice per weight under "auto". Only for those
+      strategies (a PlanError names it otherwise); "whole" under "fsdp+cp" is fsdp on the data axes alone.
     - `precision`: an autopar.Precision or "bf16-mixed"; None keeps the model's own dtype.
     - `optimizer`: "adamw" (the default: what large models train with), "adam", "sgd", "sgd-momentum" or a
       torch optimizer; with `precision` it sets the bytes each parameter costs.
@@ -82,6 +91,7 @@ class PlanOptions:
     stages_per_device: int | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     reshard_after_forward: bool | str | None = None
+    context_weights: str | None = None
 
     @classmethod
     def from_keywords(cls, where: str, options: dict, also: str = "") -> "PlanOptions":
@@ -100,6 +110,7 @@ class PlanOptions:
         optimizer_spec(self.optimizer)
         check_mode(self.checkpointing)
         reshard_after(self.strategy, self.reshard_after_forward)
+        check_context_weights(self.strategy, self.context_weights)
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise PlanError(f"bucket_bytes must be a positive number of bytes (DDP's default is "
                             f"{DEFAULT_BUCKET_BYTES}), got {self.bucket_bytes!r}")
@@ -116,6 +127,20 @@ def check_time_limit(time_limit) -> float | None:
         raise PlanError(f"time_limit must be a positive number of seconds per ILP solve, or None for no limit, "
                         f"got {time_limit!r}")
     return float(time_limit)
+
+
+def check_context_weights(strategy: str, context_weights) -> None:
+    """context_weights is None, or one of CONTEXT_WEIGHTS with a strategy that has a context axis."""
+    if context_weights is None:
+        return
+    if context_weights not in CONTEXT_WEIGHTS:
+        raise PlanError(f"context_weights must be 'split' (FSDP over the context axes), 'whole' (as ddp) or None "
+                        f"(split under fsdp+cp and fsdp+tp+cp, whole under cp, the search's choice under auto), "
+                        f"got {context_weights!r}")
+    if strategy not in CONTEXT_STRATEGIES + ("auto",):
+        raise PlanError(f"context_weights={context_weights!r} says how a context axis stores weights, and strategy "
+                        f"{strategy!r} has none; use it with {', '.join(CONTEXT_STRATEGIES)} or 'auto', or leave it "
+                        f"None")
 
 
 def reshard_after(strategy: str, reshard_after_forward) -> bool | None:

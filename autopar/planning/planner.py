@@ -31,8 +31,9 @@ from ..cost.problem import Problem, build_edges
 from ..cost.terms import SDPA, first_meta, needs_grad, saved_outputs
 from ..errors import AutoparError, InfeasiblePlanError, MeshError, PipelineError, PlanError, ShardingError
 from ..mesh import MeshSpec, mesh_spec
-from ..search.classics import (CONTEXT, PIPE, Roles, axis_roles, check_context_divisibility, check_promised_splits,
-                              check_tensor_parallel_divisibility, role_assignments, with_pipeline)
+from ..search.classics import (ANY, CONTEXT, PIPE, Roles, axis_roles, check_context_divisibility,
+                              check_promised_splits, check_tensor_parallel_divisibility, role_assignments,
+                              with_pipeline)
 from ..search.ilp import RoleMemo, free_search, searches_free_first, solve
 from ..search.pipeline import (AUTO, MIN_STAGES_PER_DEVICE, check_depth, check_request, least_bubble,
                               microbatch_candidates, num_layers, schedule_candidates, schedule_fits,
@@ -303,7 +304,7 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
     spec, strategy, checkpointing, time_limit = (env.spec, env.options.strategy, env.options.checkpointing,
                                                  env.options.time_limit)
     limit = _memory_limit(env.options.memory_limit)
-    roles = axis_roles(strategy, spec)
+    roles = axis_roles(strategy, spec, env.options.context_weights)
     _check_batch_divisible(cap, spec, roles)
     check_tensor_parallel_divisibility(cap, roles)
     check_context_divisibility(cap, roles)
@@ -331,7 +332,8 @@ def _flat_plan(cap: Captured, env: Request) -> Plan:
         if sol.choice:
             break
     if strategy == "auto" and _wants_context(prob, sol, limit):
-        sol, roles, candidates = _with_context(prob, sol, roles, candidates, limit, time_limit, checkpointing)
+        sol, roles, candidates = _with_context(prob, sol, roles, candidates, limit, time_limit, checkpointing,
+                                               env.options.context_weights or ANY)
     if not sol.choice:
         _explain_no_plan(prob, candidates, limit, time_limit, strategy, spec, checkpointing)
     _check_named_strategy(prob, roles, strategy, sol.choice)
@@ -369,10 +371,12 @@ def _wants_context(prob: Problem, sol, limit) -> bool:
     return not sol.choice
 
 
-def _with_context(prob: Problem, sol, roles: Roles, candidates: list, limit, time_limit, checkpointing):
+def _with_context(prob: Problem, sol, roles: Roles, candidates: list, limit, time_limit, checkpointing,
+                  context_weights: str):
     """(solution, roles, candidates searched): the better of `sol` and the plans with one axis in the
-    context role, the others as `roles` give them (free, on a mesh auto searches whole). There weights may
-    be stored split, gathered whole for use (torchtitan shards them over its cp ranks too). An axis the
+    context role, the others as `roles` give them (free, on a mesh auto searches whole). There weights are
+    stored as `context_weights` says (classics.Roles; by default the search chooses per weight, split ones
+    gathered whole for use, as torchtitan shards them over its cp ranks too). An axis the
     sequence does not divide is left out; the plan's stats say what was tried (stats["context"])."""
     spec = prob.mesh
     tried = []
@@ -380,7 +384,7 @@ def _with_context(prob: Problem, sol, roles: Roles, candidates: list, limit, tim
         if spec.axis_sizes[a] < 2 or roles.roles[a] == PIPE:
             continue
         cp = Roles(roles.roles[:a] + (CONTEXT,) + roles.roles[a + 1:], spec.axis_names, spec.axis_sizes,
-                   roles.sequence_parallel, context_weights_split=True)
+                   roles.sequence_parallel, context_weights)
         try:
             check_context_divisibility(prob.cap, cp)
         except ShardingError:
@@ -544,7 +548,7 @@ def _pipelined_plan(cap: Captured, env: Request, axis: str, m: int, schedule: st
     if rest is None:
         candidates = [Roles((PIPE,), spec.axis_names, spec.axis_sizes)]
     else:
-        inner = [[axis_roles(strategy, rest)]]
+        inner = [[axis_roles(strategy, rest, env.options.context_weights)]]
         if strategy == "auto" and rest.num_axes >= AUTO_BY_ROLE_AXES:
             inner = _role_tiers(rest, prob.links, hw)
         candidates = [with_pipeline(r, spec, a) for r in inner[0]]

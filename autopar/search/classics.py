@@ -31,8 +31,14 @@ DATA = "data"
 PIPE = "pipe"
 DATA_ROLES = (DP, FSDP, ZERO1, ZERO2, DATA)   # axes that split the batch
 # context parallelism: the axis splits the sequence (each rank attends from its rows of the query to keys
-# and values gathered whole) and keeps every weight whole, as dp does
+# and values gathered whole); its weights are kept as Roles.context_weights says
 CONTEXT = "context"
+# how a context axis stores weights (always used whole): "whole" as dp does; "split" as fsdp does, which is
+# torchtitan's FSDP over its dp_shard_cp mesh (the data and context ranks flattened); "any": the search
+# chooses per weight (auto's context candidates)
+WHOLE, SPLIT, ANY = "whole", "split", "any"
+CONTEXT_WEIGHTS = (WHOLE, SPLIT)   # what PlanOptions.context_weights may ask for
+CONTEXT_STRATEGIES = ("cp", "fsdp+cp", "fsdp+tp+cp")
 ZERO_LEVEL = {ZERO1: 1, ZERO2: 2}
 STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "tp", "tp+sp", "fsdp+tp", "cp", "fsdp+cp", "fsdp+tp+cp")
 
@@ -44,9 +50,12 @@ class Roles:
     axis_names: tuple = ()
     axis_sizes: tuple = ()
     sequence_parallel: bool = False  # tp axes also split what lies between the matmuls
-    # context axes may store weights split (gathered whole for use, as FSDP does): auto's context candidates.
-    # Named "cp" keeps them whole, as ddp does.
-    context_weights_split: bool = False
+    context_weights: str = WHOLE     # how context axes store weights: WHOLE, SPLIT or ANY (above)
+
+    def weight_role(self, a: int):
+        """The role axis `a` plays for weights: a context axis that splits them is an FSDP axis to them."""
+        role = self.roles[a]
+        return FSDP if role == CONTEXT and self.context_weights == SPLIT else role
 
     def batch_axes(self) -> dict[int, bool]:
         """Axes whose batch split is pinned: True = the batch is split there (never on an axis of one rank,
@@ -55,10 +64,14 @@ class Roles:
                 for a, r in enumerate(self.roles) if r is not None}
 
 
-def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
+def axis_roles(strategy: str, mesh: MeshSpec, context_weights: str | None = None) -> Roles:
+    """The roles of the mesh's axes under `strategy`. `context_weights` (PlanOptions.context_weights): how the
+    context axes store weights, "whole" or "split"; None: split under "fsdp+cp" and "fsdp+tp+cp" (FSDP over the
+    data and context axes together, as torchtitan's dp_shard_cp), whole under "cp" (as ddp), the search's choice
+    under "auto" (planning/options.check_context_weights checks the request)."""
     n = mesh.num_axes
     if strategy == "auto":
-        return Roles((None,) * n, mesh.axis_names, mesh.axis_sizes)
+        return Roles((None,) * n, mesh.axis_names, mesh.axis_sizes, context_weights=context_weights or ANY)
     if strategy == "ddp":
         return Roles((DP,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "fsdp":
@@ -70,20 +83,27 @@ def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
     if strategy == "tp":
         return Roles((TP,) * n, mesh.axis_names, mesh.axis_sizes)
     if strategy == "cp":
-        return Roles((CONTEXT,) * n, mesh.axis_names, mesh.axis_sizes)
-    if strategy == "fsdp+cp":
-        if n < 2:
+        return Roles((CONTEXT,) * n, mesh.axis_names, mesh.axis_sizes, context_weights=context_weights or WHOLE)
+    if strategy in ("fsdp+cp", "fsdp+tp+cp"):
+        # the axes before cp are data axes (fsdp on the first, dp on the rest) and may be absent, as in
+        # torchtitan's runs with dp_shard 1: then only the context axis can split the weights
+        tail = (CONTEXT,) if strategy == "fsdp+cp" else (CONTEXT, TP)
+        if n < len(tail):
             raise AutoparError(
-                f"strategy 'fsdp+cp' needs a mesh of at least 2 axes (fsdp on the first, cp on the last); this "
-                f"mesh has one: {mesh}. Use 'fsdp' or 'cp', or a 2-axis mesh.")
-        return Roles((FSDP,) + (DP,) * (n - 2) + (CONTEXT,), mesh.axis_names, mesh.axis_sizes)
-    if strategy == "fsdp+tp+cp":
-        if n < 3:
+                f"strategy 'fsdp+tp+cp' needs a mesh of at least 2 axes (cp on the second last, tp on the last, "
+                f"any data axes before them, as torchtitan orders them); this mesh has one: {mesh}. Use 'fsdp+cp' "
+                f"or 'cp', or a mesh with a tp axis last.")
+        weights = context_weights or SPLIT
+        if n == len(tail) and weights == WHOLE:
             raise AutoparError(
-                f"strategy 'fsdp+tp+cp' needs a mesh of at least 3 axes (fsdp on the first, cp on the second "
-                f"last, tp on the last, as torchtitan orders them); this mesh has {n}: {mesh}. Use 'fsdp+cp' "
-                f"or 'fsdp+tp', or a 3-axis mesh.")
-        return Roles((FSDP,) + (DP,) * (n - 3) + (CONTEXT, TP), mesh.axis_names, mesh.axis_sizes)
+                f"strategy {strategy!r} on mesh {mesh} has no data axis (it takes the axes before "
+                f"{'the last' if len(tail) == 1 else 'the last two'} as data axes), so with "
+                f"context_weights='whole' no axis would split the weights; leave context_weights unset (the "
+                f"weights are then split over the context axis, as torchtitan's FSDP over dp_shard x cp does "
+                f"with dp_shard 1), {'use strategy=' + repr('cp') + ', ' if len(tail) == 1 else ''}or add a data "
+                f"axis first")
+        data = (FSDP,) + (DP,) * (n - len(tail) - 1) if n > len(tail) else ()
+        return Roles(data + tail, mesh.axis_names, mesh.axis_sizes, context_weights=weights)
     if strategy == "fsdp+tp":
         if n < 2:
             raise AutoparError(
@@ -96,7 +116,7 @@ def axis_roles(strategy: str, mesh: MeshSpec) -> Roles:
 def with_pipeline(roles: Roles, mesh: MeshSpec, axis: int) -> Roles:
     """`roles` (for the mesh without the pipeline axis) with the pipeline axis put back at `axis`."""
     return Roles(roles.roles[:axis] + (PIPE,) + roles.roles[axis:], mesh.axis_names, mesh.axis_sizes,
-                 roles.sequence_parallel, roles.context_weights_split)
+                 roles.sequence_parallel, roles.context_weights)
 
 
 def role_assignments(mesh: MeshSpec, intra_node: list[bool], num_free: int = 0) -> list[Roles]:
@@ -127,8 +147,8 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
     layout the op uses (a dim a tp axis already splits cannot be split again
     by an outer fsdp axis and gathered alone), else keep it whole.
     """
-    def use_of(storage):
-        return tuple(R if role in DATA_ROLES else p for role, p in zip(roles.roles, storage))
+    def use_of(storage):   # (context axes use weights whole too: allow_edge)
+        return tuple(R if role in DATA_ROLES or role == CONTEXT else p for role, p in zip(roles.roles, storage))
 
     def gatherable(storage):
         try:
@@ -155,7 +175,7 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
             p = s.output[a]
             if role == PIPE and (p != R or a in s.zero_axes):
                 good = False
-            if (role in (DP, ZERO1, ZERO2) or role == CONTEXT and not roles.context_weights_split) and p != R:
+            if (role in (DP, ZERO1, ZERO2) or role == CONTEXT and roles.context_weights == WHOLE) and p != R:
                 good = False
             if role not in (None, DATA) and a in s.zero_axes and ZERO_LEVEL.get(role) != s.zero:
                 good = False
@@ -165,8 +185,8 @@ def allowed_param_storage(roles: Roles, info: NodeInfo, strategies) -> list[bool
                     tp_split(t, a) for t in strategies):
                 good = False
         ok.append(good and gatherable(s.output))
-    for a, role in enumerate(roles.roles):
-        if role != FSDP:
+    for a in range(len(roles.roles)):
+        if roles.weight_role(a) != FSDP:
             continue
         # among layouts that agree on every other axis, split on this one if any can
         def others(s):
@@ -352,8 +372,8 @@ def check_promised_splits(cap, roles: Roles, strategy: str, chosen: dict, param_
     `chosen`: parameter node -> its chosen Strategy; `param_bytes`: node -> ParamBytes.
     """
     notes = []
-    for a, role in enumerate(roles.roles):
-        n = roles.axis_sizes[a]
+    for a in range(len(roles.roles)):
+        role, n = roles.weight_role(a), roles.axis_sizes[a]
         if role not in _PROMISE or n == 1:
             continue
         promised = [m for m in chosen if _promised(role, cap.info[m].meta)]
@@ -415,7 +435,7 @@ def _dividing_size(role, shapes: list, n: int):
 
 def _indivisible(cap, roles: Roles, a: int, chosen: dict, num_promised: int, nodes: list) -> str:
     """The clause that names them, e.g. "its size 3 does not divide any dim of 2 of the 5 weights: 'w' (4, 5)"."""
-    role, n = roles.roles[a], roles.axis_sizes[a]
+    role, n = roles.weight_role(a), roles.axis_sizes[a]
     which = f"the {num_promised}" if len(nodes) == num_promised else f"{len(nodes)} of the {num_promised}"
     shown = ", ".join(_shape_text(cap, roles, chosen, a, m) for m in nodes[:_NAMED])
     more = f" and {len(nodes) - _NAMED} more" if len(nodes) > _NAMED else ""
@@ -431,24 +451,25 @@ def _shape_text(cap, roles: Roles, chosen: dict, a: int, m: str) -> str:
 
 
 def _advice(cap, roles: Roles, a: int, chosen: dict, nodes: list) -> str:
-    role, name, n = roles.roles[a], roles.axis_names[a], roles.axis_sizes[a]
+    role, name, n = roles.weight_role(a), roles.axis_names[a], roles.axis_sizes[a]
     size = _dividing_size(role, [_shape_on_axis(roles, cap.info[m].meta, chosen[m], a) for m in nodes], n)
     return f"a {name!r} size that divides them" + (f" (e.g. {size})" if size else "")
 
 
 def _none_split_message(cap, roles: Roles, strategy: str, a: int, chosen: dict, num_promised: int,
                         indivisible: list) -> str:
-    role, name = roles.roles[a], roles.axis_names[a]
+    role, name = roles.weight_role(a), roles.axis_names[a]
+    whole = "context_weights='whole'" if roles.roles[a] == CONTEXT else "strategy='ddp'"
     return (f"strategy {strategy!r} splits {_PROMISE[role]} over mesh axis {name!r}, but it splits none there "
             f"({_indivisible(cap, roles, a, chosen, num_promised, indivisible)}), so the plan would be DDP in "
             f"effect on {name!r}. Use "
-            f"{_advice(cap, roles, a, chosen, indivisible)}, or strategy='ddp' to keep weights whole on purpose, "
+            f"{_advice(cap, roles, a, chosen, indivisible)}, or {whole} to keep weights whole on purpose, "
             f"or strategy='auto'")
 
 
 def _some_whole_note(cap, roles: Roles, strategy: str, a: int, chosen: dict, param_bytes: dict,
                      num_promised: int, indivisible: list) -> str:
-    role, name, n = roles.roles[a], roles.axis_names[a], roles.axis_sizes[a]
+    role, name, n = roles.weight_role(a), roles.axis_names[a], roles.axis_sizes[a]
     mesh = MeshSpec(roles.axis_names, roles.axis_sizes)
     extra = 0.0
     for m in indivisible:   # what splitting them n ways would save on each device
