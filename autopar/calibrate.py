@@ -5,8 +5,9 @@ reduce-scatter and all-to-all over a few message sizes (every slice of the axis 
 training step runs them), takes each point's mean over repeats after a warm-up and the
 maximum over ranks (one MAX all-reduce, so every rank returns the same figures), and fits one
 `Link(bandwidth, latency)` per axis and collective kind by least squares to the cost model's own
-formula (cost_models.comm.collective_time: `latency * (n-1) + bytes_moved(kind, B, n) / bandwidth`),
-so the planner's predictions reproduce the measured times. It also times a square matmul (FLOP/s per
+formula (cost_models.comm.collective_time: `latency * (n-1) + bytes_moved(kind, B, n) / bandwidth` for a
+ring, and for an all-reduce the faster of that and NCCL's tree), so the planner's predictions reproduce the
+measured times. It also times a square matmul (FLOP/s per
 dtype) and a large copy (memory bandwidth) on this rank's device. The result is a
 cost_models.Hardware plus the per-axis links; `path=` writes them as a JSON spec that
 `autopar.plan(..., hardware=path)` reads, applying each link to the mesh axis of the same name.
@@ -45,6 +46,9 @@ WARMUP, WARMUP_SECONDS = 2, 0.25
 # A fitted latency below 100 ns is noise (no network stack steps that fast; NVLink is ~3 us):
 # clamp there, since cost_models.Link needs a positive latency. Likewise bandwidth at 1 PB/s.
 MIN_LATENCY, MAX_BANDWIDTH = 1e-7, 1e15
+# fit_link's refits, each giving every all-reduce point the algorithm (ring or tree) the last fit prices
+# fastest: a handful settle it (most sweeps cross between the two once)
+MAX_REFITS = 8
 # (square matmul side, (bytes of one elementwise input, how many)) per device type. A side-n fp32
 # matmul does n/6 FLOP per byte: at 1024 far past a CPU's ridge point (~10) and ~40 ms on one core; a
 # GPU needs 8192 (~1 ms at its peak) to hide launch overhead. The elementwise ops (_elementwise_time)
@@ -97,14 +101,15 @@ def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False)
     times, axis_sizes = {}, {name: n for name, _, n in axes}
     for (name, _, _, kind, b), t in zip(points, worst):
         times.setdefault(name, {}).setdefault(kind, []).append((b, t))
-    links = {a: axis_link(kinds, axis_sizes[a]) for a, kinds in times.items()}
+    memory_bytes, per_node = _memory_and_ranks_per_node(device_type)
+    shape = cm.axis_ranks_per_node([(name, n) for name, _, n in axes], per_node)
+    links = {a: axis_link(kinds, axis_sizes[a], shape[a]) for a, kinds in times.items()}
     matmul, attention, elementwise = worst[len(points):-2], worst[-2], worst[-1]
     flops = {d: 2 * side**3 / t for d, t in zip(dtypes + (cm.FLOAT8,), matmul) if t < float("inf")}
     # counted as the cost model counts them (terms.node_compute_time): 3 x (QK^T + PV) FLOPs, causal or not
     b, h, s, d = attention_shape
     attention_rate = cm.TRAIN_FLOPS_FACTOR * 4 * b * h * s * s * d / attention
     efficiency = attention_rate / flops.get(attention_dtype, flops["float32"]) if attention < float("inf") else 1.0
-    memory_bytes, per_node = _memory_and_ranks_per_node(device_type)
     intra, inter = _node_links(axes, links, per_node, device_type)
     streamed = 2 * ELEMENTWISE_OPS * elementwise_bytes * num_inputs   # bytes read and written by a round
     hw = cm.Hardware(name=f"{device_type}-calibrated-{_backend(device_type)}", peak_flops=flops,
@@ -120,21 +125,45 @@ def calibrate(mesh, path=None, *, sizes=None, repeats=None, quick: bool = False)
     return result
 
 
-def axis_link(times: dict, n: int) -> cm.Link:
+def axis_link(times: dict, n: int, per_node: int = 1) -> cm.Link:
     """One axis's Link: fitted to all its points, with each collective kind's own fit under `kinds`
     (a backend may run one kind ~3x slower per byte than another: gloo's reduce-scatter); the shared
-    figures price the kinds calibration did not time (send/recv)."""
-    own = {kind: fit_link([(kind, b, t) for b, t in pts], n) for kind, pts in times.items() if len(pts) >= 2}
-    shared = fit_link([(k, b, t) for k, pts in times.items() for b, t in pts], n)
-    return cm.Link(shared.bandwidth, shared.latency, own)
+    figures price the kinds calibration did not time (send/recv). `per_node`: how many of the axis's ranks
+    share a node (the Link's ranks_per_node, which shapes an all-reduce's tree)."""
+    own = {kind: fit_link([(kind, b, t) for b, t in pts], n, per_node) for kind, pts in times.items()
+           if len(pts) >= 2}
+    shared = fit_link([(k, b, t) for k, pts in times.items() for b, t in pts], n, per_node)
+    return cm.Link(shared.bandwidth, shared.latency, own, ranks_per_node=per_node)
 
 
-def fit_link(points, n: int) -> cm.Link:
+def fit_link(points, n: int, per_node: int = 1) -> cm.Link:
     """The Link whose cost-model time best reproduces measured (kind, whole bytes, seconds) points on an
-    axis of n devices: least squares on relative errors (each row divided by its time), because the
-    times span three orders of magnitude and plain least squares would fit the largest messages only,
-    leaving the latency to chance. Latency is clamped to MIN_LATENCY (then bandwidth refit alone)."""
-    rows = [((n - 1) / t, float(cm.bytes_moved(kind, b, n)) / t) for kind, b, t in points]
+    axis of n devices, `per_node` of them in a node: least squares on relative errors (each row divided by
+    its time), because the times span three orders of magnitude and plain least squares would fit the
+    largest messages only, leaving the latency to chance.
+
+    The model prices an all-reduce by the faster of its ring and tree (cm.algorithm_terms), each linear in
+    latency and 1/bandwidth: fit with every point on the ring, give each point the algorithm the fit makes
+    fastest, refit, until no point changes (or MAX_REFITS), keeping the fit of least error under the model."""
+    terms = [cm.algorithm_terms(kind, b, n, per_node) for kind, b, _ in points]
+    pick, best = [0] * len(points), None
+    for _ in range(MAX_REFITS):
+        link = _fit_rows([(*terms[i][j], t) for i, (j, (_, _, t)) in enumerate(zip(pick, points))], per_node)
+        priced = [[link.latency * steps + float(moved) / link.bandwidth for steps, moved in ts] for ts in terms]
+        error = sum((min(p) / t - 1) ** 2 for p, (_, _, t) in zip(priced, points))
+        if best is None or error < best[0]:
+            best = (error, link)
+        fastest = [p.index(min(p)) for p in priced]
+        if fastest == pick:
+            break
+        pick = fastest
+    return best[1]
+
+
+def _fit_rows(points, per_node: int) -> cm.Link:
+    """Least squares of (latency steps, bytes over bandwidth, seconds) points to latency and bandwidth, on
+    relative errors. Latency is clamped to MIN_LATENCY (then bandwidth refit alone)."""
+    rows = [(steps / t, float(moved) / t) for steps, moved, t in points]
     saa, sab, sbb = (sum(a * a for a, _ in rows), sum(a * b for a, b in rows), sum(b * b for _, b in rows))
     sa, sb = sum(a for a, _ in rows), sum(b for _, b in rows)
     det = saa * sbb - sab * sab
@@ -145,7 +174,7 @@ def fit_link(points, n: int) -> cm.Link:
     if beta < 1 / MAX_BANDWIDTH:
         beta = 1 / MAX_BANDWIDTH
         alpha = max(MIN_LATENCY, sum(a * (1 - beta * b) for a, b in rows) / saa)
-    return cm.Link(bandwidth=1 / beta, latency=alpha)
+    return cm.Link(bandwidth=1 / beta, latency=alpha, ranks_per_node=per_node)
 
 
 def _check(mesh):

@@ -16,7 +16,7 @@ priced at another dtype's rate (Hardware.flops_per_second's float32 fallback wou
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from .comm import KINDS, collective_time
@@ -36,11 +36,19 @@ class Link:
     bandwidth: float  # bytes/s, one direction, per device
     latency: float    # seconds per hop / ring step (alpha)
     kinds: Mapping[str, "Link"] = ()
+    # How many of the axis's ranks share a node, which shapes NCCL's tree all-reduce (cost_models.comm): it
+    # chains the ranks inside a node and runs a binary tree between nodes. axis_links sets it from the layout;
+    # 1 (each rank on a node of its own) for a Link used alone. Where the ranks lie, not what the wires do:
+    # left out of ==, so a link given for an axis still equals the hardware's own (describe_links' "given").
+    ranks_per_node: int = field(default=1, compare=False)
 
     def __post_init__(self):
         if not self.bandwidth > 0 or not self.latency > 0:
             raise CostModelError(f"Link needs positive bandwidth and latency, got "
                                  f"bandwidth={self.bandwidth!r}, latency={self.latency!r}")
+        if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) \
+                or self.ranks_per_node < 1:
+            raise CostModelError(f"Link.ranks_per_node must be a positive int, got {self.ranks_per_node!r}")
         pairs = tuple(sorted(dict(self.kinds).items()))
         for kind, link in pairs:
             if not isinstance(link, Link) or link.kinds:
@@ -287,7 +295,8 @@ def axis_links(axes: Sequence[tuple[str, int]], hardware: Hardware,
     Default topology: ranks are laid out row-major, so the innermost (last) axis
     holds consecutive ranks. Walking from it outwards, an axis is intra-node while
     the product of the sizes so far (itself included) fits in one node; every axis
-    after that crosses nodes. `links` overrides individual axes.
+    after that crosses nodes. `links` overrides individual axes. Each Link returned carries the axis's
+    ranks_per_node in that layout (a given link too: where the ranks lie is the layout's, not the link's).
     """
     names = [name for name, _ in axes]
     links = dict(links or {})
@@ -299,7 +308,20 @@ def axis_links(axes: Sequence[tuple[str, int]], hardware: Hardware,
         span *= size
         result[name] = hardware.intra_node_link if span <= hardware.devices_per_node else hardware.inter_node_link
     result.update(links)
-    return {name: result[name] for name in names}  # keep mesh order
+    per_node = axis_ranks_per_node(axes, hardware.devices_per_node)
+    return {name: replace(result[name], ranks_per_node=per_node[name]) for name in names}  # keep mesh order
+
+
+def axis_ranks_per_node(axes: Sequence[tuple[str, int]], devices_per_node: int) -> dict[str, int]:
+    """How many of each mesh axis's ranks share a node, in axis_links' layout (row-major, the last axis
+    innermost): an axis's ranks lie as far apart as the sizes inside it multiply to, so a node holds
+    devices_per_node // that many of them; all of them where the axis fits in one node, 1 where they are a
+    node or more apart."""
+    result, span = {}, 1
+    for name, size in reversed(list(axes)):
+        result[name] = max(1, min(size, devices_per_node // span))
+        span *= size
+    return {name: result[name] for name, _ in axes}
 
 
 # Where an axis's ranks lie (axis_reach): all in one node; each a node apart (every ring step crosses nodes);

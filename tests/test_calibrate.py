@@ -33,6 +33,23 @@ def test_fit_recovers_the_link_that_made_the_times(n):
     assert fitted.latency == pytest.approx(LINK.latency, rel=1e-9)
 
 
+def test_fit_recovers_a_link_whose_small_all_reduces_take_the_tree():
+    # on 8 ranks a node apart the tree (3 steps, 2 B) beats the ring (7 steps, 1.75 B) below ~710 KB: the
+    # fit prices each point by the algorithm the model would, or it could not reproduce the times
+    n, sizes = 8, DEFAULT_SIZES
+    points = _synthetic(LINK, n, [cm.ALL_REDUCE], sizes)
+    ring = [LINK.latency * (n - 1) + float(cm.bytes_moved(k, b, n)) / LINK.bandwidth for k, b, _ in points]
+    assert sum(t < r for (_, _, t), r in zip(points, ring)) >= 2 and points[-1][2] == ring[-1]
+    fitted = fit_link(points, n)
+    assert fitted.bandwidth == pytest.approx(LINK.bandwidth, rel=1e-9)
+    assert fitted.latency == pytest.approx(LINK.latency, rel=1e-9)
+    # the same ranks inside one node: NCCL's tree is a chain there, every point the ring
+    inside = cm.Link(LINK.bandwidth, LINK.latency, ranks_per_node=n)
+    fitted = axis_link({cm.ALL_REDUCE: [(b, t) for _, b, t in _synthetic(inside, n, [cm.ALL_REDUCE], sizes)]}, n, n)
+    assert fitted.ranks_per_node == n
+    assert fitted.for_kind(cm.ALL_REDUCE).latency == pytest.approx(LINK.latency, rel=1e-9)
+
+
 def test_fit_recovers_the_link_from_one_collective_and_noisy_times():
     points = [(k, b, t * (1.02 if i % 2 else 0.98)) for i, (k, b, t) in enumerate(_synthetic(LINK, 4, [cm.ALL_GATHER]))]
     fitted = fit_link(points, 4)

@@ -1,6 +1,7 @@
 """cost_models: formulas on ints and on sympy symbols, topology defaults, byte parsing."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import sympy
@@ -49,17 +50,66 @@ def test_unknown_kind():
         cm.collective_time("broadcast", 10, 2, H100.intra_node_link)
 
 
-@given(kind=st.sampled_from(RING_KINDS + [SEND_RECV]), n=st.integers(1, 1024),
+@given(kind=st.sampled_from(RING_KINDS + [SEND_RECV]), n=st.integers(1, 1024), per_node=st.integers(1, 16),
        batch=st.integers(1, 4096), seq=st.integers(1, 8192), width=st.integers(1, 16384))
-def test_comm_symbolic_matches_numeric(kind, n, batch, seq, width):
+def test_comm_symbolic_matches_numeric(kind, n, per_node, batch, seq, width):
+    # at the example's sizes (the hints) the symbolic time is the numeric one: an all-reduce takes the
+    # algorithm, ring or tree, that is faster there (widths from 1 byte to GiBs cross between the two)
     b, s = sympy.symbols("batch seq", positive=True, integer=True)
-    link = H100.inter_node_link
+    link = replace(H100.inter_node_link, ranks_per_node=per_node)
     values = {b: batch, s: seq}
-    for fn in (lambda B: cm.bytes_moved(kind, B, n), lambda B: cm.collective_time(kind, B, n, link)):
+    for fn in (lambda B: cm.bytes_moved(kind, B, n), lambda B: cm.collective_time(kind, B, n, link, values)):
         symbolic = sympy.sympify(fn(2 * b * s * width))
         assert symbolic.free_symbols <= {b, s}
         numeric = fn(2 * batch * seq * width)
         assert float(symbolic.subs(values)) == pytest.approx(numeric, rel=1e-12, abs=1e-30)
+
+
+def test_tiny_all_reduce_on_a_wide_axis_takes_the_tree():
+    # a float8 amax (4 bytes) on torchtitan's 128-GPU data-parallel axis, 16 nodes of 8: NCCL's tree chains
+    # the 8 ranks of a node and runs a binary tree over the 16 nodes, 7 + log2(16) = 11 steps, not the ring's 127
+    link = cm.axis_links([("dp", 128)], cm.PRESETS["h100-hbm2e"])["dp"]
+    assert link.ranks_per_node == 8
+    ring = link.latency * 127 + 2 * 127 / 128 * 4 / link.bandwidth
+    assert cm.collective_time(ALL_REDUCE, 4, 128, link) == link.latency * 11 + 2 * 4 / link.bandwidth
+    assert cm.collective_time(ALL_REDUCE, 4, 128, link) < ring / 10
+    # a data-parallel axis outside 8-way tensor parallelism has each rank on a node of its own: log2(16) = 4
+    dp = cm.axis_links([("dp", 16), ("tp", 8)], H100)["dp"]
+    assert dp.ranks_per_node == 1
+    assert cm.collective_time(ALL_REDUCE, 4, 16, dp) == dp.latency * 4 + 2 * 4 / dp.bandwidth
+    # other kinds keep the ring
+    assert cm.collective_time(ALL_GATHER, 4, 128, link) == link.latency * 127 + 127 * 4 / 128 / link.bandwidth
+
+
+def test_large_all_reduce_keeps_the_ring_price():
+    link = Link(bandwidth=100.0, latency=0.5)
+    # n=4: the ring 3 steps and 1.5 B, the tree 2 steps and 2 B; they cross at B = 2 x latency x bandwidth = 100
+    assert cm.collective_time(ALL_REDUCE, 40, 4, link) == 0.5 * 2 + 80 / 100
+    assert cm.collective_time(ALL_REDUCE, 800, 4, link) == 0.5 * 3 + 2 * 3 * 800 / 4 / 100
+    assert cm.algorithm_terms(ALL_REDUCE, 800, 4) == ((3, 1200), (2, 1600))
+    # 1 GiB on 128 ranks: the ring, to the last bit, as before the tree was priced
+    wide = cm.axis_links([("dp", 128)], cm.PRESETS["h100-hbm2e"])["dp"]
+    big = 10 * 2**30
+    assert cm.collective_time(ALL_REDUCE, big, 128, wide) == wide.latency * 127 + 2 * 127 * big / 128 / wide.bandwidth
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_all_reduce_inside_a_node_is_the_ring(n):
+    # NCCL's tree is a chain inside a node: as many steps as the ring and more bytes, so it never wins there
+    link = cm.axis_links([("tp", n)], H100)["tp"]
+    assert link.ranks_per_node == n and cm.algorithm_terms(ALL_REDUCE, 4, n, n) == ((n - 1, 2 * (n - 1) * 4 / n),)
+    assert cm.collective_time(ALL_REDUCE, 4, n, link) == link.latency * (n - 1) + 2 * (n - 1) * 4 / n / link.bandwidth
+
+
+def test_symbolic_all_reduce_needs_the_example_sizes():
+    b = sympy.Symbol("batch", positive=True)
+    with pytest.raises(CostModelError, match="hints"):
+        cm.collective_time(ALL_REDUCE, 4 * b, 128, Link(1e9, 1e-5))
+    # small at the example: the tree's expression, linear in the batch; large: the ring's
+    for example, steps, per_byte in ((1, 7, 2), (10**12, 127, 2 * 127 / 128)):
+        t = sympy.expand(cm.collective_time(ALL_REDUCE, 4 * b, 128, Link(1e9, 1e-5), {b: example}))
+        assert float(t.coeff(b, 0)) == pytest.approx(1e-5 * steps, rel=1e-12)
+        assert float(t.coeff(b, 1)) == pytest.approx(4 * per_byte / 1e9, rel=1e-12)
 
 
 def test_comm_symbolic_is_exact():

@@ -173,7 +173,7 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
     colls = grouped(colls, members, prob.mesh.axis_sizes)
     colls = float8_gather_amaxes(colls, members, float8_gathers(prob, groups, members))
     transient = transient_bytes(prob, choice, groups, stacks, symbolic, zero_bucket_hold(colls))
-    comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links)
+    comm_bytes, comm_time, by_kind = _comm_terms(colls, mesh, prob.links, prob.cap.hints)
     hidden = hidden_comm_time(prob, colls, op_times, rerun)
     exposed = {a: comm_time[a] - hidden[a] for a in comm_time}
     total_mem = params + master + grads + opt + acts + transient
@@ -518,8 +518,9 @@ def backward_start_bytes(prob, choice, symbolic: bool):
     return total + (sympy.Max(*heads) if symbolic else max(heads))
 
 
-def _comm_terms(colls, mesh, links):
-    """Bytes and seconds per mesh axis, and bytes per kind of collective."""
+def _comm_terms(colls, mesh, links, hints):
+    """Bytes and seconds per mesh axis, and bytes per kind of collective; `hints`: the example's sizes, at which
+    a symbolic all-reduce takes its algorithm (cm.collective_time)."""
     sent = {a: [] for a in mesh.axis_names}
     seconds = {a: [] for a in mesh.axis_names}
     by_kind: dict = {}
@@ -531,7 +532,7 @@ def _comm_terms(colls, mesh, links):
         if found is None:
             a = mesh.axis_names[c.axis]
             found = terms[key] = (a, cm.bytes_moved(c.kind, c.full_bytes, mesh.axis_sizes[c.axis]),
-                                  cm.collective_time(c.kind, c.full_bytes, mesh.axis_sizes[c.axis], links[a]))
+                                  cm.collective_time(c.kind, c.full_bytes, mesh.axis_sizes[c.axis], links[a], hints))
         a, n, t = found
         sent[a].append(n)
         seconds[a].append(t)

@@ -515,11 +515,12 @@ def copied_kept_bytes(cap: Captured, saved: ActivationModel | None, producer: st
     return local_numel(meta, dst, mesh, symbolic) * meta.itemsize
 
 
-def collectives_time(colls, mesh: MeshSpec, links: dict):
+def collectives_time(colls, mesh: MeshSpec, links: dict, hints=None):
+    """Seconds of `colls`; `hints` (the example's sizes) where their bytes may be symbolic (cm.collective_time)."""
     t = 0
     for c in colls:
         axis = mesh.axis_names[c.axis]
-        t = t + cm.collective_time(c.kind, c.full_bytes, mesh.axis_sizes[c.axis], links[axis])
+        t = t + cm.collective_time(c.kind, c.full_bytes, mesh.axis_sizes[c.axis], links[axis], hints)
     return t
 
 
