@@ -309,6 +309,23 @@ def test_float8_all_gathers_train_exactly_as_bf16_gathers(strategy, shape, axes,
     assert f8[0][1].row(dp).measured < 0.9 * plain[0][1].row(dp).measured   # (the norms, biases, head: bf16)
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["bf16-gathers", "float8-gathers"])
+def test_per_op_checkpointing_caches_the_float8_matmuls(gather):
+    """torchtitan's per-op selective checkpointing (its float8 rows run it) caches a float8 linear's forward
+    matmul (aten._scaled_mm) where it would cache a bf16 linear's mm: the run equals the run without
+    checkpointing bit for bit, and keeps and moves what the plan predicts. (It raised CheckpointPolicyError: the
+    block ran none of the matmuls the plan priced.)"""
+    x, y = _batch(8)
+    args = (_model(), "fsdp", (2,), ("dp",), torch.optim.AdamW, x, y, gather)
+    plain = run_threaded(2, _fsdp_steps, *args, {})
+    per_op = run_threaded(2, _fsdp_steps, *args, {"checkpointing": "per-op"})
+    assert _same_steps(plain[0][0], per_op[0][0]) and _same_steps(plain[1][0], per_op[1][0])
+    for row in per_op[0][1].rows:
+        assert row.measured == row.predicted, (row, str(per_op[0][1]))
+    kept = "activations saved for backward"
+    assert per_op[0][1].row(kept).measured < plain[0][1].row(kept).measured
+
+
 def test_a_float8_all_gather_needs_the_whole_weights_scale(monkeypatch):
     """Each rank casting its shard by the shard's own amax (no all-reduce) gathers other bits: the test above
     can fail."""

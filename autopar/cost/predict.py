@@ -168,7 +168,7 @@ def predict(prob, choice, symbolic: bool, checkpointed=None) -> tuple[Predicted,
                                         symbolic) for r in groups)
     acts = acts + _kept_weights(prob, groups, stacks, symbolic)
     colls = zero_bucketed(prob, choice, colls) + _redistributions(prob, groups, stacks, passed, symbolic)
-    colls = bucketed(prob, choice, colls + _op_collectives(prob, choice, rerun, symbolic))
+    colls = bucketed(prob, choice, colls + _op_collectives(prob, choice, rerun, symbolic, passed))
     members = layer_members(prob, groups)
     colls = grouped(colls, members, prob.mesh.axis_sizes)
     colls = float8_gather_amaxes(colls, members, float8_gathers(prob, groups, members))
@@ -375,16 +375,19 @@ def compile_regions(prob) -> dict:
     return found
 
 
-def _op_collectives(prob, choice, rerun: set, symbolic: bool) -> list[Collective]:
-    """The collectives ops launch inside themselves (terms.op_collectives), again where they recompute."""
+def _op_collectives(prob, choice, rerun: set, symbolic: bool, passed: set = frozenset()) -> list[Collective]:
+    """The collectives ops launch inside themselves (terms.op_collectives), again where they recompute. `passed`:
+    the ops a rerun passes, those it replays from a per-op checkpoint's cache too: a cached float8 linear's
+    matmul is replayed, and its amax all-reduces around it run again (runtime/lowering/per_op.py caches the
+    matmul alone)."""
     colls = []
     for name, ns in prob.strategies.items():
         if prob.cap.info[name].kind == OP:
             own = op_collectives(prob.cap.node(name), prob.cap, ns.strategies[choice[name]], prob.mesh, symbolic,
                                  float8=prob.float8_of(name))
+            again = name in rerun or (name in prob.float8 and name in passed)
             # a recomputed op runs its forward again (its backward's collectives run once)
-            colls += own + ([replace(c, phase="recompute") for c in own if c.phase == "forward"]
-                            if name in rerun else [])
+            colls += own + ([replace(c, phase="recompute") for c in own if c.phase == "forward"] if again else [])
     if prob.float8:   # linears reading one activation share its scale (cost/float8.shared_input_scales)
         chosen = {n: prob.strategies[n].strategies[choice[n]] for n in prob.float8}
         running = [n for n, (k, n_out) in prob.float8.items() if runs_float8(chosen[n], (n_out, k), prob.mesh.axis_sizes)]
