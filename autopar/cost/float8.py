@@ -214,7 +214,8 @@ def amax_collectives(node, strategy, metas, out_meta, recipe: str = "tensorwise"
     return [Collective(ALL_REDUCE, a, count * t[0].itemsize, phase, node.name, node.name + what)
             for t, axes, count, phase, what in reductions for a in axes]
 
-AMAX_GATHER_ITEMSIZE = 4   # a layer's weight amaxes, all-reduced together in float32 (runtime/reduction/layer_groups.py)
+# a layer's weight amaxes, all-reduced together in float32 (runtime/reduction/layer_groups.py)
+AMAX_GATHER_ITEMSIZE = 4
 
 
 def float8_gathered_params(cap: Captured, linears, config: Float8 | None) -> frozenset:

@@ -390,7 +390,8 @@ def _op_collectives(prob, choice, rerun: set, symbolic: bool, passed: set = froz
             colls += own + ([replace(c, phase="recompute") for c in own if c.phase == "forward"] if again else [])
     if prob.float8:   # linears reading one activation share its scale (cost/float8.shared_input_scales)
         chosen = {n: prob.strategies[n].strategies[choice[n]] for n in prob.float8}
-        running = [n for n, (k, n_out) in prob.float8.items() if runs_float8(chosen[n], (n_out, k), prob.mesh.axis_sizes)]
+        running = [n for n, (k, n_out) in prob.float8.items()
+                   if runs_float8(chosen[n], (n_out, k), prob.mesh.axis_sizes)]
         colls = shared_scale_amaxes(colls, shared_input_scales(prob.cap, running, chosen))
     return colls
 

@@ -165,7 +165,8 @@ def edge_signature(prob: Problem, e: Edge) -> int:
     meta = first_meta(prob.cap.info[e.producer].meta)
     # (the example's sizes, not the symbolic shape: the search prices at the example's sizes, and ints hash fast)
     described = (meta.hint, meta.dtype, prob.cap.info[e.producer].kind == PARAM, e.producer in prob.grad_nodes,
-                 edge_regathers(prob, e), reduce_itemsize(prob.param_bytes, e.producer), prob.gather_itemsize(e.producer))
+                 edge_regathers(prob, e), reduce_itemsize(prob.param_bytes, e.producer),
+                 prob.gather_itemsize(e.producer))
     sig = prob.edge_signatures[key] = prob.signature_ids.setdefault(described, len(prob.signature_ids))
     return sig
 

@@ -75,7 +75,8 @@ def input_scale(x: torch.Tensor, recipe: str, splits: tuple, comm: Comm, phase: 
 
 class Float8InputScale(torch.nn.Module):
     """The forward scale of an activation several float8 linears read in one layout (the query, key and value
-    projections of one input): made once, its amax all-reduced once, and handed to each (Lowering.float8_shared_scales)."""
+    projections of one input): made once, its amax all-reduced once, and handed to each
+    (Lowering.float8_shared_scales)."""
 
     def __init__(self, recipe: str, splits: tuple, comm: Comm, label: str):
         super().__init__()

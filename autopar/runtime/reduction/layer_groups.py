@@ -94,10 +94,10 @@ class LayerGroup:
 
     # ------------------------------------------------------------ gathers
     def gathered(self, i: int, phase: str):
-        """Member i's whole weight (a member gathered in float8: its float8 bits and their scale): from the layer's last gather (or the one launched ahead of it), or a
-        new gather of the whole layer; a new gather launches the next layer's (in backward and in a
-        recompute: the previous one's, where this backward gathers it again) ahead of its use, as FSDP2
-        prefetches."""
+        """Member i's whole weight (of a member gathered in float8: its float8 bits and their scale): from the
+        layer's last gather (or the one launched ahead of it), or a new gather of the whole layer; a new gather
+        launches the next layer's (in backward and in a recompute: the previous one's, where this backward
+        gathers it again) ahead of its use, as FSDP2 prefetches."""
         if i in self._served:
             return self._served.pop(i)
         if self._prefetched is not None:
