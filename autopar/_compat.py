@@ -17,7 +17,8 @@ autopar may import those modules directly.
 - register_ordered_effect: a custom op whose calls torch.compile must keep, each one, in order.
 - functional_collectives: torch's functional collectives (a result tensor instead of a work handle),
   which torch.compile can trace, reorder and bucket; the reduction engine's other launcher.
-- scaled_mm: torch._scaled_mm, the float8 matmul (runtime/lowering/float8.py); torchao calls it too.
+- scaled_mm, scaled_mm_op: torch._scaled_mm, the float8 matmul (runtime/lowering/float8.py; torchao calls it
+  too), and its aten overload (per-op checkpointing caches it: runtime/lowering/per_op.py).
 - generator_swap_lock: the lock under which torch.compile saves and restores the default generators,
   which runtime/rng.py's stream swaps must not interleave with.
 """
@@ -338,6 +339,12 @@ def tensor_version(t: torch.Tensor) -> int:
     """A tensor's version counter (each in-place change bumps it): runtime/lowering/per_op.py checks that a
     result it cached in forward is unchanged when backward's rerun takes it."""
     return t._version
+
+
+def scaled_mm_op():
+    """The aten overload a float8 matmul dispatches to (torch._scaled_mm): per-op checkpointing counts and caches
+    it as it does aten.mm (runtime/lowering/per_op.py)."""
+    return torch.ops.aten._scaled_mm.default
 
 
 def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum: bool):

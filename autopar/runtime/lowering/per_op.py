@@ -30,12 +30,12 @@ from typing import NamedTuple
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..._compat import dispatch_mode_class, tensor_version
+from ..._compat import dispatch_mode_class, scaled_mm_op, tensor_version
 from ...errors import PlanError
 
 # (a float8 linear's forward runs one _scaled_mm where a linear runs one mm: runtime/lowering/float8.py; torchtitan's
 # per-op policy saves it too)
-_MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._scaled_mm.default)
+_MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, scaled_mm_op())
 # the fused kernels scaled_dot_product_attention runs as (on a CPU: _scaled_dot_product_flash_attention_for_cpu)
 _ATTENTION = tuple(getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
